@@ -1,0 +1,221 @@
+//! Requests and responses of the native HTTP API (`/v1/...`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::events::{Message, Source, ToolResult};
+use crate::process::{ExitStatus, PtySize, StdinMode};
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HealthResponse {
+    /// `"ok"`.
+    pub status: String,
+    /// The API version ([`crate::API_VERSION`]).
+    pub api_version: String,
+    /// The daemon's version.
+    pub daemon_version: String,
+    /// Configured provider names.
+    pub providers: Vec<String>,
+}
+
+/// `POST /v1/sessions`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionRequest {
+    /// A configured provider name; the configured default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Provider template (E2B template id, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Time to live of the sandbox without activity, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+    /// Environment variables of every command in the sandbox.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Free-form metadata, stored in the log header and the provider's metadata.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    /// Allow network access from the sandbox (local provider: off by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<bool>,
+}
+
+/// A session as the API reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    /// Session id.
+    pub id: String,
+    /// Provider name.
+    pub provider: String,
+    /// Sandbox id at the provider, when one is leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
+    /// `active`, `detached` (sandbox lost), or `closed`.
+    pub state: String,
+    /// Creation time, ms since the Unix epoch.
+    pub created_ms: i64,
+    /// Number of events in the log.
+    pub events: u64,
+    /// The parent session, if forked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session: Option<String>,
+    /// The isolation the sandbox enforces (`full`, `partial`, `none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<String>,
+    /// Metadata.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// `GET /v1/sessions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListSessionsResponse {
+    /// The sessions.
+    pub sessions: Vec<SessionInfo>,
+}
+
+/// One tool call of a batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallRequest {
+    /// Call id, unique in the session.
+    pub id: String,
+    /// Tool name.
+    pub name: String,
+    /// Arguments (a JSON object).
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+/// `POST /v1/sessions/{id}/tool-calls`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallsRequest {
+    /// The calls of one model reply, in model order.
+    pub calls: Vec<ToolCallRequest>,
+}
+
+/// Response of `POST /v1/sessions/{id}/tool-calls`: results in model order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallsResponse {
+    /// One result per call, in the order of the request.
+    pub results: Vec<ToolResult>,
+}
+
+/// `POST /v1/sessions/{id}/messages`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostMessageRequest {
+    /// `user` or `assistant`.
+    pub role: String,
+    /// Text.
+    pub content: String,
+}
+
+/// `GET /v1/sessions/{id}/messages`: the history derived from the log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessagesResponse {
+    /// Messages in log order.
+    pub messages: Vec<Message>,
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Inclusive boundary seq; the last event outside an open turn when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_seq: Option<u64>,
+}
+
+/// `POST /v1/sessions/{id}/processes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartProcessRequest {
+    /// A shell command line (exclusive with `argv`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    /// An argv vector (exclusive with `cmd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Environment changes (`null` removes).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, Option<String>>,
+    /// Standard input.
+    #[serde(default)]
+    pub stdin: StdinMode,
+    /// Total deadline, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Output-idle limit, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_ms: Option<u64>,
+    /// Run under a pty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// Client-chosen command id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_id: Option<String>,
+}
+
+/// Response of `POST /v1/sessions/{id}/processes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartProcessResponse {
+    /// The command id, to read output from and send input to.
+    pub command_id: String,
+    /// The pid inside the sandbox.
+    pub pid: u32,
+}
+
+/// `POST .../processes/{cid}/stdin`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdinRequest {
+    /// Bytes to write, base64.
+    #[serde(default, with = "crate::b64")]
+    pub data: Vec<u8>,
+    /// Close stdin after writing.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// `POST .../processes/{cid}/signal`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// Signal name (`TERM`, `KILL`, `INT`, `HUP`, ...) or `terminate` for TERM, grace, KILL.
+    pub signal: String,
+}
+
+/// `POST .../processes/{cid}/wait` response, and the summary of a finished command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WaitResponse {
+    /// The command id.
+    pub command_id: String,
+    /// How it ended.
+    pub status: ExitStatus,
+    /// Bytes of stdout (or pty output).
+    pub stdout_bytes: u64,
+    /// Bytes of stderr.
+    pub stderr_bytes: u64,
+    /// The clock that ended it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock: Option<String>,
+}
+
+/// An injected context to post as a user message with a non-user source.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContextMessage {
+    /// Source.
+    pub source: Source,
+    /// Text.
+    pub content: String,
+}

@@ -1,0 +1,319 @@
+//! Session-log events: the header line and the events of `events.jsonl`.
+//!
+//! Each line after the header is an [`Event`]: `{"seq","time","type","data"}` with a
+//! contiguous `seq` from 0 and `time` in milliseconds since the Unix epoch.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ErrorCode;
+use crate::process::{ExitStatus, ProcessSpec};
+
+/// The first line of `events.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionHeader {
+    /// Always `"session"`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Format version ([`crate::SESSION_LOG_VERSION`]).
+    pub version: u32,
+    /// Session id.
+    pub id: String,
+    /// Creation time, ms since the Unix epoch.
+    pub created_ms: i64,
+    /// The session this one was forked from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session: Option<String>,
+    /// Number of events copied from the parent (the seed), when forked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_length: Option<u64>,
+    /// The session's creation parameters.
+    #[serde(default)]
+    pub meta: Value,
+}
+
+/// One logged event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Position in the log, contiguous from 0.
+    pub seq: u64,
+    /// Append time, ms since the Unix epoch.
+    pub time: i64,
+    /// The typed body (`type` and `data` on the wire).
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+/// Where an injected context or message came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Source {
+    /// Typed by the user.
+    User,
+    /// Added by a pipeline plugin (guard).
+    Plugin {
+        /// The plugin's name, e.g. `repeat-tool-reminder`.
+        plugin: String,
+        /// A one-line summary, e.g. `bash × 3`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+    },
+    /// Added by the daemon itself.
+    System,
+}
+
+/// An advisory context attached to a tool result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdditionalContext {
+    /// Who added it.
+    pub source: Source,
+    /// The text.
+    pub content: String,
+}
+
+/// A structured tool error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolError {
+    /// The stable code.
+    pub code: ErrorCode,
+    /// A human sentence.
+    pub message: String,
+    /// Which clock fired, for timeouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock: Option<String>,
+    /// The limit that expired, in milliseconds, for timeouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// The result of one tool call, as returned to the caller and logged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The call this answers.
+    pub call_id: String,
+    /// Whether the call failed.
+    pub is_error: bool,
+    /// Model-visible text.
+    pub content: String,
+    /// The structured error, when `is_error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ToolError>,
+    /// Advisory contexts added by guards (model-visible, logged with the result).
+    #[serde(default)]
+    pub additional_contexts: Vec<AdditionalContext>,
+}
+
+/// How a turn ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnEndKind {
+    /// All calls of the turn have results.
+    Completed,
+    /// The daemon stopped (crash or shutdown) inside the turn; repaired on open.
+    Interrupted,
+    /// The caller cancelled the turn.
+    Cancelled,
+}
+
+/// Typed event bodies. `type` is the tag, `data` the content.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", content = "data")]
+pub enum EventBody {
+    /// A batch of tool calls (a model reply) begins.
+    #[serde(rename = "turn/start")]
+    TurnStart {
+        /// The turn number, from 0.
+        turn: u64,
+    },
+    /// A user message (model-visible).
+    #[serde(rename = "user/message")]
+    UserMessage {
+        /// Text.
+        content: String,
+        /// Where it came from.
+        #[serde(default = "user_source")]
+        source: Source,
+    },
+    /// An assistant message (model-visible).
+    #[serde(rename = "assistant/message")]
+    AssistantMessage {
+        /// Text.
+        content: String,
+    },
+    /// A tool call was accepted for dispatch.
+    #[serde(rename = "tool/call")]
+    ToolCall {
+        /// The call id.
+        call_id: String,
+        /// The tool name.
+        name: String,
+        /// The arguments as given.
+        arguments: Value,
+    },
+    /// A tool call's result (model-visible).
+    #[serde(rename = "tool/result")]
+    ToolResult {
+        /// The result.
+        #[serde(flatten)]
+        result: ToolResult,
+        /// `seq` of the `tool/call` it answers, when there is one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        call_seq: Option<u64>,
+    },
+    /// The turn ended.
+    #[serde(rename = "turn/end")]
+    TurnEnd {
+        /// The turn number.
+        turn: u64,
+        /// How it ended.
+        kind: TurnEndKind,
+    },
+    /// A sandbox was leased for the session.
+    #[serde(rename = "sandbox/leased")]
+    SandboxLeased {
+        /// Provider name.
+        provider: String,
+        /// Sandbox id at the provider.
+        sandbox_id: String,
+    },
+    /// The session's sandbox was released.
+    #[serde(rename = "sandbox/released")]
+    SandboxReleased {
+        /// Sandbox id.
+        sandbox_id: String,
+        /// Why (`session_closed`, `expired`, `shutdown`, ...).
+        reason: String,
+    },
+    /// A command started; its output is journaled in `output/<command_id>`.
+    #[serde(rename = "process/started")]
+    ProcessStarted {
+        /// Command id.
+        command_id: String,
+        /// Pid in the sandbox.
+        pid: u32,
+        /// The spec it was started with.
+        spec: ProcessSpec,
+    },
+    /// A command ended.
+    #[serde(rename = "process/exited")]
+    ProcessExited {
+        /// Command id.
+        command_id: String,
+        /// How it ended.
+        status: ExitStatus,
+        /// Bytes of stdout (or pty output) journaled.
+        stdout_bytes: u64,
+        /// Bytes of stderr journaled.
+        stderr_bytes: u64,
+        /// The clock that ended it, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        clock: Option<String>,
+    },
+    /// A file operation done through an API other than a tool (E2B front, native files API).
+    #[serde(rename = "fs/op")]
+    FsOp {
+        /// Operation (`write`, `remove`, `rename`, `mkdir`).
+        op: String,
+        /// The sandbox path.
+        path: String,
+        /// Outcome: `ok` or an error code.
+        outcome: String,
+        /// Bytes moved, where it applies.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bytes: Option<u64>,
+    },
+    /// Marks the end of a forked session's seed (copied prefix).
+    #[serde(rename = "session/end-seed")]
+    EndSeed {
+        /// The parent session.
+        parent_session: String,
+        /// Last seq copied from the parent.
+        boundary_seq: u64,
+    },
+    /// The session was closed.
+    #[serde(rename = "session/closed")]
+    SessionClosed {
+        /// Why.
+        reason: String,
+    },
+}
+
+fn user_source() -> Source {
+    Source::User
+}
+
+/// A message of the derived model history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    /// A user message (prompts and injected contexts).
+    User {
+        /// Text.
+        content: String,
+        /// Where it came from.
+        source: Source,
+    },
+    /// An assistant message.
+    Assistant {
+        /// Text.
+        content: String,
+    },
+    /// A tool result.
+    Tool {
+        /// The result.
+        #[serde(flatten)]
+        result: ToolResult,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_wire_shape() {
+        let e = Event {
+            seq: 3,
+            time: 1_700_000_000_000,
+            body: EventBody::ToolCall {
+                call_id: "c1".into(),
+                name: "bash".into(),
+                arguments: serde_json::json!({"command": "ls"}),
+            },
+        };
+        let j = serde_json::to_string(&e).unwrap();
+        assert_eq!(
+            j,
+            r#"{"seq":3,"time":1700000000000,"type":"tool/call","data":{"call_id":"c1","name":"bash","arguments":{"command":"ls"}}}"#
+        );
+        assert_eq!(serde_json::from_str::<Event>(&j).unwrap(), e);
+    }
+
+    #[test]
+    fn tool_result_event_round_trips() {
+        let e = Event {
+            seq: 4,
+            time: 1,
+            body: EventBody::ToolResult {
+                result: ToolResult {
+                    call_id: "c1".into(),
+                    is_error: true,
+                    content: "Error: tool call timed out after 100ms".into(),
+                    error: Some(ToolError {
+                        code: ErrorCode::ToolTimeout,
+                        message: "tool call timed out after 100ms".into(),
+                        clock: Some("tool".into()),
+                        timeout_ms: Some(100),
+                    }),
+                    additional_contexts: vec![AdditionalContext {
+                        source: Source::Plugin { plugin: "repeat-tool-reminder".into(), summary: None },
+                        content: "x".into(),
+                    }],
+                },
+                call_seq: Some(3),
+            },
+        };
+        let j = serde_json::to_string(&e).unwrap();
+        assert_eq!(serde_json::from_str::<Event>(&j).unwrap(), e);
+    }
+}

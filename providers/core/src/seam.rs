@@ -1,0 +1,337 @@
+//! The capability traits every provider implements.
+//!
+//! The traits are object-safe (`#[async_trait]`): the daemon keeps providers, sandboxes
+//! and command handles as trait objects chosen at run time from its config, and a
+//! provider call is a remote (or at least a process-level) operation, so one boxed
+//! future per call costs nothing measurable next to it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::stream::BoxStream;
+use serde::{Deserialize, Serialize};
+use tether_protocol::fs::{ByteRange, DirEntry, FileStat, FsEvent, WriteGuard, WriteOutcome};
+use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize};
+
+use crate::ctx::CallCtx;
+use crate::error::{ProviderError, Result};
+
+/// A stream of bytes (file contents).
+pub type ByteStream = BoxStream<'static, Result<Bytes>>;
+
+/// A stream of a command's events.
+pub type EventStream = BoxStream<'static, Result<ProcessEvent>>;
+
+/// How much isolation a sandbox actually enforces. Reported honestly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    /// Nothing is confined.
+    None,
+    /// Some of the promised confinement is missing (e.g. an older Landlock ABI).
+    Partial,
+    /// Everything promised is enforced (a VM, or namespaces plus Landlock).
+    Full,
+}
+
+impl Enforcement {
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Partial => "partial",
+            Self::Full => "full",
+        }
+    }
+}
+
+/// What a new sandbox should be.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxSpec {
+    /// Template (image) id, where the provider has templates.
+    pub template: Option<String>,
+    /// Time to live without renewal.
+    pub ttl: Option<Duration>,
+    /// Environment of every command.
+    pub env: BTreeMap<String, String>,
+    /// Metadata stored with the sandbox at the provider (tether stamps its session id here).
+    pub metadata: BTreeMap<String, String>,
+    /// Allow network access from inside.
+    pub network: bool,
+}
+
+/// What a sandbox is, as the provider reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    /// The provider's id of the sandbox.
+    pub id: String,
+    /// The provider kind (`local`, `e2b`, `ssh`).
+    pub provider: String,
+    /// The template, if any.
+    pub template: Option<String>,
+    /// The workspace directory as sandbox paths see it (`/home/user`).
+    pub workspace: String,
+    /// What the sandbox enforces.
+    pub enforcement: Enforcement,
+    /// Creation time, ms since the Unix epoch.
+    pub created_ms: i64,
+    /// When it expires unless renewed, ms since the Unix epoch.
+    pub expires_ms: Option<i64>,
+    /// Metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Whether network access is allowed.
+    pub network: bool,
+}
+
+/// Optional capabilities of a provider.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// `pause` / `resume`.
+    pub pause: bool,
+    /// `Fs::watch`.
+    pub watch: bool,
+    /// Commands under a pty.
+    pub pty: bool,
+    /// `Process::attach` after a broken stream.
+    pub reattach: bool,
+    /// `renew` (TTL extension).
+    pub renew: bool,
+}
+
+/// A signal to deliver to a command's process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Signal {
+    /// SIGTERM.
+    Term,
+    /// SIGKILL.
+    Kill,
+    /// SIGINT.
+    Int,
+    /// SIGHUP.
+    Hup,
+    /// SIGQUIT.
+    Quit,
+    /// SIGUSR1.
+    Usr1,
+    /// SIGUSR2.
+    Usr2,
+    /// SIGSTOP.
+    Stop,
+    /// SIGCONT.
+    Cont,
+}
+
+impl Signal {
+    /// Parse `TERM`, `SIGTERM`, `term`, or a number.
+    pub fn parse(s: &str) -> Option<Self> {
+        let up = s.trim().to_ascii_uppercase();
+        let name = up.strip_prefix("SIG").unwrap_or(&up);
+        Some(match name {
+            "TERM" | "15" => Self::Term,
+            "KILL" | "9" => Self::Kill,
+            "INT" | "2" => Self::Int,
+            "HUP" | "1" => Self::Hup,
+            "QUIT" | "3" => Self::Quit,
+            "USR1" | "10" => Self::Usr1,
+            "USR2" | "12" => Self::Usr2,
+            "STOP" | "19" => Self::Stop,
+            "CONT" | "18" => Self::Cont,
+            _ => return None,
+        })
+    }
+
+    /// The Linux signal number.
+    pub fn number(self) -> i32 {
+        match self {
+            Self::Hup => 1,
+            Self::Int => 2,
+            Self::Quit => 3,
+            Self::Kill => 9,
+            Self::Usr1 => 10,
+            Self::Usr2 => 12,
+            Self::Term => 15,
+            Self::Cont => 18,
+            Self::Stop => 19,
+        }
+    }
+}
+
+/// What `terminate()` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminateReport {
+    /// SIGTERM was sent (false when the group was already gone).
+    pub term_sent: bool,
+    /// The grace period ran out and SIGKILL was sent.
+    pub killed: bool,
+    /// Processes of the group still present after verification (0 unless the kill failed).
+    pub survivors: u32,
+}
+
+/// How to find a command again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessSelector {
+    /// By the client command id (tag).
+    CommandId(String),
+    /// By pid.
+    Pid(u32),
+}
+
+/// Per-stream offsets to resume output from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOffsets {
+    /// Offset into stdout (or the pty stream).
+    pub stdout: u64,
+    /// Offset into stderr.
+    pub stderr: u64,
+}
+
+/// A sandbox backend.
+#[async_trait]
+pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
+    /// The provider kind (`local`, `e2b`, `ssh`).
+    fn kind(&self) -> &'static str;
+
+    /// Optional capabilities.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Check that the backend is reachable and usable. Run at daemon start.
+    async fn healthcheck(&self, ctx: &CallCtx) -> Result<()>;
+
+    /// Create a sandbox.
+    async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>>;
+
+    /// Connect to an existing sandbox by id (after a daemon restart, say).
+    async fn connect(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>>;
+
+    /// List the sandboxes this provider can see.
+    async fn list(&self, ctx: &CallCtx) -> Result<Vec<SandboxInfo>>;
+
+    /// Destroy a sandbox and everything running in it. Destroying a sandbox that is
+    /// already gone succeeds.
+    async fn destroy(&self, ctx: &CallCtx, id: &str) -> Result<()>;
+
+    /// Extend a sandbox's time to live.
+    async fn renew(&self, ctx: &CallCtx, id: &str, ttl: Duration) -> Result<()> {
+        let _ = (ctx, id, ttl);
+        Err(ProviderError::Unsupported { op: "renew" })
+    }
+
+    /// Pause a sandbox (keep its state, stop its processes' clock).
+    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        let _ = (ctx, id);
+        Err(ProviderError::Unsupported { op: "pause" })
+    }
+
+    /// Resume a paused sandbox.
+    async fn resume(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        let _ = (ctx, id);
+        Err(ProviderError::Unsupported { op: "resume" })
+    }
+}
+
+/// One live sandbox.
+pub trait Sandbox: Send + Sync + std::fmt::Debug {
+    /// What it is.
+    fn info(&self) -> SandboxInfo;
+    /// Its file system.
+    fn fs(&self) -> &dyn Fs;
+    /// Its processes.
+    fn process(&self) -> &dyn Process;
+}
+
+/// File operations on sandbox paths. Relative paths resolve against the workspace; no
+/// path may reach outside the sandbox's view (`FS_PERMISSION_DENIED` or
+/// `INVALID_REQUEST`, never a read of the host).
+#[async_trait]
+pub trait Fs: Send + Sync {
+    /// Metadata of a path (symlinks are not followed).
+    async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat>;
+
+    /// Stream a file's bytes in `range`.
+    async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream>;
+
+    /// Write a file atomically (readers see the old or the new content, never a mix),
+    /// creating parent directories; `guard` is checked at publication.
+    async fn write(&self, ctx: &CallCtx, path: &str, data: ByteStream, guard: WriteGuard) -> Result<WriteOutcome>;
+
+    /// List a directory to `depth` levels (1 = direct children), sorted by path.
+    async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>>;
+
+    /// Create a directory (with parents when `parents`). `FS_ALREADY_EXISTS` if it exists.
+    async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat>;
+
+    /// Rename (move) a path, replacing a file at the destination.
+    async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat>;
+
+    /// Remove a file, or a directory (recursively when `recursive`).
+    async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()>;
+
+    /// Watch a directory for changes.
+    async fn watch(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<BoxStream<'static, Result<FsEvent>>> {
+        let _ = (ctx, path, recursive);
+        Err(ProviderError::Unsupported { op: "watch" })
+    }
+}
+
+/// Starting and finding commands. Every command runs in its own process group (session)
+/// so that a kill reaches all of its descendants.
+#[async_trait]
+pub trait Process: Send + Sync {
+    /// Start a command. The command is owned by the sandbox, not by `ctx`: cancelling
+    /// `ctx` aborts only the start itself.
+    async fn spawn(&self, ctx: &CallCtx, spec: ProcessSpec) -> Result<Arc<dyn ProcessHandle>>;
+
+    /// Find a running or finished command again.
+    async fn attach(&self, ctx: &CallCtx, which: ProcessSelector) -> Result<Arc<dyn ProcessHandle>> {
+        let _ = (ctx, which);
+        Err(ProviderError::Unsupported { op: "attach" })
+    }
+
+    /// The sandbox's commands (running, and finished ones still remembered).
+    async fn list(&self, ctx: &CallCtx) -> Result<Vec<ProcessInfo>>;
+}
+
+/// A started command.
+#[async_trait]
+pub trait ProcessHandle: Send + Sync + std::fmt::Debug {
+    /// The command id (client-chosen or generated).
+    fn command_id(&self) -> &str;
+
+    /// The pid (process-group leader) inside the sandbox.
+    fn pid(&self) -> u32;
+
+    /// An independent reader of the command's events from `from`: the output chunks at or
+    /// after those offsets (already produced ones first), then `Exited`. The stream ends
+    /// after `Exited`. Several readers may exist at once.
+    fn events(&self, from: StreamOffsets) -> EventStream;
+
+    /// Write to stdin (spec `stdin: pipe`).
+    async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()>;
+
+    /// Close stdin.
+    async fn close_stdin(&self, ctx: &CallCtx) -> Result<()>;
+
+    /// Send a signal to the whole process group.
+    async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()>;
+
+    /// Resize the pty.
+    async fn resize(&self, ctx: &CallCtx, size: PtySize) -> Result<()> {
+        let _ = (ctx, size);
+        Err(ProviderError::Unsupported { op: "resize" })
+    }
+
+    /// SIGTERM to the group, wait the grace period, SIGKILL, then verify that nothing of
+    /// the group is left. Idempotent.
+    async fn terminate(&self, ctx: &CallCtx) -> Result<TerminateReport>;
+
+    /// Wait for the command (its whole group) to end.
+    async fn wait(&self, ctx: &CallCtx) -> Result<ExitStatus>;
+
+    /// The exit status if it has ended.
+    fn try_status(&self) -> Option<ExitStatus>;
+}

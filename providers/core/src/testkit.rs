@@ -1,0 +1,1 @@
+//! The conformance suite every provider runs against itself.

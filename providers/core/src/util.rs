@@ -1,0 +1,37 @@
+//! Helpers shared by provider implementations and their callers.
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use tether_protocol::ErrorCode;
+
+use crate::ctx::CallCtx;
+use crate::error::{ProviderError, Result};
+use crate::seam::ByteStream;
+
+/// A byte stream of one buffer.
+pub fn once_bytes(data: impl Into<Bytes>) -> ByteStream {
+    let data = data.into();
+    futures_util::stream::once(async move { Ok(data) }).boxed()
+}
+
+/// Collect a byte stream, refusing more than `max` bytes with `FS_TOO_LARGE`.
+pub async fn collect(ctx: &CallCtx, path: &str, mut stream: ByteStream, max: u64) -> Result<Bytes> {
+    let mut buf = BytesMut::new();
+    loop {
+        let next = ctx.run(async { Ok(stream.next().await) }).await?;
+        match next {
+            None => return Ok(buf.freeze()),
+            Some(chunk) => {
+                let chunk = chunk?;
+                if buf.len() as u64 + chunk.len() as u64 > max {
+                    return Err(ProviderError::fs(
+                        ErrorCode::FsTooLarge,
+                        path,
+                        format!("file is larger than the {max}-byte limit"),
+                    ));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+    }
+}
