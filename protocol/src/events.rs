@@ -124,6 +124,11 @@ pub enum EventBody {
     TurnStart {
         /// The turn number, from 0.
         turn: u64,
+        /// The ids of the batch's calls, in model order, announced before any is dispatched.
+        /// Crash repair answers a listed id that has no `tool/call` with `TOOL_NOT_STARTED`
+        /// (never dispatched) rather than `TOOL_OUTCOME_UNKNOWN`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        call_ids: Vec<String>,
     },
     /// A user message (model-visible).
     #[serde(rename = "user/message")]

@@ -1,0 +1,713 @@
+//! The crash-safe session log: one directory per session under `<state_dir>/sessions/<id>/`.
+//!
+//! `events.jsonl` holds the header line (`{"type":"session","version":1,...}`) and then one
+//! event per line (`{"seq","time","type","data"}`, seq contiguous from 0). `output/` holds
+//! the command output journals ([`OutputJournal`]), raw bytes referenced by offset.
+//!
+//! A [`SessionLog`] is the one live writer of a session (an exclusive `flock` on the events
+//! file enforces it across processes). Appends are group-committed by a writer task (see
+//! `writer.rs`): an append returns only once its events are durable, and readers (the
+//! in-memory copy, [`SessionLog::follow`]) only ever see durable events. The model history
+//! is derived from the log ([`SessionLog::derive_messages`]); nothing model-visible exists
+//! outside it. Opening a log after a crash repairs it ([`SessionLog::open`]): a torn last
+//! line is truncated, unanswered calls get `TOOL_NOT_STARTED` / `TOOL_OUTCOME_UNKNOWN`
+//! results, and an open turn is closed as interrupted; corruption anywhere else is refused.
+//! The session module's runtime invariants (`crate::invariants`) run on open and on every
+//! batch.
+
+mod derive;
+mod fork;
+mod index;
+mod journal;
+mod repair;
+mod store;
+mod writer;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use tether_protocol::events::{Event, EventBody, Message, SessionHeader};
+use tether_protocol::{ErrorCode, SESSION_LOG_VERSION};
+use tether_provider::Origin;
+use tokio::sync::{Mutex, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+pub use derive::{derive, project};
+pub use journal::OutputJournal;
+pub use repair::{
+    NOT_STARTED_MESSAGE, OUTCOME_UNKNOWN_MESSAGE, not_started_result, outcome_unknown_result,
+};
+pub use store::{EVENTS_FILE, OUTPUT_DIR, SESSIONS_DIR, session_dir, sessions_dir, validate_id};
+
+use crate::invariants::{Invariants, Violation};
+use index::{Index, OpenTurn};
+use store::LockedFile;
+use writer::{Command, Stats, Writer};
+
+const MODULE: &str = "session";
+
+/// Default of [`LogConfig::max_batch`].
+pub const DEFAULT_MAX_BATCH: usize = 1024;
+
+/// How a session log writes.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// `fdatasync` every batch before acknowledging it. Default: true. Off only for
+    /// measurements and throwaway sessions: an acknowledged event may then be lost.
+    pub fsync: bool,
+    /// The most events one batch (one write, one sync) takes. Default: 1024.
+    pub max_batch: usize,
+    /// The runtime invariants to run (the `session` module's checks).
+    pub invariants: Invariants,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            fsync: true,
+            max_batch: DEFAULT_MAX_BATCH,
+            invariants: Invariants::default(),
+        }
+    }
+}
+
+/// An error of the session log.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// A file operation failed.
+    #[error("session log: {op} {} failed", path.display())]
+    Io {
+        /// The operation.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No log at that place.
+    #[error("no session log at {}", path.display())]
+    NotFound {
+        /// The events file looked for.
+        path: PathBuf,
+    },
+    /// The log is corrupt before its last line (a torn last line is repaired, not this).
+    #[error("session log {} is corrupt at line {line}: {reason}", path.display())]
+    Corrupt {
+        /// The events file.
+        path: PathBuf,
+        /// The 1-based line number (the header is line 1).
+        line: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The request conflicts with the log's state (a fork boundary inside an open turn, a
+    /// session that already exists, a second writer).
+    #[error("{reason}")]
+    Conflict {
+        /// What conflicts.
+        reason: String,
+    },
+    /// The request is malformed (a bad id, a boundary beyond the end, a journal gap).
+    #[error("{reason}")]
+    InvalidRequest {
+        /// What is wrong.
+        reason: String,
+    },
+    /// The log was closed; it takes no more appends.
+    #[error("the session log is closed")]
+    Closed,
+    /// A runtime invariant of the session module was violated; nothing was written.
+    #[error("{violation}")]
+    Invariant {
+        /// The violated check.
+        violation: Violation,
+    },
+}
+
+// === impl LogError ===
+
+impl LogError {
+    /// The stable code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Io { .. } => ErrorCode::Internal,
+            Self::NotFound { .. } => ErrorCode::SessionNotFound,
+            Self::Corrupt { .. } => ErrorCode::Internal,
+            Self::Conflict { .. } => ErrorCode::Conflict,
+            Self::InvalidRequest { .. } => ErrorCode::InvalidRequest,
+            Self::Closed => ErrorCode::SessionNotFound,
+            Self::Invariant { .. } => ErrorCode::Invariant,
+        }
+    }
+
+    /// Who is at the origin of the error.
+    pub fn origin(&self) -> Origin {
+        match self {
+            Self::Io { .. } | Self::Corrupt { .. } | Self::Closed | Self::Invariant { .. } => {
+                Origin::Daemon
+            }
+            Self::NotFound { .. } | Self::Conflict { .. } | Self::InvalidRequest { .. } => {
+                Origin::Client
+            }
+        }
+    }
+
+    /// Whether the same request may succeed later. A log error never does by itself.
+    pub fn retryable(&self) -> bool {
+        false
+    }
+
+    /// A copy for each appender of a batch that failed as a whole (`io::Error` is not
+    /// `Clone`; its kind and text are kept).
+    pub(crate) fn replicate(&self) -> Self {
+        match self {
+            Self::Io { op, path, source } => Self::Io {
+                op,
+                path: path.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+            Self::NotFound { path } => Self::NotFound { path: path.clone() },
+            Self::Corrupt { path, line, reason } => Self::Corrupt {
+                path: path.clone(),
+                line: *line,
+                reason: reason.clone(),
+            },
+            Self::Conflict { reason } => Self::Conflict {
+                reason: reason.clone(),
+            },
+            Self::InvalidRequest { reason } => Self::InvalidRequest {
+                reason: reason.clone(),
+            },
+            Self::Closed => Self::Closed,
+            Self::Invariant { violation } => Self::Invariant {
+                violation: violation.clone(),
+            },
+        }
+    }
+}
+
+impl From<Violation> for LogError {
+    fn from(violation: Violation) -> Self {
+        Self::Invariant { violation }
+    }
+}
+
+/// What [`SessionLog::open`] repaired.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RepairReport {
+    /// Bytes of a torn last line that were truncated.
+    pub truncated_bytes: u64,
+    /// Call ids answered with `TOOL_NOT_STARTED` (announced, never dispatched).
+    pub not_started: Vec<String>,
+    /// Call ids answered with `TOOL_OUTCOME_UNKNOWN` (dispatched, no result logged).
+    pub outcome_unknown: Vec<String>,
+    /// Whether an open turn was closed with `turn/end {kind: interrupted}`.
+    pub turn_closed: bool,
+}
+
+impl RepairReport {
+    /// Whether anything was repaired.
+    pub fn changed(&self) -> bool {
+        self.truncated_bytes > 0
+            || !self.not_started.is_empty()
+            || !self.outcome_unknown.is_empty()
+            || self.turn_closed
+    }
+}
+
+/// Counters of a log's writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogStats {
+    /// Batches written (each one write and, with `fsync`, one `fdatasync`).
+    pub batches: u64,
+    /// `fdatasync` calls made for batches.
+    pub fdatasyncs: u64,
+    /// Events durable in the file (the next seq).
+    pub durable_events: u64,
+}
+
+/// What readers see: durable events only.
+#[derive(Debug, Default)]
+pub(crate) struct LogState {
+    pub events: Vec<Event>,
+    pub messages: Vec<Message>,
+    pub open_turn: Option<OpenTurn>,
+    pub closed: bool,
+}
+
+/// The one live writer of a session's log. See the module documentation.
+pub struct SessionLog {
+    dir: PathBuf,
+    header: SessionHeader,
+    cfg: LogConfig,
+    tx: mpsc::Sender<Command>,
+    state: watch::Sender<LogState>,
+    stats: Arc<Stats>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    journals: Mutex<HashMap<String, Arc<OutputJournal>>>,
+}
+
+impl std::fmt::Debug for SessionLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionLog")
+            .field("dir", &self.dir)
+            .field("id", &self.header.id)
+            .field("next_seq", &self.next_seq())
+            .finish()
+    }
+}
+
+// === impl SessionLog ===
+
+impl SessionLog {
+    /// Create the log of a new session in `dir` (created if needed). Refused with
+    /// `Conflict` if `dir` already holds a log.
+    pub async fn create(
+        dir: &Path,
+        header: SessionHeader,
+        cfg: LogConfig,
+    ) -> Result<Arc<Self>, LogError> {
+        if header.kind != "session" || header.version != SESSION_LOG_VERSION {
+            return Err(LogError::InvalidRequest {
+                reason: format!(
+                    "a session header has type \"session\" and version {SESSION_LOG_VERSION}"
+                ),
+            });
+        }
+        validate_id("session id", &header.id)?;
+        let (d, h) = (dir.to_owned(), header.clone());
+        let (file, len) = blocking(move || store::publish_new(&d, &h, &[])).await?;
+        Ok(Self::start(
+            dir.to_owned(),
+            header,
+            file,
+            len,
+            Index::default(),
+            Vec::new(),
+            cfg,
+        ))
+    }
+
+    /// A new session header for `id`, created now.
+    pub fn new_header(id: &str, meta: serde_json::Value) -> SessionHeader {
+        SessionHeader {
+            kind: "session".into(),
+            version: SESSION_LOG_VERSION,
+            id: id.to_owned(),
+            created_ms: now_ms(),
+            parent_session: None,
+            seed_length: None,
+            meta,
+        }
+    }
+
+    /// Open an existing log, repairing a crash: truncate a torn last line (and sync the
+    /// truncation); answer every `tool/call` without a `tool/result` with
+    /// `TOOL_OUTCOME_UNKNOWN` and every call id announced by the open turn but never
+    /// dispatched with `TOOL_NOT_STARTED`; close an open turn with
+    /// `turn/end {kind: interrupted}`. Corruption before the last line is refused with
+    /// `Corrupt`, a violated invariant with `Invariant`, a log held by another writer with
+    /// `Conflict`.
+    pub async fn open(dir: &Path, cfg: LogConfig) -> Result<(Arc<Self>, RepairReport), LogError> {
+        let path = dir.join(EVENTS_FILE);
+        let d = dir.to_owned();
+        let (file, bytes) = blocking(move || store::open_existing(&d)).await?;
+        let parsed = store::parse(&bytes, &path).inspect_err(|e| {
+            // Never dropped silently: the operator must look at this file.
+            tracing::error!(path = %path.display(), error = %e, "Refusing to open a corrupt session log");
+        })?;
+        let mut report = RepairReport {
+            truncated_bytes: bytes.len() as u64 - parsed.valid_len,
+            ..Default::default()
+        };
+        drop(bytes);
+        let file = if report.truncated_bytes > 0 {
+            tracing::warn!(
+                session.id = %parsed.header.id,
+                bytes = report.truncated_bytes,
+                "Truncating the torn last line of a session log"
+            );
+            let (len, p) = (parsed.valid_len, path.clone());
+            blocking(move || {
+                file.set_len(len)
+                    .and_then(|()| file.sync_data())
+                    .map_err(store::io("truncate", &p))?;
+                Ok(file)
+            })
+            .await?
+        } else {
+            file
+        };
+        let mut index = Index::default();
+        for e in &parsed.events {
+            let mut undo = index.begin();
+            index.apply(e.seq, &e.body, &cfg.invariants, &mut undo)?;
+        }
+        let closers = repair::closers(&index);
+        let log = Self::start(
+            dir.to_owned(),
+            parsed.header,
+            file,
+            parsed.valid_len,
+            index,
+            parsed.events,
+            cfg,
+        );
+        let repaired = async {
+            if !closers.bodies.is_empty() {
+                tracing::warn!(
+                    session.id = %log.header.id,
+                    not_started = closers.not_started.len(),
+                    outcome_unknown = closers.outcome_unknown.len(),
+                    turn_closed = closers.turn_closed,
+                    "Repairing an interrupted session log"
+                );
+                log.append_all(closers.bodies).await?;
+            }
+            log.verify().await
+        };
+        if let Err(e) = repaired.await {
+            log.close().await;
+            return Err(e);
+        }
+        report.not_started = closers.not_started;
+        report.outcome_unknown = closers.outcome_unknown;
+        report.turn_closed = closers.turn_closed;
+        Ok((log, report))
+    }
+
+    fn start(
+        dir: PathBuf,
+        header: SessionHeader,
+        file: LockedFile,
+        len: u64,
+        index: Index,
+        events: Vec<Event>,
+        cfg: LogConfig,
+    ) -> Arc<Self> {
+        let stats = Arc::new(Stats::default());
+        stats
+            .durable_events
+            .store(events.len() as u64, Ordering::Release);
+        let messages = derive(&events);
+        let state = watch::Sender::new(LogState {
+            events,
+            messages,
+            open_turn: index.open_turn(),
+            closed: false,
+        });
+        let (tx, rx) = mpsc::channel(cfg.max_batch.clamp(1, 1 << 16));
+        let writer = Writer {
+            file: Arc::new(file),
+            path: dir.join(EVENTS_FILE),
+            len,
+            index,
+            state: state.clone(),
+            stats: stats.clone(),
+            cfg: cfg.clone(),
+        };
+        let span = tracing::info_span!("session.writer", session.id = %header.id);
+        let handle = tokio::spawn(writer.run(rx).instrument(span));
+        Arc::new(Self {
+            dir,
+            header,
+            cfg,
+            tx,
+            state,
+            stats,
+            writer: Mutex::new(Some(handle)),
+            journals: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Append one event; durable on return.
+    pub async fn append(&self, body: EventBody) -> Result<Event, LogError> {
+        let mut events = self.append_all(vec![body]).await?;
+        events.pop().ok_or(LogError::Closed)
+    }
+
+    /// Append several events with contiguous seqs and one durability point. The group is
+    /// all-or-nothing: an invariant violation by any of them refuses all of them.
+    pub async fn append_all(&self, bodies: Vec<EventBody>) -> Result<Vec<Event>, LogError> {
+        if bodies.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (ack, acked) = oneshot::channel();
+        self.tx
+            .send(Command::Append { bodies, ack })
+            .await
+            .map_err(|_| LogError::Closed)?;
+        acked.await.map_err(|_| LogError::Closed)?
+    }
+
+    /// The header line.
+    pub fn header(&self) -> &SessionHeader {
+        &self.header
+    }
+
+    /// The session directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The seq the next durable event will have (the number of durable events).
+    pub fn next_seq(&self) -> u64 {
+        self.state.borrow().events.len() as u64
+    }
+
+    /// Durable events with seq > `after` (all when `None`).
+    pub fn events_after(&self, after: Option<u64>) -> Vec<Event> {
+        let state = self.state.borrow();
+        let start = after
+            .map_or(0, |a| a.saturating_add(1))
+            .min(state.events.len() as u64) as usize;
+        state.events[start..].to_vec()
+    }
+
+    /// Live follow: the durable events with seq > `after`, then each new one as it becomes
+    /// durable; the stream ends when the log is closed.
+    pub fn follow(&self, after: Option<u64>) -> BoxStream<'static, Event> {
+        let cursor = after.map_or(0, |a| a.saturating_add(1));
+        let follower = Follower {
+            rx: self.state.subscribe(),
+            cursor,
+            buf: VecDeque::new(),
+        };
+        futures_util::stream::unfold(follower, Follower::next).boxed()
+    }
+
+    /// The model history derived from the log (`user/message`, `assistant/message`,
+    /// `tool/result`).
+    pub fn derive_messages(&self) -> Vec<Message> {
+        self.state.borrow().messages.clone()
+    }
+
+    /// The number of the open turn (a `turn/start` without `turn/end`), if any.
+    pub fn open_turn(&self) -> Option<u64> {
+        self.state.borrow().open_turn.map(|t| t.turn)
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> LogStats {
+        LogStats {
+            batches: self.stats.batches.load(Ordering::Relaxed),
+            fdatasyncs: self.stats.fdatasyncs.load(Ordering::Relaxed),
+            durable_events: self.stats.durable_events.load(Ordering::Acquire),
+        }
+    }
+
+    /// Whether the log is closed.
+    pub fn is_closed(&self) -> bool {
+        self.state.borrow().closed
+    }
+
+    /// Check the `derived_history_matches_disk` invariant over the whole log: the history
+    /// held in memory equals the projection of `events.jsonl` read back from disk.
+    pub async fn verify(&self) -> Result<(), LogError> {
+        if !self.cfg.invariants.is_enabled(MODULE) {
+            return Ok(());
+        }
+        // Memory first: the file is always at least as far as what was published.
+        let (count, messages) = {
+            let s = self.state.borrow();
+            (s.events.len(), s.messages.clone())
+        };
+        let dir = self.dir.clone();
+        let bytes = blocking(move || store::read_all(&dir)).await?;
+        let parsed = store::parse(&bytes, &self.dir.join(EVENTS_FILE))?;
+        self.cfg
+            .invariants
+            .check(MODULE, "derived_history_matches_disk", || {
+                if parsed.events.len() < count {
+                    return Err(format!(
+                        "{count} events in memory, {} on disk",
+                        parsed.events.len()
+                    ));
+                }
+                let disk = derive(&parsed.events[..count]);
+                match disk.iter().zip(&messages).position(|(d, m)| d != m) {
+                    Some(i) => Err(format!(
+                        "message {i} of the history differs from the log on disk"
+                    )),
+                    None if disk.len() != messages.len() => Err(format!(
+                        "{} messages in memory, {} derived from disk",
+                        messages.len(),
+                        disk.len()
+                    )),
+                    None => Ok(()),
+                }
+            })?;
+        Ok(())
+    }
+
+    /// Fork: copy the prefix up to `at_seq` (inclusive; default: the last event outside an
+    /// open turn) into a new session in `new_dir` whose header names this session as parent
+    /// and the prefix length as seed length, copy the output journals the prefix refers
+    /// to, then append `session/end-seed`. A boundary inside an open turn is refused with
+    /// `Conflict`, one beyond the end with `InvalidRequest`, an existing `new_dir` log with
+    /// `Conflict` (checked first). For an empty prefix, `boundary_seq` is 0 and the seed
+    /// length 0.
+    pub async fn fork(
+        &self,
+        new_dir: &Path,
+        new_id: &str,
+        at_seq: Option<u64>,
+    ) -> Result<Arc<SessionLog>, LogError> {
+        validate_id("session id", new_id)?;
+        if new_dir.join(EVENTS_FILE).exists() {
+            return Err(LogError::Conflict {
+                reason: format!("a session log already exists in {}", new_dir.display()),
+            });
+        }
+        let (prefix, boundary) = {
+            let s = self.state.borrow();
+            let boundary = fork::boundary(&s.events, s.open_turn, at_seq)?;
+            let prefix = boundary
+                .map(|b| s.events[..=b as usize].to_vec())
+                .unwrap_or_default();
+            (prefix, boundary)
+        };
+        let header = SessionHeader {
+            kind: "session".into(),
+            version: SESSION_LOG_VERSION,
+            id: new_id.to_owned(),
+            created_ms: now_ms(),
+            parent_session: Some(self.header.id.clone()),
+            seed_length: Some(prefix.len() as u64),
+            meta: self.header.meta.clone(),
+        };
+        let mut index = Index::default();
+        for e in &prefix {
+            let mut undo = index.begin();
+            index.apply(e.seq, &e.body, &self.cfg.invariants, &mut undo)?;
+        }
+        let (from, to) = (self.dir.clone(), new_dir.to_owned());
+        let (file, len, prefix, header) = blocking(move || {
+            store::create_dir_durable(&to)?;
+            fork::copy_journals(&prefix, &from, &to)?;
+            let (file, len) = store::publish_new(&to, &header, &prefix)?;
+            Ok((file, len, prefix, header))
+        })
+        .await?;
+        let child = Self::start(
+            new_dir.to_owned(),
+            header,
+            file,
+            len,
+            index,
+            prefix,
+            self.cfg.clone(),
+        );
+        let seed_end = EventBody::EndSeed {
+            parent_session: self.header.id.clone(),
+            boundary_seq: boundary.unwrap_or(0),
+        };
+        if let Err(e) = child.append(seed_end).await {
+            child.close().await;
+            return Err(e);
+        }
+        Ok(child)
+    }
+
+    /// The output journal of `command_id` (created on first use; the same journal for
+    /// every call with the same id).
+    pub async fn journal(&self, command_id: &str) -> Result<Arc<OutputJournal>, LogError> {
+        validate_id("command id", command_id)?;
+        let mut journals = self.journals.lock().await;
+        if let Some(j) = journals.get(command_id) {
+            return Ok(j.clone());
+        }
+        let j = OutputJournal::open(self.dir.join(OUTPUT_DIR), command_id.to_owned()).await?;
+        journals.insert(command_id.to_owned(), j.clone());
+        Ok(j)
+    }
+
+    /// Write what is queued, stop the writer and release the writer lock; later appends
+    /// fail with `Closed` and followers end. Idempotent.
+    pub async fn close(&self) {
+        let (ack, acked) = oneshot::channel();
+        if self.tx.send(Command::Close { ack }).await.is_ok() {
+            let _ = acked.await;
+        }
+        if let Some(handle) = self.writer.lock().await.take()
+            && let Err(e) = handle.await
+        {
+            tracing::error!(session.id = %self.header.id, error = %e, "Session log writer task failed");
+        }
+    }
+}
+
+/// The ids of the sessions stored in `sessions_dir` (the directory holding one directory
+/// per session, `<state_dir>/sessions`, see [`sessions_dir`]): the subdirectories with an
+/// `events.jsonl`, sorted; none when the directory does not exist yet.
+pub async fn list_sessions(sessions_dir: &Path) -> Result<Vec<String>, LogError> {
+    let dir = sessions_dir.to_owned();
+    blocking(move || store::list_sessions_blocking(&dir)).await
+}
+
+/// Run blocking file work on the blocking pool.
+async fn blocking<T, F>(f: F) -> Result<T, LogError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, LogError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| LogError::Io {
+            op: "blocking task",
+            path: PathBuf::new(),
+            source: std::io::Error::other(e),
+        })?
+}
+
+/// Milliseconds since the Unix epoch (0 for a clock before it).
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The state of one [`SessionLog::follow`] stream.
+struct Follower {
+    rx: watch::Receiver<LogState>,
+    /// The next seq to yield.
+    cursor: u64,
+    buf: VecDeque<Event>,
+}
+
+// === impl Follower ===
+
+impl Follower {
+    async fn next(mut self) -> Option<(Event, Self)> {
+        loop {
+            if let Some(e) = self.buf.pop_front() {
+                return Some((e, self));
+            }
+            let closed = {
+                let s = self.rx.borrow_and_update();
+                let len = s.events.len() as u64;
+                if self.cursor < len {
+                    self.buf
+                        .extend(s.events[self.cursor as usize..].iter().cloned());
+                    self.cursor = len;
+                }
+                s.closed
+            };
+            if !self.buf.is_empty() {
+                continue;
+            }
+            if closed || self.rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    }
+}
