@@ -1,0 +1,977 @@
+// The official E2B JS SDK, unmodified, against tetherd's E2B front.
+//
+// Each top-level test is named after the SDK call it judges and asserts what the SDK documents for
+// it, so a program written for E2B runs unchanged on tetherd. The server is found through the
+// environment (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY); TETHER_E2B_OTHER_KEY is a valid key of
+// another tenant and TETHER_E2B_BAD_KEY an invalid one.
+//
+// Every test body has its own deadline (the harness stops waiting and fails the test), every
+// sandbox a test creates is killed afterwards, and a missing server fails every test at once after
+// a single connection probe. Run with `npm test` or tests/e2b_sdk/run.sh js; summary-reporter.mjs
+// prints the closing table and the `e2b-js: N passed, M failed` line.
+
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+
+// The suite always exercises the real control plane, whatever the caller's shell has set.
+process.env.E2B_DEBUG = 'false';
+
+const {
+  AuthenticationError,
+  CommandExitError,
+  FileNotFoundError,
+  FileType,
+  FilesystemEventType,
+  InvalidArgumentError,
+  NotFoundError,
+  Sandbox,
+  SandboxError,
+  SandboxNotFoundError,
+  TimeoutError,
+} = await import('e2b');
+
+const HOME = '/home/user';
+const REQUEST_TIMEOUT_MS = 20_000;
+const DEFAULT_BOUND_MS = 60_000;
+const FIXTURE_BOUND_MS = 45_000;
+const RUN_ID = 'js' + randomBytes(6).toString('hex');
+
+// === configuration ===
+
+const REQUIRED_ENV = [
+  'E2B_API_URL',
+  'E2B_SANDBOX_URL',
+  'E2B_API_KEY',
+  'TETHER_E2B_OTHER_KEY',
+  'TETHER_E2B_BAD_KEY',
+];
+const missingEnv = REQUIRED_ENV.filter((name) => !process.env[name]);
+const ENV = missingEnv.length
+  ? null
+  : {
+      apiUrl: process.env.E2B_API_URL,
+      sandboxUrl: process.env.E2B_SANDBOX_URL,
+      apiKey: process.env.E2B_API_KEY,
+      otherKey: process.env.TETHER_E2B_OTHER_KEY,
+      badKey: process.env.TETHER_E2B_BAD_KEY,
+    };
+
+// === impl reachability probe ===
+
+const probes = new Map();
+
+function probe(url) {
+  if (!probes.has(url)) {
+    probes.set(
+      url,
+      new Promise((resolve) => {
+        const u = new URL(url);
+        const port = Number(u.port || (u.protocol === 'https:' ? 443 : 80));
+        const socket = net.connect({ host: u.hostname, port });
+        const done = (err) => {
+          socket.destroy();
+          resolve(err);
+        };
+        socket.setTimeout(3000, () => done(`timed out connecting to ${u.host}`));
+        socket.once('connect', () => done(null));
+        socket.once('error', (e) => done(`${e.code ?? e.name}: ${e.message}`));
+      }),
+    );
+  }
+  return probes.get(url);
+}
+
+async function requireServer() {
+  if (!ENV) throw new Error(`environment not set: ${missingEnv.join(', ')}`);
+  for (const url of new Set([ENV.apiUrl, ENV.sandboxUrl])) {
+    const err = await probe(url);
+    if (err) throw new Error(`E2B front unreachable at ${url}: ${err}`);
+  }
+  return ENV;
+}
+
+// === impl bounded execution and sandbox bookkeeping ===
+
+class BoundExceeded extends Error {
+  constructor(what, ms) {
+    super(`${what} did not finish within ${ms / 1000} s (server hang?)`);
+    this.name = 'BoundExceeded';
+  }
+}
+
+function bounded(promise, ms, what) {
+  let timer;
+  const limit = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new BoundExceeded(what, ms)), ms);
+  });
+  return Promise.race([promise, limit]).finally(() => clearTimeout(timer));
+}
+
+const allCreated = new Map(); // sandboxId -> apiKey, swept once more at the end
+
+async function killQuietly(sandboxId, apiKey) {
+  try {
+    await bounded(
+      Sandbox.kill(sandboxId, { apiKey, requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+      FIXTURE_BOUND_MS,
+      `Sandbox.kill(${sandboxId})`,
+    );
+    return null;
+  } catch (e) {
+    return e;
+  }
+}
+
+class Ctx {
+  constructor(env) {
+    this.env = env;
+    this.created = new Map();
+    this.figures = [];
+  }
+
+  /** Creates a sandbox (tagged with this run's id) and remembers it for teardown. */
+  async create(opts = {}) {
+    const apiKey = opts.apiKey ?? this.env.apiKey;
+    const metadata = { suite: 'tether-e2b-js', run: RUN_ID, ...(opts.metadata ?? {}) };
+    const sbx = await bounded(
+      Sandbox.create({ requestTimeoutMs: REQUEST_TIMEOUT_MS, ...opts, apiKey, metadata }),
+      FIXTURE_BOUND_MS,
+      'Sandbox.create',
+    );
+    this.created.set(sbx.sandboxId, apiKey);
+    allCreated.set(sbx.sandboxId, apiKey);
+    return sbx;
+  }
+
+  /** Drops a sandbox the test killed itself (and asserted on) from teardown. */
+  forget(sandboxId) {
+    this.created.delete(sandboxId);
+  }
+
+  /** Reports a measured figure; the summary reporter prints it under the table. */
+  figure(t, text) {
+    t.diagnostic(`figure: ${text}`);
+  }
+
+  async cleanup() {
+    const errors = [];
+    for (const [id, key] of this.created) {
+      const err = await killQuietly(id, key);
+      if (err) errors.push(`${id}: ${err.name}: ${err.message}`);
+      else allCreated.delete(id);
+    }
+    if (errors.length) throw new Error(`teardown could not kill: ${errors.join('; ')}`);
+  }
+}
+
+/** One top-level test named after an SDK call, with its own bound and sandbox teardown. */
+function sdkTest(name, fn, { timeoutMs = DEFAULT_BOUND_MS } = {}) {
+  test(name, { timeout: timeoutMs + 2 * FIXTURE_BOUND_MS }, async (t) => {
+    const env = await requireServer();
+    const ctx = new Ctx(env);
+    let failure = null;
+    try {
+      await bounded(fn(ctx, t), timeoutMs, name);
+    } catch (e) {
+      failure = e;
+    }
+    try {
+      await ctx.cleanup();
+    } catch (e) {
+      failure ??= e;
+    }
+    if (failure) throw failure;
+  });
+}
+
+after(async () => {
+  for (const [id, key] of allCreated) await killQuietly(id, key);
+  // A request abandoned by a bound may still hold a socket open; once every test has reported,
+  // nothing else is worth waiting for. Unref'd, so a clean run exits on its own first.
+  setTimeout(() => process.exit(), 5000).unref();
+});
+
+// === utilities ===
+
+const unique = (prefix) => `${prefix}-${randomBytes(4).toString('hex')}`;
+const bogusSandboxId = () => 'i' + randomBytes(10).toString('hex');
+const sha256 = (data) => createHash('sha256').update(data).digest('hex');
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function waitUntil(predicate, ms, stepMs = 200) {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    if (await predicate()) return true;
+    if (Date.now() >= deadline) return false;
+    await sleep(stepMs);
+  }
+}
+
+async function listIds(metadata, apiKey) {
+  const opts = { query: { metadata }, requestTimeoutMs: REQUEST_TIMEOUT_MS };
+  if (apiKey) opts.apiKey = apiKey;
+  const paginator = Sandbox.list(opts);
+  const ids = new Set();
+  let pages = 0;
+  while (paginator.hasNext) {
+    pages += 1;
+    assert.ok(pages <= 50, 'Sandbox.list paginator never ends');
+    for (const s of await paginator.nextItems()) ids.add(s.sandboxId);
+  }
+  return ids;
+}
+
+async function runningPidsWith(sbx, marker) {
+  const procs = await sbx.commands.list();
+  return procs.filter((p) => p.args.some((a) => a.includes(marker))).map((p) => p.pid);
+}
+
+async function rejectsWith(promise, cls, what) {
+  try {
+    await promise;
+  } catch (e) {
+    assert.ok(e instanceof cls, `${what}: expected ${cls.name}, got ${e?.name}: ${e?.message}`);
+    return e;
+  }
+  assert.fail(`${what}: expected ${cls.name}, but it succeeded`);
+}
+
+async function readStream(stream) {
+  const hash = createHash('sha256');
+  let size = 0;
+  const reader = stream.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    hash.update(value);
+    size += value.length;
+  }
+  return { size, digest: hash.digest('hex') };
+}
+
+function streamOf(buffer, chunk = 65536) {
+  let offset = 0;
+  return new ReadableStream({
+    pull(controller) {
+      if (offset >= buffer.length) {
+        controller.close();
+        return;
+      }
+      controller.enqueue(new Uint8Array(buffer.subarray(offset, offset + chunk)));
+      offset += chunk;
+    },
+  });
+}
+
+// === control plane ===
+
+sdkTest('Sandbox.create (metadata, envs, timeoutMs)', async (ctx) => {
+  const sbx = await ctx.create({
+    metadata: { purpose: 'create', owner: 'suite' },
+    envs: { TETHER_SUITE_A: 'alpha beta', TETHER_SUITE_B: 'b' },
+    timeoutMs: 120_000,
+  });
+  // Ids must be DNS-label safe without dashes: the `49983-<id>.<domain>` routing depends on it.
+  assert.match(sbx.sandboxId, /^[a-z0-9]+$/);
+
+  const info = await sbx.getInfo();
+  assert.equal(info.sandboxId, sbx.sandboxId);
+  assert.equal(info.metadata.purpose, 'create');
+  assert.equal(info.metadata.owner, 'suite');
+  assert.equal(info.metadata.run, RUN_ID);
+  const lifetime = (info.endAt - info.startedAt) / 1000;
+  assert.ok(lifetime >= 100 && lifetime <= 140, `timeoutMs=120000 gave a lifetime of ${lifetime} s`);
+
+  const r = await sbx.commands.run('printf "%s|%s" "$TETHER_SUITE_A" "$TETHER_SUITE_B"');
+  assert.equal(r.stdout, 'alpha beta|b');
+});
+
+sdkTest('Sandbox.list (metadata filter)', async (ctx) => {
+  const group = unique('grp');
+  const a = await ctx.create({ metadata: { group, role: 'a', odd: 'x y&z=1/é' } });
+  const b = await ctx.create({ metadata: { group, role: 'b' } });
+
+  assert.deepEqual(await listIds({ run: RUN_ID, group }), new Set([a.sandboxId, b.sandboxId]));
+  assert.deepEqual(await listIds({ group, role: 'a' }), new Set([a.sandboxId]));
+  assert.deepEqual(await listIds({ group, role: 'b' }), new Set([b.sandboxId]));
+  assert.deepEqual(await listIds({ group, odd: 'x y&z=1/é' }), new Set([a.sandboxId]));
+  assert.deepEqual(await listIds({ group, role: 'nobody' }), new Set());
+
+  const items = await Sandbox.list({ query: { metadata: { group, role: 'a' } } }).nextItems();
+  assert.deepEqual(
+    items.map((s) => s.sandboxId),
+    [a.sandboxId],
+  );
+  assert.equal(items[0].state, 'running');
+  assert.equal(items[0].metadata.role, 'a');
+  assert.ok(items[0].endAt > new Date());
+});
+
+sdkTest('Sandbox.getInfo', async (ctx) => {
+  const sbx = await ctx.create({ metadata: { k: 'v' }, timeoutMs: 300_000 });
+  for (const info of [await sbx.getInfo(), await Sandbox.getInfo(sbx.sandboxId)]) {
+    assert.equal(info.sandboxId, sbx.sandboxId);
+    assert.ok(info.templateId);
+    assert.equal(info.metadata.k, 'v');
+    assert.equal(info.state, 'running');
+    assert.ok(info.startedAt instanceof Date && info.startedAt <= new Date(Date.now() + 5000));
+    assert.ok(info.endAt > new Date());
+    assert.ok(info.envdVersion);
+    assert.ok(info.cpuCount >= 1);
+    assert.ok(info.memoryMB >= 1);
+  }
+});
+
+sdkTest('Sandbox.setTimeout', async (ctx) => {
+  const sbx = await ctx.create({ timeoutMs: 300_000 });
+  const remaining = async () => ((await sbx.getInfo()).endAt - Date.now()) / 1000;
+
+  await sbx.setTimeout(30_000);
+  let left = await remaining();
+  assert.ok(Math.abs(left - 30) <= 10, `setTimeout(30000) left ${left} s`);
+
+  await Sandbox.setTimeout(sbx.sandboxId, 600_000);
+  left = await remaining();
+  assert.ok(Math.abs(left - 600) <= 10, `setTimeout(600000) left ${left} s`);
+
+  // A short timeout really ends the sandbox; watched through the list, which does not touch it.
+  await sbx.setTimeout(2_000);
+  const gone = await waitUntil(async () => !(await listIds({ run: RUN_ID })).has(sbx.sandboxId), 30_000, 500);
+  assert.ok(gone, 'sandbox still listed 30 s after setTimeout(2000)');
+  await rejectsWith(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError, 'getInfo after expiry');
+});
+
+sdkTest('Sandbox.kill', async (ctx) => {
+  const sbx = await ctx.create();
+  assert.equal(await sbx.isRunning(), true);
+  assert.equal(await sbx.kill(), true);
+  ctx.forget(sbx.sandboxId);
+
+  await rejectsWith(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError, 'getInfo after kill');
+  assert.ok(!(await listIds({ run: RUN_ID })).has(sbx.sandboxId), 'killed sandbox still listed');
+  // Killing again is not an error: the SDK documents `false` for a sandbox that is gone.
+  assert.equal(await Sandbox.kill(sbx.sandboxId), false);
+  assert.equal(await sbx.isRunning(), false);
+});
+
+sdkTest('Sandbox.connect (by id)', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/from-first.txt`, 'first');
+
+  const same = await Sandbox.connect(sbx.sandboxId, { requestTimeoutMs: REQUEST_TIMEOUT_MS });
+  assert.equal(same.sandboxId, sbx.sandboxId);
+  assert.equal(await same.files.read(`${HOME}/from-first.txt`), 'first');
+  await same.files.write(`${HOME}/from-second.txt`, 'second');
+  assert.equal(await sbx.files.read(`${HOME}/from-second.txt`), 'second');
+  assert.equal((await same.commands.run('echo connected')).stdout, 'connected\n');
+});
+
+// === commands ===
+
+sdkTest('commands.run (exit 0)', async (ctx) => {
+  const sbx = await ctx.create();
+  const r = await sbx.commands.run('echo hello');
+  assert.equal(r.exitCode, 0);
+  assert.equal(r.stdout, 'hello\n');
+  assert.equal(r.stderr, '');
+});
+
+sdkTest('commands.run (non-zero -> CommandExitError)', async (ctx) => {
+  const sbx = await ctx.create();
+  const e = await rejectsWith(sbx.commands.run('echo out; echo err >&2; exit 3'), CommandExitError, 'exit 3');
+  assert.equal(e.exitCode, 3);
+  assert.equal(e.stdout, 'out\n');
+  assert.equal(e.stderr, 'err\n');
+  assert.equal((await sbx.commands.run('true')).exitCode, 0);
+});
+
+sdkTest('commands.run (onStdout / onStderr)', async (ctx) => {
+  const sbx = await ctx.create();
+  const out = [];
+  const err = [];
+  const r = await sbx.commands.run('for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done', {
+    onStdout: (d) => out.push(d),
+    onStderr: (d) => err.push(d),
+  });
+  assert.equal(out.join(''), 'out1\nout2\nout3\n');
+  assert.equal(err.join(''), 'err1\nerr2\nerr3\n');
+  assert.equal(r.stdout, out.join(''));
+  assert.equal(r.stderr, err.join(''));
+});
+
+sdkTest('commands.run (envs)', async (ctx) => {
+  const sbx = await ctx.create({ envs: { TETHER_LAYER: 'sandbox', TETHER_KEEP: 'kept' } });
+  let r = await sbx.commands.run('printf "%s %s %s" "$TETHER_LAYER" "$TETHER_KEEP" "$TETHER_CMD"', {
+    envs: { TETHER_LAYER: 'command', TETHER_CMD: 'with space' },
+  });
+  assert.equal(r.stdout, 'command kept with space');
+  r = await sbx.commands.run('printf "%s" "${TETHER_CMD-unset}"');
+  assert.equal(r.stdout, 'unset');
+});
+
+sdkTest('commands.run (cwd)', async (ctx) => {
+  const sbx = await ctx.create();
+  assert.equal((await sbx.commands.run('pwd')).stdout, `${HOME}\n`);
+  const target = `${HOME}/cwd-test/sub`;
+  assert.equal(await sbx.files.makeDir(target), true);
+  assert.equal((await sbx.commands.run('pwd', { cwd: target })).stdout, `${target}\n`);
+  await rejectsWith(
+    sbx.commands.run('pwd', { cwd: `${HOME}/does-not-exist` }),
+    InvalidArgumentError,
+    'missing cwd',
+  );
+});
+
+sdkTest("commands.run (user 'user' / 'root')", async (ctx) => {
+  const sbx = await ctx.create();
+  for (const user of ['user', 'root']) {
+    const r = await sbx.commands.run(`echo as-${user}`, { user });
+    assert.equal(r.exitCode, 0);
+    assert.equal(r.stdout, `as-${user}\n`);
+  }
+  await sbx.files.write(`${HOME}/by-user.txt`, 'u', { user: 'user' });
+  assert.equal(await sbx.files.read(`${HOME}/by-user.txt`, { user: 'user' }), 'u');
+});
+
+sdkTest('commands.run (timeoutMs expiry -> TimeoutError)', async (ctx) => {
+  const sbx = await ctx.create();
+  const marker = unique('tmo');
+  const started = Date.now();
+  await rejectsWith(
+    sbx.commands.run(`sleep 30; : ${marker}`, { timeoutMs: 1000 }),
+    TimeoutError,
+    'sleep 30 with timeoutMs 1000',
+  );
+  const elapsed = (Date.now() - started) / 1000;
+  assert.ok(elapsed < 10, `timeoutMs=1000 took ${elapsed} s`);
+  // E2B semantics: the command's timeout is the process's own deadline, so it is gone too.
+  assert.ok(
+    await waitUntil(async () => (await runningPidsWith(sbx, marker)).length === 0, 10_000),
+    'process survived its timeout',
+  );
+  assert.equal((await sbx.commands.run('echo alive')).stdout, 'alive\n');
+});
+
+sdkTest('commands.run (background) + wait', async (ctx) => {
+  const sbx = await ctx.create();
+  const started = Date.now();
+  const handle = await sbx.commands.run('sleep 4; echo done; echo e >&2', {
+    background: true,
+    timeoutMs: 20_000,
+  });
+  assert.ok(Date.now() - started < 3000, 'background: true waited for the command');
+  assert.ok(handle.pid > 0, `pid ${handle.pid}`);
+  const result = await handle.wait();
+  assert.equal(result.exitCode, 0);
+  assert.equal(result.stdout, 'done\n');
+  assert.equal(result.stderr, 'e\n');
+});
+
+sdkTest('commands.run (background) + kill', async (ctx) => {
+  const sbx = await ctx.create();
+  const marker = unique('bgk');
+  const handle = await sbx.commands.run(`sleep 30; : ${marker}`, { background: true, timeoutMs: 20_000 });
+  assert.ok(
+    await waitUntil(async () => (await runningPidsWith(sbx, marker)).includes(handle.pid), 5000),
+    'background command not listed',
+  );
+  const started = Date.now();
+  assert.equal(await handle.kill(), true);
+  const e = await rejectsWith(handle.wait(), CommandExitError, 'wait after kill');
+  assert.notEqual(e.exitCode, 0);
+  assert.ok(Date.now() - started < 10_000, 'wait after kill took over 10 s');
+  assert.ok(
+    await waitUntil(async () => (await runningPidsWith(sbx, marker)).length === 0, 5000),
+    'killed command still listed after 5 s',
+  );
+  assert.equal(await sbx.commands.kill(handle.pid), false);
+});
+
+sdkTest('commands.connect (by pid)', async (ctx) => {
+  const sbx = await ctx.create();
+  const handle = await sbx.commands.run('sleep 2; echo after-connect; exit 4', {
+    background: true,
+    timeoutMs: 20_000,
+  });
+  await handle.disconnect();
+  const again = await sbx.commands.connect(handle.pid, { timeoutMs: 20_000 });
+  assert.equal(again.pid, handle.pid);
+  const e = await rejectsWith(again.wait(), CommandExitError, 'connected wait');
+  assert.equal(e.exitCode, 4);
+  assert.ok(e.stdout.includes('after-connect\n'), `stdout was ${JSON.stringify(e.stdout)}`);
+});
+
+sdkTest('commands.sendStdin (stdin: true)', async (ctx) => {
+  const sbx = await ctx.create();
+  const handle = await sbx.commands.run('read -r a; read -r b; echo "got:$a+$b"', {
+    background: true,
+    stdin: true,
+    timeoutMs: 20_000,
+  });
+  await sbx.commands.sendStdin(handle.pid, 'first\n');
+  await handle.sendStdin(new TextEncoder().encode('second\n'));
+  const result = await handle.wait();
+  assert.equal(result.stdout, 'got:first+second\n');
+});
+
+sdkTest('commands.list', async (ctx) => {
+  const sbx = await ctx.create();
+  const marker = unique('lst');
+  const handle = await sbx.commands.run(`sleep 30; : ${marker}`, { background: true, timeoutMs: 20_000 });
+  try {
+    assert.ok(
+      await waitUntil(async () => (await runningPidsWith(sbx, marker)).join() === String(handle.pid), 5000),
+      'background command not listed (exactly once)',
+    );
+    const info = (await sbx.commands.list()).find((p) => p.pid === handle.pid);
+    assert.equal(info.cmd, '/bin/bash');
+    assert.equal(info.args.at(-1), `sleep 30; : ${marker}`);
+  } finally {
+    await handle.kill();
+  }
+  assert.ok(
+    await waitUntil(async () => (await runningPidsWith(sbx, marker)).length === 0, 5000),
+    'killed command still listed after 5 s',
+  );
+});
+
+// === files ===
+
+sdkTest('files.write (string)', async (ctx) => {
+  const sbx = await ctx.create();
+  const p = `${HOME}/str.txt`;
+  const info = await sbx.files.write(p, 'hello ünïcode\nline 2\n');
+  assert.equal(info.path, p);
+  assert.equal(info.name, 'str.txt');
+  assert.equal(info.type, FileType.FILE);
+  assert.equal(await sbx.files.read(p), 'hello ünïcode\nline 2\n');
+  await sbx.files.write(p, 'short');
+  assert.equal(await sbx.files.read(p), 'short');
+  const rel = await sbx.files.write('rel/dir/relative.txt', 'rel');
+  assert.equal(rel.path, `${HOME}/rel/dir/relative.txt`);
+  assert.equal(await sbx.files.read(`${HOME}/rel/dir/relative.txt`), 'rel');
+});
+
+sdkTest('files.write (ArrayBuffer / Blob)', async (ctx) => {
+  const sbx = await ctx.create();
+  const data = Buffer.concat([randomBytes(200_000), Buffer.from([0, 255, 0])]);
+  const ab = data.buffer.slice(data.byteOffset, data.byteOffset + data.length);
+  const info = await sbx.files.write(`${HOME}/ab.bin`, ab);
+  assert.equal(info.path, `${HOME}/ab.bin`);
+  assert.deepEqual(Buffer.from(await sbx.files.read(`${HOME}/ab.bin`, { format: 'bytes' })), data);
+  await sbx.files.write(`${HOME}/blob.bin`, new Blob([data]));
+  assert.deepEqual(Buffer.from(await sbx.files.read(`${HOME}/blob.bin`, { format: 'bytes' })), data);
+});
+
+sdkTest('files.write (ReadableStream)', async (ctx) => {
+  const sbx = await ctx.create();
+  const data = randomBytes(3 * 1024 * 1024 + 17);
+  // A stream goes out as a streamed octet-stream body by default.
+  await sbx.files.write(`${HOME}/s1.bin`, streamOf(data));
+  assert.equal(sha256(await sbx.files.read(`${HOME}/s1.bin`, { format: 'bytes' })), sha256(data));
+  // And through multipart/form-data when asked.
+  await sbx.files.write(`${HOME}/s2.bin`, streamOf(data), { useOctetStream: false });
+  assert.equal(sha256(await sbx.files.read(`${HOME}/s2.bin`, { format: 'bytes' })), sha256(data));
+});
+
+sdkTest('files.write (WriteEntry[])', async (ctx) => {
+  const sbx = await ctx.create();
+  const entries = [
+    { path: `${HOME}/multi/a.txt`, data: 'A text' },
+    { path: `${HOME}/multi/deep/er/b.bin`, data: new Uint8Array([0, 66, 255]).buffer },
+    { path: `${HOME}/multi/c.txt`, data: new Blob(['C']) },
+  ];
+  const infos = await sbx.files.write(entries);
+  assert.deepEqual(infos.map((i) => i.path).sort(), entries.map((e) => e.path).sort());
+  assert.equal(await sbx.files.read(`${HOME}/multi/a.txt`), 'A text');
+  assert.deepEqual(
+    [...(await sbx.files.read(`${HOME}/multi/deep/er/b.bin`, { format: 'bytes' }))],
+    [0, 66, 255],
+  );
+  assert.equal(await sbx.files.read(`${HOME}/multi/c.txt`), 'C');
+
+  // With a stream entry the SDK switches to one streamed upload per file.
+  const infos2 = await sbx.files.writeFiles([
+    { path: `${HOME}/multi2/x.bin`, data: streamOf(Buffer.from('xx')) },
+    { path: `${HOME}/multi2/y.txt`, data: 'yy' },
+  ]);
+  assert.deepEqual(infos2.map((i) => i.path).sort(), [`${HOME}/multi2/x.bin`, `${HOME}/multi2/y.txt`]);
+  assert.equal(await sbx.files.read(`${HOME}/multi2/x.bin`), 'xx');
+  assert.equal(await sbx.files.read(`${HOME}/multi2/y.txt`), 'yy');
+});
+
+sdkTest("files.read (format 'text')", async (ctx) => {
+  const sbx = await ctx.create();
+  const text = 'ascii, ünïcødé, 日本語, emoji 🙂\n'.repeat(100);
+  await sbx.files.write(`${HOME}/t.txt`, text);
+  const got = await sbx.files.read(`${HOME}/t.txt`);
+  assert.equal(typeof got, 'string');
+  assert.equal(got, text);
+  await sbx.commands.run(`printf 'from-shell' > ${HOME}/shell.txt`);
+  assert.equal(await sbx.files.read(`${HOME}/shell.txt`, { format: 'text' }), 'from-shell');
+});
+
+sdkTest("files.read (format 'bytes' / 'blob')", async (ctx) => {
+  const sbx = await ctx.create();
+  const data = Buffer.alloc(256 * 1000);
+  for (let i = 0; i < data.length; i++) data[i] = i % 256;
+  await sbx.files.write(`${HOME}/b.bin`, data.buffer.slice(data.byteOffset, data.byteOffset + data.length));
+  const bytes = await sbx.files.read(`${HOME}/b.bin`, { format: 'bytes' });
+  assert.ok(bytes instanceof Uint8Array);
+  assert.deepEqual(Buffer.from(bytes), data);
+  const blob = await sbx.files.read(`${HOME}/b.bin`, { format: 'blob' });
+  assert.deepEqual(Buffer.from(await blob.arrayBuffer()), data);
+  await sbx.files.write(`${HOME}/empty.bin`, '');
+  assert.equal((await sbx.files.read(`${HOME}/empty.bin`, { format: 'bytes' })).length, 0);
+});
+
+sdkTest("files.read (format 'stream')", async (ctx) => {
+  const sbx = await ctx.create();
+  const data = randomBytes(5 * 1024 * 1024 + 3);
+  await sbx.files.write(`${HOME}/st.bin`, streamOf(data));
+  const { size, digest } = await readStream(await sbx.files.read(`${HOME}/st.bin`, { format: 'stream' }));
+  assert.equal(size, data.length);
+  assert.equal(digest, sha256(data));
+});
+
+sdkTest('files.list (depth)', async (ctx) => {
+  const sbx = await ctx.create();
+  const root = `${HOME}/tree`;
+  await sbx.files.write(`${root}/a.txt`, '12345');
+  await sbx.files.write(`${root}/d1/b.txt`, 'b');
+  await sbx.files.write(`${root}/d1/d2/c.txt`, 'c');
+
+  const one = await sbx.files.list(root);
+  assert.deepEqual(new Set(one.map((e) => e.path)), new Set([`${root}/a.txt`, `${root}/d1`]));
+  const byName = Object.fromEntries(one.map((e) => [e.name, e]));
+  assert.equal(byName['a.txt'].type, FileType.FILE);
+  assert.equal(byName['a.txt'].size, 5);
+  assert.equal(byName.d1.type, FileType.DIR);
+
+  const two = await sbx.files.list(root, { depth: 2 });
+  assert.deepEqual(
+    new Set(two.map((e) => e.path)),
+    new Set([`${root}/a.txt`, `${root}/d1`, `${root}/d1/b.txt`, `${root}/d1/d2`]),
+  );
+  const three = await sbx.files.list(root, { depth: 3 });
+  assert.ok(
+    three.some((e) => e.path === `${root}/d1/d2/c.txt`),
+    'depth 3 misses d1/d2/c.txt',
+  );
+  assert.equal(three.length, 5);
+  await rejectsWith(sbx.files.list(`${HOME}/no-such-dir`), NotFoundError, 'list of a missing dir');
+});
+
+sdkTest('files.exists', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/ex/here.txt`, 'x');
+  assert.equal(await sbx.files.exists(`${HOME}/ex/here.txt`), true);
+  assert.equal(await sbx.files.exists(`${HOME}/ex`), true);
+  assert.equal(await sbx.files.exists(`${HOME}/ex/missing.txt`), false);
+  assert.equal(await sbx.files.exists(`${HOME}/nope/missing.txt`), false);
+});
+
+sdkTest('files.getInfo', async (ctx) => {
+  const sbx = await ctx.create();
+  const p = `${HOME}/info/file.txt`;
+  await sbx.files.write(p, '0123456789');
+  const info = await sbx.files.getInfo(p);
+  assert.equal(info.name, 'file.txt');
+  assert.equal(info.path, p);
+  assert.equal(info.type, FileType.FILE);
+  assert.equal(info.size, 10);
+  assert.ok(info.modifiedTime instanceof Date);
+  assert.ok(Math.abs(info.modifiedTime - Date.now()) < 300_000);
+  const d = await sbx.files.getInfo(`${HOME}/info`);
+  assert.equal(d.type, FileType.DIR);
+  assert.equal(d.name, 'info');
+  await rejectsWith(sbx.files.getInfo(`${HOME}/info/missing`), NotFoundError, 'getInfo of a missing file');
+});
+
+sdkTest('files.makeDir', async (ctx) => {
+  const sbx = await ctx.create();
+  assert.equal(await sbx.files.makeDir(`${HOME}/mk`), true);
+  assert.equal(await sbx.files.makeDir(`${HOME}/mk`), false);
+  assert.equal(await sbx.files.makeDir(`${HOME}/mk/a/b/c`), true);
+  assert.equal((await sbx.files.getInfo(`${HOME}/mk/a/b`)).type, FileType.DIR);
+  assert.equal((await sbx.commands.run(`test -d ${HOME}/mk/a/b/c && echo dir`)).stdout, 'dir\n');
+});
+
+sdkTest('files.rename', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/old.txt`, 'content');
+  const info = await sbx.files.rename(`${HOME}/old.txt`, `${HOME}/new.txt`);
+  assert.equal(info.path, `${HOME}/new.txt`);
+  assert.equal(info.name, 'new.txt');
+  assert.equal(await sbx.files.exists(`${HOME}/old.txt`), false);
+  assert.equal(await sbx.files.read(`${HOME}/new.txt`), 'content');
+  await sbx.files.write(`${HOME}/dold/inner.txt`, 'in');
+  await sbx.files.rename(`${HOME}/dold`, `${HOME}/dnew`);
+  assert.equal(await sbx.files.read(`${HOME}/dnew/inner.txt`), 'in');
+  assert.equal(await sbx.files.exists(`${HOME}/dold`), false);
+  await rejectsWith(
+    sbx.files.rename(`${HOME}/never.txt`, `${HOME}/x.txt`),
+    NotFoundError,
+    'rename of a missing file',
+  );
+});
+
+sdkTest('files.remove', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/rm.txt`, 'x');
+  await sbx.files.remove(`${HOME}/rm.txt`);
+  assert.equal(await sbx.files.exists(`${HOME}/rm.txt`), false);
+  await sbx.files.write(`${HOME}/rmdir/a/b.txt`, 'x');
+  await sbx.files.remove(`${HOME}/rmdir`);
+  assert.equal(await sbx.files.exists(`${HOME}/rmdir`), false);
+  assert.equal((await sbx.commands.run(`test -e ${HOME}/rmdir || echo gone`)).stdout, 'gone\n');
+});
+
+sdkTest('files.watchDir', async (ctx) => {
+  const sbx = await ctx.create();
+  const watched = `${HOME}/watched`;
+  await sbx.files.makeDir(watched);
+  const seen = [];
+  let exitErr;
+  const handle = await sbx.files.watchDir(watched, (e) => seen.push(e), {
+    timeoutMs: 0,
+    onExit: (err) => {
+      exitErr = err;
+    },
+  });
+  try {
+    await sbx.files.write(`${watched}/new-file.txt`, 'hello');
+    const created = await waitUntil(
+      () => seen.some((e) => e.name === 'new-file.txt' && e.type === FilesystemEventType.CREATE),
+      10_000,
+    );
+    assert.ok(created, `no CREATE event for new-file.txt; got ${JSON.stringify(seen)}`);
+    await sbx.commands.run(`echo x > ${watched}/by-shell.txt`);
+    const kinds = [FilesystemEventType.CREATE, FilesystemEventType.WRITE];
+    const byShell = await waitUntil(
+      () => seen.some((e) => e.name === 'by-shell.txt' && kinds.includes(e.type)),
+      10_000,
+    );
+    assert.ok(byShell, `no event for by-shell.txt; got ${JSON.stringify(seen)}`);
+  } finally {
+    await handle.stop();
+  }
+  assert.equal(exitErr, undefined, `watch ended with ${exitErr}`);
+});
+
+sdkTest(
+  'files 64 MiB round trip (sha256)',
+  async (ctx, t) => {
+    const sbx = await ctx.create();
+    const size = 64 * 1024 * 1024;
+    const data = randomBytes(size);
+    const digest = sha256(data);
+    const p = `${HOME}/big.bin`;
+
+    let t0 = Date.now();
+    await sbx.files.write(p, streamOf(data, 1 << 20));
+    const tWrite = (Date.now() - t0) / 1000;
+    assert.equal((await sbx.files.getInfo(p)).size, size);
+
+    const r = await sbx.commands.run(`sha256sum ${p}`, { timeoutMs: 120_000 });
+    assert.equal(r.stdout.split(/\s+/)[0], digest);
+
+    t0 = Date.now();
+    const streamed = await readStream(await sbx.files.read(p, { format: 'stream' }));
+    const tRead = (Date.now() - t0) / 1000;
+    assert.equal(streamed.size, size);
+    assert.equal(streamed.digest, digest);
+
+    t0 = Date.now();
+    const whole = await sbx.files.read(p, { format: 'bytes', requestTimeoutMs: 120_000 });
+    const tBytes = (Date.now() - t0) / 1000;
+    assert.equal(whole.length, size);
+    assert.equal(sha256(whole), digest);
+    const rate = (secs) => `${(size / 2 ** 20 / secs).toFixed(0)} MiB/s (${secs.toFixed(2)} s)`;
+    ctx.figure(t, `64 MiB: write ${rate(tWrite)}, streamed read ${rate(tRead)}, bytes read ${rate(tBytes)}`);
+  },
+  { timeoutMs: 300_000 },
+);
+
+// === errors, auth and isolation ===
+
+sdkTest('files.read missing -> NotFoundError', async (ctx) => {
+  const sbx = await ctx.create();
+  const e = await rejectsWith(
+    sbx.files.read(`${HOME}/definitely-missing.txt`),
+    NotFoundError,
+    'read of a missing file',
+  );
+  assert.ok(e instanceof FileNotFoundError, `expected FileNotFoundError, got ${e.name}`);
+  await rejectsWith(
+    sbx.files.read(`${HOME}/missing-dir/x.bin`, { format: 'bytes' }),
+    NotFoundError,
+    'bytes read of a missing file',
+  );
+});
+
+sdkTest('missing sandbox: connect/kill/getInfo/setTimeout', async () => {
+  const bogus = bogusSandboxId();
+  await rejectsWith(
+    Sandbox.connect(bogus, { requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+    SandboxNotFoundError,
+    'connect',
+  );
+  assert.equal(await Sandbox.kill(bogus), false);
+  await rejectsWith(Sandbox.getInfo(bogus), SandboxNotFoundError, 'getInfo');
+  await rejectsWith(Sandbox.setTimeout(bogus, 60_000), SandboxNotFoundError, 'setTimeout');
+});
+
+sdkTest('bad API key -> AuthenticationError', async (ctx) => {
+  const sbx = await ctx.create();
+  const apiKey = ctx.env.badKey;
+  await rejectsWith(
+    Sandbox.create({ apiKey, requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+    AuthenticationError,
+    'create',
+  );
+  await rejectsWith(Sandbox.list({ apiKey }).nextItems(), AuthenticationError, 'list');
+  // Authentication comes before any lookup: an existing id does not change the answer.
+  await rejectsWith(Sandbox.getInfo(sbx.sandboxId, { apiKey }), AuthenticationError, 'getInfo');
+  await rejectsWith(Sandbox.kill(sbx.sandboxId, { apiKey }), AuthenticationError, 'kill');
+  await rejectsWith(Sandbox.connect(sbx.sandboxId, { apiKey }), AuthenticationError, 'connect');
+  assert.equal((await sbx.commands.run('echo still-here')).stdout, 'still-here\n');
+});
+
+sdkTest("other tenant's sandbox -> not visible", async (ctx) => {
+  const other = ctx.env.otherKey;
+  const mine = await ctx.create({ metadata: { tenant: 'main' } });
+  const theirs = await ctx.create({ apiKey: other, metadata: { tenant: 'other' } });
+
+  await rejectsWith(Sandbox.getInfo(mine.sandboxId, { apiKey: other }), SandboxNotFoundError, 'getInfo');
+  await rejectsWith(Sandbox.connect(mine.sandboxId, { apiKey: other }), SandboxNotFoundError, 'connect');
+  await rejectsWith(
+    Sandbox.setTimeout(mine.sandboxId, 5000, { apiKey: other }),
+    SandboxNotFoundError,
+    'setTimeout',
+  );
+  assert.equal(await Sandbox.kill(mine.sandboxId, { apiKey: other }), false);
+
+  assert.deepEqual(await listIds({ run: RUN_ID }, other), new Set([theirs.sandboxId]));
+  assert.ok(!(await listIds({ run: RUN_ID })).has(theirs.sandboxId), "the other tenant's sandbox is listed");
+  await rejectsWith(Sandbox.getInfo(theirs.sandboxId), SandboxNotFoundError, 'getInfo of theirs');
+
+  assert.equal((await mine.commands.run('echo mine')).stdout, 'mine\n');
+  assert.ok(
+    (await mine.getInfo()).endAt > new Date(Date.now() + 30_000),
+    "the other tenant shortened the owner's sandbox",
+  );
+});
+
+async function rawEnvd(env, sandboxId, method, urlPath, token, body) {
+  const headers = { 'E2b-Sandbox-Id': sandboxId, 'E2b-Sandbox-Port': '49983' };
+  if (token !== undefined) headers['X-Access-Token'] = token;
+  if (method === 'POST') {
+    headers['Content-Type'] = 'application/json';
+    headers['Connect-Protocol-Version'] = '1';
+  }
+  const res = await fetch(env.sandboxUrl.replace(/\/$/, '') + urlPath, {
+    method,
+    headers,
+    body,
+    signal: AbortSignal.timeout(15_000),
+  });
+  await res.arrayBuffer();
+  return res.status;
+}
+
+sdkTest('envd X-Access-Token enforced (raw HTTP)', async (ctx) => {
+  const a = await ctx.create();
+  const b = await ctx.create();
+  const tokenA = a.envdAccessToken;
+  const tokenB = b.envdAccessToken;
+  assert.ok(tokenA, 'create must issue an envdAccessToken');
+  assert.notEqual(tokenA, tokenB);
+  await a.files.write(`${HOME}/secret.txt`, 'a-secret');
+  const body = JSON.stringify({ path: HOME, depth: 1 });
+  const rpc = '/filesystem.Filesystem/ListDir';
+  const env = ctx.env;
+
+  assert.equal(await rawEnvd(env, a.sandboxId, 'POST', rpc, tokenA, body), 200);
+  assert.equal(await rawEnvd(env, a.sandboxId, 'POST', rpc, undefined, body), 401);
+  assert.equal(await rawEnvd(env, a.sandboxId, 'POST', rpc, 'wrong-token', body), 401);
+  assert.equal(await rawEnvd(env, a.sandboxId, 'POST', rpc, tokenB, body), 401);
+  const files = `/files?path=${encodeURIComponent(`${HOME}/secret.txt`)}`;
+  assert.equal(await rawEnvd(env, a.sandboxId, 'GET', files, tokenA), 200);
+  assert.equal(await rawEnvd(env, a.sandboxId, 'GET', files, undefined), 401);
+  assert.equal(await rawEnvd(env, a.sandboxId, 'GET', files, tokenB), 401);
+});
+
+sdkTest('path escape (/etc/shadow, ../../etc/passwd)', async (ctx) => {
+  const sbx = await ctx.create();
+  const readOrNull = async (p, format = 'text') => {
+    try {
+      return await sbx.files.read(p, { format });
+    } catch (e) {
+      if (e instanceof SandboxError || e instanceof AuthenticationError) return null;
+      throw e;
+    }
+  };
+
+  // 1. /etc/shadow is not readable in the sandbox view; never host content.
+  let hostShadow = null;
+  try {
+    hostShadow = readFileSync('/etc/shadow');
+  } catch {
+    // not readable here: nothing to compare against
+  }
+  const got = await readOrNull('/etc/shadow', 'bytes');
+  if (got && hostShadow) {
+    const gotBuf = Buffer.from(got);
+    assert.ok(!gotBuf.equals(hostShadow), "files.read('/etc/shadow') returned the host's /etc/shadow");
+    for (const line of hostShadow.toString('latin1').split('\n')) {
+      const hash = line.split(':')[1];
+      if (hash && hash.length > 4)
+        assert.ok(!gotBuf.includes(Buffer.from(hash, 'latin1')), 'a host password hash leaked');
+    }
+  }
+
+  // 2. Relative traversal resolves inside the sandbox: the files API sees exactly what the
+  //    sandbox's own processes see at that path, never more.
+  for (const rel of ['../../etc/passwd', '../../../../../../../../etc/passwd']) {
+    const viaFiles = await readOrNull(rel);
+    let viaShell = null;
+    try {
+      viaShell = (await sbx.commands.run('cat /etc/passwd')).stdout;
+    } catch (e) {
+      if (!(e instanceof CommandExitError)) throw e;
+    }
+    if (viaFiles !== null)
+      assert.equal(viaFiles, viaShell, `files.read(${rel}) differs from the sandbox's view`);
+  }
+});
+
+sdkTest('sandbox isolation (host file out of reach)', async (ctx) => {
+  const sbx = await ctx.create();
+  // A file that exists only on the host, outside any sandbox, is out of reach of the files API by
+  // any path, and of the sandbox's own processes.
+  const dir = mkdtempSync(path.join(os.tmpdir(), 'tether-e2b-canary-'));
+  const canary = path.join(dir, 'canary.txt');
+  const secret = 'host-only-' + randomBytes(16).toString('hex');
+  writeFileSync(canary, secret);
+  try {
+    for (const p of [canary, '../../../../../../../..' + canary]) {
+      let content = null;
+      try {
+        content = await sbx.files.read(p);
+      } catch (e) {
+        if (!(e instanceof SandboxError || e instanceof AuthenticationError)) throw e;
+      }
+      if (content !== null) assert.ok(!content.includes(secret), `files.read(${p}) returned a host file`);
+    }
+    const r = await sbx.commands.run(`cat ${canary} 2>/dev/null || true`);
+    assert.ok(!r.stdout.includes(secret), 'a sandboxed process read a host file');
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});

@@ -1,0 +1,812 @@
+"""The official E2B Python SDK, unmodified, against tetherd's E2B front.
+
+Each test is named after the SDK call it judges and asserts what the SDK documents for it, so a
+program written for E2B runs unchanged on tetherd. The server is found through the environment
+(`E2B_API_URL`, `E2B_SANDBOX_URL`, `E2B_API_KEY`); `TETHER_E2B_OTHER_KEY` is a valid key of another
+tenant and `TETHER_E2B_BAD_KEY` an invalid one. See conftest.py for bounds and teardown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from typing import Callable, List, Optional, Set
+
+import pytest
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    FileNotFoundException,
+    FilesystemEventType,
+    FileType,
+    InvalidArgumentException,
+    NotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxNotFoundException,
+    SandboxNotRunningException,
+    SandboxQuery,
+    SandboxState,
+    SandboxUnreachableException,
+    TimeoutException,
+)
+from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+from conftest import REQUEST_TIMEOUT_S, RUN_ID, note
+
+HOME = "/home/user"
+
+#: Any of the SDK's own refusals is an acceptable answer to a read outside the sandbox view.
+REFUSED = (SandboxException, AuthenticationException)
+
+sdk = pytest.mark.sdk
+bound = pytest.mark.bound
+
+
+# === utilities ===
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def bogus_sandbox_id() -> str:
+    # Shaped like a real id ("i" + 20 of [a-z0-9]) so only its existence is wrong.
+    return "i" + secrets.token_hex(10)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def wait_until(predicate: Callable[[], bool], seconds: float, step: float = 0.2) -> bool:
+    """Poll `predicate` until it holds or `seconds` pass; returns its last value."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+def list_ids(metadata: dict, api_key: Optional[str] = None) -> Set[str]:
+    """All sandbox ids `Sandbox.list` returns for a metadata filter, following every page."""
+    opts = {"request_timeout": REQUEST_TIMEOUT_S}
+    if api_key is not None:
+        opts["api_key"] = api_key
+    paginator = Sandbox.list(query=SandboxQuery(metadata=metadata), **opts)
+    ids: Set[str] = set()
+    pages = 0
+    while paginator.has_next:
+        pages += 1
+        assert pages <= 50, "Sandbox.list paginator never ends"
+        ids.update(s.sandbox_id for s in paginator.next_items())
+    return ids
+
+
+def running_pids_with(sbx: Sandbox, marker: str) -> List[int]:
+    return [p.pid for p in sbx.commands.list() if any(marker in a for a in p.args)]
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# === control plane ===
+
+
+@sdk("Sandbox.create (metadata, envs, timeout)")
+def test_sandbox_create(make_sandbox):
+    sbx = make_sandbox(
+        metadata={"purpose": "create", "owner": "suite"},
+        envs={"TETHER_SUITE_A": "alpha beta", "TETHER_SUITE_B": "b"},
+        timeout=120,
+    )
+    # Ids must be DNS-label safe without dashes: the `49983-<id>.<domain>` routing depends on it.
+    assert re.fullmatch(r"[a-z0-9]+", sbx.sandbox_id), sbx.sandbox_id
+
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id
+    assert {"purpose": "create", "owner": "suite", "run": RUN_ID}.items() <= info.metadata.items()
+    lifetime = (info.end_at - info.started_at).total_seconds()
+    assert 100 <= lifetime <= 140, f"timeout=120 gave a lifetime of {lifetime} s"
+
+    r = sbx.commands.run('printf "%s|%s" "$TETHER_SUITE_A" "$TETHER_SUITE_B"')
+    assert r.stdout == "alpha beta|b"
+
+
+@sdk("Sandbox.list (metadata filter)")
+def test_sandbox_list(make_sandbox):
+    group = unique("grp")
+    a = make_sandbox(metadata={"group": group, "role": "a", "odd": "x y&z=1/é"})
+    b = make_sandbox(metadata={"group": group, "role": "b"})
+
+    assert list_ids({"run": RUN_ID, "group": group}) == {a.sandbox_id, b.sandbox_id}
+    assert list_ids({"group": group, "role": "a"}) == {a.sandbox_id}
+    assert list_ids({"group": group, "role": "b"}) == {b.sandbox_id}
+    # Values that need escaping survive the SDK's double encoding of the filter.
+    assert list_ids({"group": group, "odd": "x y&z=1/é"}) == {a.sandbox_id}
+    assert list_ids({"group": group, "role": "nobody"}) == set()
+
+    paginator = Sandbox.list(query=SandboxQuery(metadata={"group": group, "role": "a"}))
+    items = paginator.next_items()
+    assert [s.sandbox_id for s in items] == [a.sandbox_id]
+    listed = items[0]
+    assert listed.state == SandboxState.RUNNING
+    assert listed.metadata.get("role") == "a"
+    assert listed.started_at <= utcnow() + timedelta(seconds=5) < listed.end_at
+
+
+@sdk("Sandbox.get_info")
+def test_sandbox_get_info(make_sandbox):
+    sbx = make_sandbox(metadata={"k": "v"}, timeout=300)
+    for info in (sbx.get_info(), Sandbox.get_info(sbx.sandbox_id)):
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.template_id
+        assert info.metadata.get("k") == "v"
+        assert info.state == SandboxState.RUNNING
+        now = utcnow()
+        assert info.started_at <= now + timedelta(seconds=5)
+        assert info.end_at > now
+        assert info.envd_version
+        assert info.cpu_count >= 1
+        assert info.memory_mb >= 1
+
+
+@sdk("Sandbox.set_timeout")
+def test_sandbox_set_timeout(make_sandbox):
+    sbx = make_sandbox(timeout=300)
+
+    sbx.set_timeout(30)
+    end = sbx.get_info().end_at
+    assert abs((end - utcnow()).total_seconds() - 30) <= 10, f"end_at {end} after set_timeout(30)"
+
+    Sandbox.set_timeout(sbx.sandbox_id, 600)
+    end = sbx.get_info().end_at
+    assert abs((end - utcnow()).total_seconds() - 600) <= 10, f"end_at {end} after set_timeout(600)"
+
+    # A short timeout really ends the sandbox; watched through the list, which does not touch it.
+    sbx.set_timeout(2)
+    gone = wait_until(lambda: sbx.sandbox_id not in list_ids({"run": RUN_ID}), 30, step=0.5)
+    assert gone, "sandbox still listed 30 s after set_timeout(2)"
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sbx.sandbox_id)
+
+
+@sdk("Sandbox.kill")
+def test_sandbox_kill(make_sandbox):
+    sbx = make_sandbox()
+    assert sbx.is_running() is True
+    assert sbx.kill() is True
+    make_sandbox.forget(sbx.sandbox_id)
+
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sbx.sandbox_id)
+    assert sbx.sandbox_id not in list_ids({"run": RUN_ID})
+    # Killing again is not an error: the SDK documents `False` for a sandbox that is gone.
+    assert Sandbox.kill(sbx.sandbox_id) is False
+    assert sbx.is_running() is False
+
+
+@sdk("Sandbox.connect (by id)")
+def test_sandbox_connect(make_sandbox):
+    sbx = make_sandbox()
+    sbx.files.write(f"{HOME}/from-first.txt", "first")
+
+    same = Sandbox.connect(sbx.sandbox_id, request_timeout=REQUEST_TIMEOUT_S)
+    assert same.sandbox_id == sbx.sandbox_id
+    assert same.files.read(f"{HOME}/from-first.txt") == "first"
+    same.files.write(f"{HOME}/from-second.txt", "second")
+    assert sbx.files.read(f"{HOME}/from-second.txt") == "second"
+    assert same.commands.run("echo connected").stdout == "connected\n"
+
+
+# === commands ===
+
+
+@sdk("commands.run (exit 0)")
+def test_commands_run_exit_zero(sandbox):
+    r = sandbox.commands.run("echo hello")
+    assert r.exit_code == 0
+    assert r.stdout == "hello\n"
+    assert r.stderr == ""
+
+
+@sdk("commands.run (non-zero -> CommandExitException)")
+def test_commands_run_nonzero(sandbox):
+    with pytest.raises(CommandExitException) as caught:
+        sandbox.commands.run("echo out; echo err >&2; exit 3")
+    e = caught.value
+    assert e.exit_code == 3
+    assert e.stdout == "out\n"
+    assert e.stderr == "err\n"
+    # The sandbox is unaffected by a failing command.
+    assert sandbox.commands.run("true").exit_code == 0
+
+
+@sdk("commands.run (on_stdout / on_stderr)")
+def test_commands_run_callbacks(sandbox):
+    out: List[str] = []
+    err: List[str] = []
+    r = sandbox.commands.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done",
+        on_stdout=out.append,
+        on_stderr=err.append,
+    )
+    assert "".join(out) == "out1\nout2\nout3\n"
+    assert "".join(err) == "err1\nerr2\nerr3\n"
+    assert r.stdout == "".join(out)
+    assert r.stderr == "".join(err)
+
+
+@sdk("commands.run (envs)")
+def test_commands_run_envs(make_sandbox):
+    sbx = make_sandbox(envs={"TETHER_LAYER": "sandbox", "TETHER_KEEP": "kept"})
+    r = sbx.commands.run(
+        'printf "%s %s %s" "$TETHER_LAYER" "$TETHER_KEEP" "$TETHER_CMD"',
+        envs={"TETHER_LAYER": "command", "TETHER_CMD": "with space"},
+    )
+    # Command envs override the sandbox's, which stay visible otherwise.
+    assert r.stdout == "command kept with space"
+    # And they do not leak into the next command.
+    r = sbx.commands.run('printf "%s" "${TETHER_CMD-unset}"')
+    assert r.stdout == "unset"
+
+
+@sdk("commands.run (cwd)")
+def test_commands_run_cwd(sandbox):
+    assert sandbox.commands.run("pwd").stdout == f"{HOME}\n"
+    target = f"{HOME}/cwd-test/sub"
+    assert sandbox.files.make_dir(target) is True
+    assert sandbox.commands.run("pwd", cwd=target).stdout == f"{target}\n"
+    with pytest.raises(InvalidArgumentException):
+        sandbox.commands.run("pwd", cwd=f"{HOME}/does-not-exist")
+
+
+@sdk("commands.run (user='user' / 'root')")
+def test_commands_run_user(sandbox):
+    for user in ("user", "root"):
+        r = sandbox.commands.run(f"echo as-{user}", user=user)
+        assert r.exit_code == 0, user
+        assert r.stdout == f"as-{user}\n"
+    # Files API calls accept the same user selector.
+    sandbox.files.write(f"{HOME}/by-user.txt", "u", user="user")
+    assert sandbox.files.read(f"{HOME}/by-user.txt", user="user") == "u"
+
+
+@sdk("commands.run (timeout expiry -> TimeoutException)")
+def test_commands_run_timeout(sandbox):
+    marker = unique("tmo")
+    started = time.monotonic()
+    with pytest.raises(TimeoutException) as caught:
+        sandbox.commands.run(f"sleep 30; : {marker}", timeout=1)
+    elapsed = time.monotonic() - started
+    # Not a health-check verdict in disguise (those subclass TimeoutException too).
+    assert not isinstance(caught.value, (SandboxNotRunningException, SandboxUnreachableException))
+    assert elapsed < 10, f"timeout=1 took {elapsed:.1f} s"
+    # E2B semantics: the command's timeout is the process's own deadline, so it is gone too.
+    assert wait_until(
+        lambda: not running_pids_with(sandbox, marker), 10
+    ), "process survived its timeout"
+    assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+@sdk("commands.run (background) + wait")
+def test_commands_run_background_wait(sandbox):
+    started = time.monotonic()
+    handle = sandbox.commands.run("sleep 4; echo done; echo e >&2", background=True, timeout=20)
+    assert time.monotonic() - started < 3.0, "background=True waited for the command"
+    assert handle.pid > 0
+    result = handle.wait()
+    assert result.exit_code == 0
+    assert result.stdout == "done\n"
+    assert result.stderr == "e\n"
+
+
+@sdk("commands.run (background) + kill")
+def test_commands_run_background_kill(sandbox):
+    marker = unique("bgk")
+    handle = sandbox.commands.run(f"sleep 30; : {marker}", background=True, timeout=20)
+    assert wait_until(
+        lambda: handle.pid in running_pids_with(sandbox, marker), 5
+    ), "background command not listed"
+    started = time.monotonic()
+    assert handle.kill() is True
+    with pytest.raises(CommandExitException) as caught:
+        handle.wait()
+    assert caught.value.exit_code != 0
+    assert time.monotonic() - started < 10, "wait after kill took over 10 s"
+    assert wait_until(
+        lambda: not running_pids_with(sandbox, marker), 5
+    ), "killed command still listed after 5 s"
+    # Killing a process that is gone reports False.
+    assert sandbox.commands.kill(handle.pid) is False
+
+
+@sdk("commands.connect (by pid)")
+def test_commands_connect(sandbox):
+    handle = sandbox.commands.run(
+        "sleep 2; echo after-connect; exit 4", background=True, timeout=20
+    )
+    handle.disconnect()
+    again = sandbox.commands.connect(handle.pid, timeout=20)
+    assert again.pid == handle.pid
+    with pytest.raises(CommandExitException) as caught:
+        again.wait()
+    assert caught.value.exit_code == 4
+    assert "after-connect\n" in caught.value.stdout
+
+
+@sdk("commands.send_stdin (stdin=True)")
+def test_commands_send_stdin(sandbox):
+    handle = sandbox.commands.run(
+        'read -r a; read -r b; echo "got:$a+$b"', background=True, stdin=True, timeout=20
+    )
+    sandbox.commands.send_stdin(handle.pid, "first\n")
+    handle.send_stdin(b"second\n")
+    result = handle.wait()
+    assert result.stdout == "got:first+second\n"
+
+
+@sdk("commands.list")
+def test_commands_list(sandbox):
+    marker = unique("lst")
+    handle = sandbox.commands.run(f"sleep 30; : {marker}", background=True, timeout=20)
+    try:
+        assert wait_until(
+            lambda: running_pids_with(sandbox, marker) == [handle.pid], 5
+        ), "background command not listed (exactly once)"
+        info = next(p for p in sandbox.commands.list() if p.pid == handle.pid)
+        assert info.cmd == "/bin/bash"
+        assert info.args[-1] == f"sleep 30; : {marker}"
+    finally:
+        handle.kill()
+    assert wait_until(
+        lambda: not running_pids_with(sandbox, marker), 5
+    ), "killed command still listed after 5 s"
+
+
+# === files ===
+
+
+@sdk("files.write (str)")
+def test_files_write_str(sandbox):
+    path = f"{HOME}/str.txt"
+    info = sandbox.files.write(path, "hello ünïcode\nline 2\n")
+    assert info.path == path
+    assert info.name == "str.txt"
+    assert info.type == FileType.FILE
+    assert sandbox.files.read(path) == "hello ünïcode\nline 2\n"
+    # Overwrite truncates.
+    sandbox.files.write(path, "short")
+    assert sandbox.files.read(path) == "short"
+    # Relative paths resolve against the user's home; parents are created.
+    info = sandbox.files.write("rel/dir/relative.txt", "rel")
+    assert info.path == f"{HOME}/rel/dir/relative.txt"
+    assert sandbox.files.read(f"{HOME}/rel/dir/relative.txt") == "rel"
+
+
+@sdk("files.write (bytes)")
+def test_files_write_bytes(sandbox):
+    path = f"{HOME}/blob.bin"
+    data = os.urandom(200_000) + b"\x00\xff\x00"
+    info = sandbox.files.write(path, data)
+    assert info.path == path
+    assert bytes(sandbox.files.read(path, format="bytes")) == data
+
+
+@sdk("files.write (file-like / iterable stream)")
+def test_files_write_stream(sandbox):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    # File-like objects go out as a streamed octet-stream body by default.
+    sandbox.files.write(f"{HOME}/s1.bin", io.BytesIO(data))
+    assert bytes(sandbox.files.read(f"{HOME}/s1.bin", format="bytes")) == data
+    # An iterable of chunks, also streamed.
+    chunks = (data[i : i + 65536] for i in range(0, len(data), 65536))
+    sandbox.files.write(f"{HOME}/s2.bin", chunks)
+    assert bytes(sandbox.files.read(f"{HOME}/s2.bin", format="bytes")) == data
+    # A file-like object forced through multipart/form-data.
+    sandbox.files.write(f"{HOME}/s3.bin", io.BytesIO(data), use_octet_stream=False)
+    assert bytes(sandbox.files.read(f"{HOME}/s3.bin", format="bytes")) == data
+
+
+@sdk("files.write_files (list of WriteEntry)")
+def test_files_write_entries(sandbox):
+    entries = [
+        WriteEntry(path=f"{HOME}/multi/a.txt", data="A text"),
+        WriteEntry(path=f"{HOME}/multi/deep/er/b.bin", data=b"\x00B\xff"),
+        WriteEntry(path=f"{HOME}/multi/c.txt", data="C"),
+    ]
+    infos = sandbox.files.write_files(entries)
+    assert sorted(i.path for i in infos) == sorted(e["path"] for e in entries)
+    assert sandbox.files.read(f"{HOME}/multi/a.txt") == "A text"
+    assert bytes(sandbox.files.read(f"{HOME}/multi/deep/er/b.bin", format="bytes")) == b"\x00B\xff"
+    assert sandbox.files.read(f"{HOME}/multi/c.txt") == "C"
+
+    # With a file-like entry the SDK switches to one streamed upload per file.
+    infos = sandbox.files.write_files(
+        [
+            WriteEntry(path=f"{HOME}/multi2/x.bin", data=io.BytesIO(b"xx")),
+            WriteEntry(path=f"{HOME}/multi2/y.txt", data="yy"),
+        ]
+    )
+    assert sorted(i.path for i in infos) == [f"{HOME}/multi2/x.bin", f"{HOME}/multi2/y.txt"]
+    assert sandbox.files.read(f"{HOME}/multi2/x.bin") == "xx"
+    assert sandbox.files.read(f"{HOME}/multi2/y.txt") == "yy"
+
+
+@sdk("files.read (format=text)")
+def test_files_read_text(sandbox):
+    text = "ascii, ünïcødé, 日本語, emoji 🙂\n" * 100
+    sandbox.files.write(f"{HOME}/t.txt", text)
+    got = sandbox.files.read(f"{HOME}/t.txt")
+    assert isinstance(got, str)
+    assert got == text
+    # Written by a command, read by the files API: both see the same filesystem.
+    sandbox.commands.run(f"printf 'from-shell' > {HOME}/shell.txt")
+    assert sandbox.files.read(f"{HOME}/shell.txt", format="text") == "from-shell"
+
+
+@sdk("files.read (format=bytes)")
+def test_files_read_bytes(sandbox):
+    data = bytes(range(256)) * 1000
+    sandbox.files.write(f"{HOME}/b.bin", data)
+    got = sandbox.files.read(f"{HOME}/b.bin", format="bytes")
+    assert isinstance(got, bytearray)
+    assert bytes(got) == data
+    # An empty file reads as empty, not as an error.
+    sandbox.files.write(f"{HOME}/empty.bin", b"")
+    assert bytes(sandbox.files.read(f"{HOME}/empty.bin", format="bytes")) == b""
+
+
+@sdk("files.read (format=stream)")
+def test_files_read_stream(sandbox):
+    data = os.urandom(5 * 1024 * 1024 + 3)
+    sandbox.files.write(f"{HOME}/st.bin", data)
+    h = hashlib.sha256()
+    size = 0
+    with sandbox.files.read(f"{HOME}/st.bin", format="stream") as reader:
+        for chunk in reader:
+            h.update(chunk)
+            size += len(chunk)
+    assert size == len(data)
+    assert h.hexdigest() == sha256(data)
+
+
+@sdk("files.list (depth)")
+def test_files_list_depth(sandbox):
+    root = f"{HOME}/tree"
+    sandbox.files.write(f"{root}/a.txt", "12345")
+    sandbox.files.write(f"{root}/d1/b.txt", "b")
+    sandbox.files.write(f"{root}/d1/d2/c.txt", "c")
+
+    one = sandbox.files.list(root)
+    assert {e.path for e in one} == {f"{root}/a.txt", f"{root}/d1"}
+    by_name = {e.name: e for e in one}
+    assert by_name["a.txt"].type == FileType.FILE
+    assert by_name["a.txt"].size == 5
+    assert by_name["d1"].type == FileType.DIR
+
+    two = sandbox.files.list(root, depth=2)
+    assert {e.path for e in two} == {
+        f"{root}/a.txt",
+        f"{root}/d1",
+        f"{root}/d1/b.txt",
+        f"{root}/d1/d2",
+    }
+    three = sandbox.files.list(root, depth=3)
+    assert f"{root}/d1/d2/c.txt" in {e.path for e in three}
+    assert len(three) == 5
+
+    with pytest.raises(NotFoundException):
+        sandbox.files.list(f"{HOME}/no-such-dir")
+
+
+@sdk("files.exists")
+def test_files_exists(sandbox):
+    sandbox.files.write(f"{HOME}/ex/here.txt", "x")
+    assert sandbox.files.exists(f"{HOME}/ex/here.txt") is True
+    assert sandbox.files.exists(f"{HOME}/ex") is True
+    assert sandbox.files.exists(f"{HOME}/ex/missing.txt") is False
+    assert sandbox.files.exists(f"{HOME}/nope/missing.txt") is False
+
+
+@sdk("files.get_info")
+def test_files_get_info(sandbox):
+    path = f"{HOME}/info/file.txt"
+    sandbox.files.write(path, "0123456789")
+    info = sandbox.files.get_info(path)
+    assert info.name == "file.txt"
+    assert info.path == path
+    assert info.type == FileType.FILE
+    assert info.size == 10
+    assert abs((info.modified_time - utcnow()).total_seconds()) < 300
+    d = sandbox.files.get_info(f"{HOME}/info")
+    assert d.type == FileType.DIR
+    assert d.name == "info"
+    with pytest.raises(NotFoundException):
+        sandbox.files.get_info(f"{HOME}/info/missing")
+
+
+@sdk("files.make_dir")
+def test_files_make_dir(sandbox):
+    assert sandbox.files.make_dir(f"{HOME}/mk") is True
+    assert sandbox.files.make_dir(f"{HOME}/mk") is False
+    assert sandbox.files.make_dir(f"{HOME}/mk/a/b/c") is True
+    assert sandbox.files.get_info(f"{HOME}/mk/a/b").type == FileType.DIR
+    r = sandbox.commands.run(f"test -d {HOME}/mk/a/b/c && echo dir")
+    assert r.stdout == "dir\n"
+
+
+@sdk("files.rename")
+def test_files_rename(sandbox):
+    sandbox.files.write(f"{HOME}/old.txt", "content")
+    info = sandbox.files.rename(f"{HOME}/old.txt", f"{HOME}/new.txt")
+    assert info.path == f"{HOME}/new.txt"
+    assert info.name == "new.txt"
+    assert sandbox.files.exists(f"{HOME}/old.txt") is False
+    assert sandbox.files.read(f"{HOME}/new.txt") == "content"
+    # Directories move with their contents.
+    sandbox.files.write(f"{HOME}/dold/inner.txt", "in")
+    sandbox.files.rename(f"{HOME}/dold", f"{HOME}/dnew")
+    assert sandbox.files.read(f"{HOME}/dnew/inner.txt") == "in"
+    assert sandbox.files.exists(f"{HOME}/dold") is False
+    with pytest.raises(NotFoundException):
+        sandbox.files.rename(f"{HOME}/never.txt", f"{HOME}/x.txt")
+
+
+@sdk("files.remove")
+def test_files_remove(sandbox):
+    sandbox.files.write(f"{HOME}/rm.txt", "x")
+    sandbox.files.remove(f"{HOME}/rm.txt")
+    assert sandbox.files.exists(f"{HOME}/rm.txt") is False
+    sandbox.files.write(f"{HOME}/rmdir/a/b.txt", "x")
+    sandbox.files.remove(f"{HOME}/rmdir")
+    assert sandbox.files.exists(f"{HOME}/rmdir") is False
+    assert sandbox.commands.run(f"test -e {HOME}/rmdir || echo gone").stdout == "gone\n"
+
+
+@sdk("files.watch_dir")
+def test_files_watch_dir(sandbox):
+    watched = f"{HOME}/watched"
+    sandbox.files.make_dir(watched)
+    handle = sandbox.files.watch_dir(watched)
+    seen: list = []
+
+    def saw(name: str, kinds: set) -> Callable[[], bool]:
+        def check() -> bool:
+            seen.extend(handle.get_new_events())
+            return any(e.name == name and e.type in kinds for e in seen)
+
+        return check
+
+    try:
+        sandbox.files.write(f"{watched}/new-file.txt", "hello")
+        assert wait_until(
+            saw("new-file.txt", {FilesystemEventType.CREATE}), 10
+        ), f"no CREATE event for new-file.txt; got {seen}"
+        # A file created by a process inside the sandbox is seen too.
+        sandbox.commands.run(f"echo x > {watched}/by-shell.txt")
+        kinds = {FilesystemEventType.CREATE, FilesystemEventType.WRITE}
+        assert wait_until(saw("by-shell.txt", kinds), 10), f"no event for by-shell.txt; got {seen}"
+    finally:
+        handle.stop()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
+
+
+@sdk("files 64 MiB round trip (sha256)")
+@bound(300)
+def test_files_64mib_roundtrip(sandbox):
+    size = 64 * 1024 * 1024
+    data = os.urandom(size)
+    digest = sha256(data)
+    path = f"{HOME}/big.bin"
+
+    t0 = time.monotonic()
+    sandbox.files.write(path, io.BytesIO(data))
+    t_write = time.monotonic() - t0
+    assert sandbox.files.get_info(path).size == size
+
+    # What landed in the sandbox is byte-exact, as seen from inside.
+    r = sandbox.commands.run(f"sha256sum {path}", timeout=120)
+    assert r.stdout.split()[0] == digest
+
+    t0 = time.monotonic()
+    h = hashlib.sha256()
+    got = 0
+    with sandbox.files.read(path, format="stream") as reader:
+        for chunk in reader:
+            h.update(chunk)
+            got += len(chunk)
+    t_read = time.monotonic() - t0
+    assert got == size
+    assert h.hexdigest() == digest
+
+    t0 = time.monotonic()
+    whole = sandbox.files.read(path, format="bytes", request_timeout=120)
+    t_bytes = time.monotonic() - t0
+    assert len(whole) == size
+    assert sha256(bytes(whole)) == digest
+    note(
+        f"64 MiB: write {size / t_write / 2**20:.0f} MiB/s ({t_write:.2f} s), "
+        f"streamed read {size / t_read / 2**20:.0f} MiB/s ({t_read:.2f} s), "
+        f"bytes read {size / t_bytes / 2**20:.0f} MiB/s ({t_bytes:.2f} s)"
+    )
+
+
+# === errors, auth and isolation ===
+
+
+@sdk("files.read missing -> NotFoundException")
+def test_files_read_missing(sandbox):
+    with pytest.raises(NotFoundException) as caught:
+        sandbox.files.read(f"{HOME}/definitely-missing.txt")
+    assert isinstance(caught.value, FileNotFoundException)
+    with pytest.raises(NotFoundException):
+        sandbox.files.read(f"{HOME}/missing-dir/x.bin", format="bytes")
+
+
+@sdk("missing sandbox: connect/kill/get_info/set_timeout")
+def test_missing_sandbox(env):
+    bogus = bogus_sandbox_id()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(bogus, request_timeout=REQUEST_TIMEOUT_S)
+    assert Sandbox.kill(bogus) is False
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(bogus)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.set_timeout(bogus, 60)
+
+
+@sdk("bad API key -> AuthenticationException")
+def test_bad_key(env, sandbox):
+    bad = env.bad_key
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key=bad, request_timeout=REQUEST_TIMEOUT_S)
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key=bad).next_items()
+    # Authentication comes before any lookup: an existing id does not change the answer.
+    with pytest.raises(AuthenticationException):
+        Sandbox.get_info(sandbox.sandbox_id, api_key=bad)
+    with pytest.raises(AuthenticationException):
+        Sandbox.kill(sandbox.sandbox_id, api_key=bad)
+    with pytest.raises(AuthenticationException):
+        Sandbox.connect(sandbox.sandbox_id, api_key=bad)
+    assert sandbox.commands.run("echo still-here").stdout == "still-here\n"
+
+
+@sdk("other tenant's sandbox -> not visible")
+def test_other_tenant(env, make_sandbox):
+    mine = make_sandbox(metadata={"tenant": "main"})
+    theirs = make_sandbox(api_key=env.other_key, metadata={"tenant": "other"})
+    other = env.other_key
+
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(mine.sandbox_id, api_key=other)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(mine.sandbox_id, api_key=other, request_timeout=REQUEST_TIMEOUT_S)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.set_timeout(mine.sandbox_id, 5, api_key=other)
+    assert Sandbox.kill(mine.sandbox_id, api_key=other) is False
+
+    assert list_ids({"run": RUN_ID}, api_key=other) == {theirs.sandbox_id}
+    assert theirs.sandbox_id not in list_ids({"run": RUN_ID})
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(theirs.sandbox_id)
+
+    # None of that touched the owner's sandbox.
+    assert mine.commands.run("echo mine").stdout == "mine\n"
+    assert mine.get_info().end_at > utcnow() + timedelta(seconds=30)
+
+
+def _raw_envd(
+    env, sandbox_id: str, method: str, path: str, token: Optional[str], body: bytes = b""
+):
+    """One envd request with hand-set headers; returns the HTTP status."""
+    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+    if token is not None:
+        headers["X-Access-Token"] = token
+    if method == "POST":
+        headers["Content-Type"] = "application/json"
+        headers["Connect-Protocol-Version"] = "1"
+    req = urllib.request.Request(
+        env.sandbox_url.rstrip("/") + path, data=body or None, method=method, headers=headers
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@sdk("envd X-Access-Token enforced (raw HTTP)")
+def test_envd_access_token(env, make_sandbox):
+    a = make_sandbox()
+    b = make_sandbox()
+    token_a = a._envd_access_token
+    token_b = b._envd_access_token
+    assert token_a, "create must issue an envdAccessToken"
+    assert token_a != token_b
+    a.files.write(f"{HOME}/secret.txt", "a-secret")
+    list_body = json.dumps({"path": HOME, "depth": 1}).encode()
+    rpc = "/filesystem.Filesystem/ListDir"
+
+    assert _raw_envd(env, a.sandbox_id, "POST", rpc, token_a, list_body) == 200
+    assert _raw_envd(env, a.sandbox_id, "POST", rpc, None, list_body) == 401
+    assert _raw_envd(env, a.sandbox_id, "POST", rpc, "wrong-token", list_body) == 401
+    assert _raw_envd(env, a.sandbox_id, "POST", rpc, token_b, list_body) == 401
+    files = "/files?path=" + urllib.request.quote(f"{HOME}/secret.txt")
+    assert _raw_envd(env, a.sandbox_id, "GET", files, token_a) == 200
+    # Without a token a read needs a valid signature; with none it is refused.
+    assert _raw_envd(env, a.sandbox_id, "GET", files, None) == 401
+    assert _raw_envd(env, a.sandbox_id, "GET", files, token_b) == 401
+
+
+@sdk("path escape (/etc/shadow, ../../etc/passwd)")
+def test_path_escape(sandbox):
+    # 1. /etc/shadow is not readable in the sandbox view; it must never come back as host content.
+    host_shadow = None
+    try:
+        with open("/etc/shadow", "rb") as f:
+            host_shadow = f.read()
+    except OSError:
+        pass
+    try:
+        got = bytes(sandbox.files.read("/etc/shadow", format="bytes"))
+    except REFUSED:
+        got = None
+    if got is not None and host_shadow:
+        assert got != host_shadow, "files.read('/etc/shadow') returned the host's /etc/shadow"
+        for line in host_shadow.splitlines():
+            fields = line.split(b":")
+            if len(fields) > 2 and len(fields[1]) > 4:  # a real password hash
+                assert fields[1] not in got, "a host password hash leaked through files.read"
+
+    # 2. Relative traversal resolves inside the sandbox: the files API sees exactly what the
+    #    sandbox's own processes see at that path, never more.
+    for rel in ("../../etc/passwd", "../../../../../../../../etc/passwd"):
+        try:
+            via_files: Optional[str] = sandbox.files.read(rel)
+        except REFUSED:
+            via_files = None
+        try:
+            via_shell: Optional[str] = sandbox.commands.run("cat /etc/passwd").stdout
+        except CommandExitException:
+            via_shell = None
+        if via_files is not None:
+            assert via_files == via_shell, f"files.read({rel!r}) differs from the sandbox's view"
+
+
+@sdk("sandbox isolation (host file out of reach)")
+def test_sandbox_isolation_host_file(sandbox):
+    # A file that exists only on the host, outside any sandbox, is out of reach of the files API by
+    # any path, and of the sandbox's own processes.
+    canary_dir = tempfile.mkdtemp(prefix="tether-e2b-canary-")
+    canary = os.path.join(canary_dir, "canary.txt")
+    secret = "host-only-" + secrets.token_hex(16)
+    with open(canary, "w") as f:
+        f.write(secret)
+    try:
+        for p in (canary, "../../../../../../../.." + canary):
+            try:
+                content = sandbox.files.read(p)
+            except REFUSED:
+                continue
+            assert secret not in content, f"files.read({p!r}) returned a host file"
+        r = sandbox.commands.run(f"cat {canary} 2>/dev/null || true")
+        assert secret not in r.stdout, "a sandboxed process read a host file"
+    finally:
+        os.unlink(canary)
+        os.rmdir(canary_dir)
