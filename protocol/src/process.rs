@@ -59,8 +59,9 @@ pub struct ProcessSpec {
     /// Standard input.
     #[serde(default)]
     pub stdin: StdinMode,
-    /// Bytes of stdout kept for the final result (the tail is kept; the stream itself
-    /// is always delivered whole). `None`: the provider default.
+    /// Capture cap of stdout: the first this-many bytes are delivered; the rest is drained
+    /// (the command never blocks on a full pipe) and dropped, and `Exited` reports the true
+    /// totals. `None`: the provider's default cap.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdout_max_bytes: Option<u64>,
     /// Same for stderr.

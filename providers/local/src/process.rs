@@ -1,0 +1,819 @@
+//! Commands of a local sandbox: spawning through the trampoline, output spools, signals
+//! and termination.
+//!
+//! Each command runs in its own process group (its own session under a pty) and, when
+//! the host has a writable cgroup v2 hierarchy, in its own cgroup below the sandbox's.
+//! The cgroup is what `terminate()` trusts: it reaches descendants that called `setsid`
+//! or double-forked, `cgroup.kill` kills them atomically with respect to new forks, and
+//! an empty `cgroup.procs` is the proof that nothing is left. Without cgroups the
+//! command's process group and session are scanned in `/proc` instead.
+//!
+//! Output is spooled to one file per stream in the sandbox's private state directory
+//! (outside the workspace), up to the capture cap; the pipe is drained past the cap so
+//! the command never blocks, and the true totals are reported in `Exited`. Readers
+//! ([`ProcessHandle::events`]) read the spool from any offset, as many at once as
+//! wanted, and are woken by a `watch` channel as output arrives.
+//!
+//! A reader starting at offset zero gets `Started` first; a reader resuming from an
+//! offset gets only the output at or after it, then `Exited`. The capture cap
+//! (`stdout_max_bytes`, default `max_output_bytes`) bounds what is spooled and
+//! delivered: the first N bytes of the stream.
+//!
+//! A command the trampoline refused to confine never runs: it exits with code
+//! [`CONFINE_FAILED_EXIT`](crate::CONFINE_FAILED_EXIT) and one diagnostic line on
+//! stderr. `ProcessSpec::user` is ignored: every command of a local sandbox runs as the
+//! daemon's user, inside its own user namespace.
+//!
+//! A command has exited once its leader has exited and its pipes reached end of file,
+//! or `drain_after_exit_ms` after the leader exited, whichever comes first: background
+//! processes it leaves behind keep running (a server started with `&` outlives the
+//! command) until `terminate()` or the sandbox's destruction.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use nix::sys::signal::Signal as NixSignal;
+use tether_protocol::ErrorCode;
+use tether_protocol::process::{Command as CommandSpec, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode, StreamKind};
+use tether_provider::{
+    CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal, StreamOffsets,
+    TerminateReport,
+};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::ChildStdin;
+use tokio::sync::{Mutex, watch};
+
+use crate::client::{Cgroup, group_members, open_pty, set_winsize, shell_argv, signal_group, write_spec};
+use crate::error::{fs_errno, internal, spawn_failed};
+use crate::sandbox::SandboxCore;
+
+/// Size of the chunks read from pipes and spools.
+const CHUNK: usize = 64 * 1024;
+
+/// The `PATH` of every command unless its spec sets one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The end-of-file character a pty's line discipline turns into end of input.
+const PTY_EOF: u8 = 0x04;
+
+// === impl LocalProcess ===
+
+/// The `Process` of a local sandbox.
+#[derive(Debug)]
+pub struct LocalProcess {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    core: Arc<SandboxCore>,
+    table: Mutex<Table>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    by_id: HashMap<String, Arc<LocalCommand>>,
+    /// Finished commands, oldest first, forgotten beyond `finished_commands_kept`.
+    finished: VecDeque<String>,
+}
+
+impl LocalProcess {
+    pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
+        Self { inner: Arc::new(Inner { core, table: Mutex::new(Table::default()) }) }
+    }
+
+    /// Kill every command of the sandbox at once (no grace: the sandbox is going away)
+    /// and wait, bounded, until they are gone.
+    pub(crate) async fn kill_all(&self) {
+        let commands: Vec<Arc<LocalCommand>> = self.inner.table.lock().await.by_id.values().cloned().collect();
+        for c in &commands {
+            c.kill_now();
+        }
+        if let Some(cg) = &self.inner.core.cgroup {
+            cg.kill_all();
+        }
+        let verify = Duration::from_millis(self.inner.core.cfg.kill_verify_ms);
+        let gone = futures_util::future::join_all(commands.iter().map(|c| c.wait_gone(verify)));
+        let sandbox_gone = async {
+            if let Some(cg) = &self.inner.core.cgroup {
+                poll_until(verify, || !cg.populated()).await;
+            }
+        };
+        futures_util::join!(gone, sandbox_gone);
+    }
+
+    fn resolve_cwd(&self, cwd: Option<&str>) -> Result<(PathBuf, Option<String>)> {
+        let ws = &self.inner.core.ws;
+        let Some(cwd) = cwd else { return Ok((PathBuf::from(ws.display()), None)) };
+        // Inside the workspace the directory must exist (checked the way Fs checks
+        // paths); elsewhere (`/tmp`, `/`) the trampoline's chdir decides.
+        match ws.resolve(cwd, true) {
+            Ok(comps) => {
+                ws.open_dir(&comps).map_err(|e| fs_errno(cwd, e))?;
+                Ok((PathBuf::from(ws.sandbox_path(&comps)), Some(cwd.to_owned())))
+            }
+            Err(e) if e.code() == ErrorCode::FsPermissionDenied && cwd.starts_with('/') => {
+                let mut stack: Vec<&str> = Vec::new();
+                for c in cwd.split('/') {
+                    match c {
+                        "" | "." => {}
+                        ".." => {
+                            stack.pop();
+                        }
+                        c => stack.push(c),
+                    }
+                }
+                Ok((PathBuf::from(format!("/{}", stack.join("/"))), Some(cwd.to_owned())))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn build_env(core: &SandboxCore, ctx: &CallCtx, spec: &ProcessSpec) -> Result<Vec<(String, String)>> {
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("PATH".into(), DEFAULT_PATH.into());
+    env.insert("HOME".into(), core.ws.display().into());
+    env.insert("LANG".into(), "C.UTF-8".into());
+    if spec.pty.is_some() {
+        env.insert("TERM".into(), "xterm-256color".into());
+    }
+    env.extend(core.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    if let Some(tp) = &ctx.trace.traceparent {
+        env.insert("TRACEPARENT".into(), tp.clone());
+    }
+    if let Some(ts) = &ctx.trace.tracestate {
+        env.insert("TRACESTATE".into(), ts.clone());
+    }
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.as_ref().is_some_and(|v| v.contains('\0')) {
+            return Err(ProviderError::InvalidRequest { message: format!("invalid environment variable {k:?}") });
+        }
+        match v {
+            Some(v) => env.insert(k.clone(), v.clone()),
+            None => env.remove(k),
+        };
+    }
+    Ok(env.into_iter().collect())
+}
+
+#[async_trait]
+impl Process for LocalProcess {
+    async fn spawn(&self, ctx: &CallCtx, spec: ProcessSpec) -> Result<Arc<dyn ProcessHandle>> {
+        ctx.check()?;
+        let core = &self.inner.core;
+        if core.closed.is_cancelled() {
+            return Err(ProviderError::SandboxNotFound { id: core.id.clone() });
+        }
+        let argv = match &spec.command {
+            CommandSpec::Argv(v) if v.first().is_some_and(|p| !p.is_empty()) => v.clone(),
+            CommandSpec::Argv(_) => {
+                return Err(ProviderError::InvalidRequest { message: "argv needs a program name at argv[0]".into() });
+            }
+            CommandSpec::Shell(s) => shell_argv(s),
+        };
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(ProviderError::InvalidRequest { message: "argv contains a NUL byte".into() });
+        }
+        if let Some(PtySize { rows: 0, .. } | PtySize { cols: 0, .. }) = spec.pty {
+            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+        }
+        let (cwd, cwd_display) = self.resolve_cwd(spec.cwd.as_deref())?;
+        let env = build_env(core, ctx, &spec)?;
+        let id = spec.command_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let key = uuid::Uuid::new_v4().simple().to_string();
+
+        // Reserve the id: a finished command with the same id is forgotten.
+        {
+            let mut table = self.inner.table.lock().await;
+            if let Some(old) = table.by_id.get(&id) {
+                if old.try_status().is_none() {
+                    return Err(ProviderError::InvalidRequest { message: format!("command id {id} is in use") });
+                }
+                let old = table.by_id.remove(&id);
+                table.finished.retain(|f| f != &id);
+                if let Some(old) = old {
+                    old.forget().await;
+                }
+            }
+        }
+
+        let spool = core.state_dir.join("cmd").join(&key);
+        tokio::fs::create_dir_all(&spool).await.map_err(|e| internal("cannot create the output spool", e))?;
+        let out_path = spool.join("stdout");
+        let err_path = spool.join("stderr");
+        let out_file = tokio::fs::File::create(&out_path).await.map_err(|e| internal("cannot create the output spool", e))?;
+        let err_file = tokio::fs::File::create(&err_path).await.map_err(|e| internal("cannot create the output spool", e))?;
+
+        let cgroup = match &core.cgroup {
+            Some(cg) => Some(cg.child(&key).map_err(|e| spawn_failed("cannot create the command's cgroup", Some(e)))?),
+            None => None,
+        };
+        let pty = match spec.pty {
+            Some(size) => Some(open_pty(size.rows, size.cols).map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?),
+            None => None,
+        };
+        let confine = core.confine_spec(cgroup.as_ref().map(|c| c.path().to_owned()), pty.is_some(), cwd.clone(), env, argv);
+        let spec_path = spool.join("spec.json");
+        if let Err(e) = write_spec(&spec_path, &confine).await {
+            let _ = tokio::fs::remove_dir_all(&spool).await;
+            if let Some(cg) = &cgroup {
+                cg.remove();
+            }
+            return Err(e);
+        }
+
+        let mut cmd = core.launcher.command("run", &spec_path);
+        let mut master = None;
+        match pty {
+            Some(p) => {
+                let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| spawn_failed("cannot duplicate the pty", Some(e)));
+                cmd.stdin(Stdio::from(dup(&p.slave)?)).stdout(Stdio::from(dup(&p.slave)?)).stderr(Stdio::from(p.slave));
+                // The trampoline calls setsid: it must not be a group leader already.
+                master = Some(Arc::new(crate::client::async_fd(p.master).map_err(|e| spawn_failed("cannot register the pty", Some(e)))?));
+            }
+            None => {
+                let stdin = match spec.stdin {
+                    StdinMode::Ignore => Stdio::null(),
+                    StdinMode::Pipe | StdinMode::Data { .. } => Stdio::piped(),
+                };
+                cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+            }
+        }
+        let spawned = cmd.spawn();
+        // Our copies of the pty slave go with the builder: end of file must come when
+        // the command's side closes.
+        drop(cmd);
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&spool).await;
+                if let Some(cg) = &cgroup {
+                    cg.remove();
+                }
+                return Err(spawn_failed(format!("cannot start {}", core.launcher.program().display()), Some(e)));
+            }
+        };
+        let pid = child.id().unwrap_or_default();
+
+        let out_cap = spec.stdout_max_bytes.unwrap_or(core.cfg.max_output_bytes);
+        let err_cap = spec.stderr_max_bytes.unwrap_or(core.cfg.max_output_bytes);
+        let (progress, _) = watch::channel(Progress::default());
+        let stdin = match (&master, spec.stdin.clone()) {
+            (Some(m), _) => Some(StdinSink::Pty(m.clone())),
+            (None, StdinMode::Pipe) => child.stdin.take().map(StdinSink::Pipe),
+            (None, StdinMode::Data { data }) => {
+                if let Some(mut w) = child.stdin.take() {
+                    core.tasks.spawn(async move {
+                        // A command that exits without reading ends this with EPIPE.
+                        let _ = w.write_all(&data).await;
+                    });
+                }
+                None
+            }
+            (None, StdinMode::Ignore) => None,
+        };
+        let command = Arc::new(LocalCommand {
+            id: id.clone(),
+            pid,
+            info: ProcessInfo { command_id: id.clone(), pid, command: spec.command.clone(), cwd: cwd_display, pty: master.is_some(), exit: None },
+            spool: spool.clone(),
+            out_path,
+            err_path,
+            stdin: Mutex::new(stdin),
+            pty: master.clone(),
+            progress,
+            cgroup,
+            grace: Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms)),
+            verify: Duration::from_millis(core.cfg.kill_verify_ms),
+            terminating: Mutex::new(None),
+        });
+
+        // Output pumps, then the supervisor that reports the exit.
+        let sealed = Arc::new(AtomicBool::new(false));
+        let mut pumps = Vec::new();
+        match &master {
+            Some(m) => {
+                pumps.push(core.tasks.spawn(pump_pty(m.clone(), out_file, out_cap, command.progress.clone(), sealed.clone())));
+                drop(err_file);
+            }
+            None => {
+                if let Some(out) = child.stdout.take() {
+                    pumps.push(core.tasks.spawn(pump(out, out_file, out_cap, Stream::Out, command.progress.clone(), sealed.clone())));
+                }
+                if let Some(err) = child.stderr.take() {
+                    pumps.push(core.tasks.spawn(pump(err, err_file, err_cap, Stream::Err, command.progress.clone(), sealed.clone())));
+                }
+            }
+        }
+        {
+            let mut table = self.inner.table.lock().await;
+            table.by_id.insert(id.clone(), command.clone());
+        }
+        let drain = Duration::from_millis(core.cfg.drain_after_exit_ms);
+        core.tasks.spawn(supervise(child, command.clone(), pumps, sealed, drain, Arc::downgrade(&self.inner)));
+        tracing::debug!(sandbox.id = %core.id, command.id = %id, pid, "Started a command");
+        Ok(command)
+    }
+
+    async fn attach(&self, ctx: &CallCtx, which: ProcessSelector) -> Result<Arc<dyn ProcessHandle>> {
+        ctx.check()?;
+        let table = self.inner.table.lock().await;
+        let found = match &which {
+            ProcessSelector::CommandId(id) => table.by_id.get(id).cloned(),
+            ProcessSelector::Pid(pid) => table.by_id.values().find(|c| c.pid == *pid).cloned(),
+        };
+        match found {
+            Some(c) => Ok(c),
+            None => Err(ProviderError::CommandNotFound {
+                id: match which {
+                    ProcessSelector::CommandId(id) => id,
+                    ProcessSelector::Pid(pid) => pid.to_string(),
+                },
+            }),
+        }
+    }
+
+    async fn list(&self, ctx: &CallCtx) -> Result<Vec<ProcessInfo>> {
+        ctx.check()?;
+        let table = self.inner.table.lock().await;
+        let mut out: Vec<ProcessInfo> = table.by_id.values().map(|c| c.info()).collect();
+        out.sort_by_key(|p| p.pid);
+        Ok(out)
+    }
+}
+
+/// Wait for the leader, let the pumps drain (bounded), then report the exit.
+async fn supervise(
+    mut child: tokio::process::Child,
+    command: Arc<LocalCommand>,
+    pumps: Vec<tokio::task::JoinHandle<()>>,
+    sealed: Arc<AtomicBool>,
+    drain: Duration,
+    owner: Weak<Inner>,
+) {
+    let status = match child.wait().await {
+        Ok(s) => ExitStatus { code: s.code(), signal: s.signal() },
+        Err(e) => {
+            tracing::warn!(error = %e, command.id = %command.id, "Cannot wait for a command");
+            ExitStatus { code: None, signal: None }
+        }
+    };
+    let _ = tokio::time::timeout(drain, futures_util::future::join_all(pumps)).await;
+    // Later output (a background process still writing) is drained and dropped, so it
+    // never blocks on a full pipe, nor dies of SIGPIPE.
+    sealed.store(true, Ordering::Release);
+    command.progress.send_modify(|p| p.exited = Some(status));
+    if let Some(cg) = &command.cgroup
+        && !cg.populated()
+    {
+        cg.remove();
+    }
+    let Some(owner) = owner.upgrade() else { return };
+    let mut table = owner.table.lock().await;
+    table.finished.push_back(command.id.clone());
+    let keep = owner.core.cfg.finished_commands_kept;
+    while table.finished.len() > keep {
+        let Some(old) = table.finished.pop_front() else { break };
+        if let Some(c) = table.by_id.remove(&old) {
+            c.forget().await;
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Stream {
+    Out,
+    Err,
+}
+
+/// Copy a pipe into its spool up to `cap` bytes, counting everything.
+async fn pump(mut pipe: impl AsyncRead + Unpin, mut file: tokio::fs::File, cap: u64, which: Stream, progress: watch::Sender<Progress>, sealed: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; CHUNK];
+    let mut spooled = 0u64;
+    loop {
+        let n = match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if sealed.load(Ordering::Acquire) {
+            continue;
+        }
+        let keep = (cap - spooled).min(n as u64) as usize;
+        if keep > 0 {
+            if file.write_all(&buf[..keep]).await.is_err() || file.flush().await.is_err() {
+                return;
+            }
+            spooled += keep as u64;
+        }
+        progress.send_modify(|p| match which {
+            Stream::Out => {
+                p.out += keep as u64;
+                p.out_total += n as u64;
+            }
+            Stream::Err => {
+                p.err += keep as u64;
+                p.err_total += n as u64;
+            }
+        });
+    }
+}
+
+/// Copy a pty's output into the stdout spool. The master reads `EIO` once every slave
+/// descriptor is closed: that is its end of file.
+async fn pump_pty(master: Arc<AsyncFd<OwnedFd>>, mut file: tokio::fs::File, cap: u64, progress: watch::Sender<Progress>, sealed: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; CHUNK];
+    let mut spooled = 0u64;
+    loop {
+        let Ok(mut guard) = master.readable().await else { return };
+        let n = match guard.try_io(|fd| rustix::io::read(fd.get_ref(), &mut buf[..]).map_err(std::io::Error::from)) {
+            Ok(Ok(0)) | Ok(Err(_)) => return,
+            Ok(Ok(n)) => n,
+            Err(_would_block) => continue,
+        };
+        if sealed.load(Ordering::Acquire) {
+            continue;
+        }
+        let keep = (cap - spooled).min(n as u64) as usize;
+        if keep > 0 {
+            if file.write_all(&buf[..keep]).await.is_err() || file.flush().await.is_err() {
+                return;
+            }
+            spooled += keep as u64;
+        }
+        progress.send_modify(|p| {
+            p.out += keep as u64;
+            p.out_total += n as u64;
+        });
+    }
+}
+
+/// Poll `done` every few milliseconds until it holds or `limit` passes.
+async fn poll_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut every = Duration::from_millis(2);
+    loop {
+        if done() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(every).await;
+        every = (every * 2).min(Duration::from_millis(25));
+    }
+}
+
+// === impl LocalCommand ===
+
+/// What the command has produced so far (spooled bytes, and true totals).
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    out: u64,
+    err: u64,
+    out_total: u64,
+    err_total: u64,
+    exited: Option<ExitStatus>,
+}
+
+#[derive(Debug)]
+enum StdinSink {
+    Pipe(ChildStdin),
+    Pty(Arc<AsyncFd<OwnedFd>>),
+}
+
+/// One command of a local sandbox.
+#[derive(Debug)]
+pub struct LocalCommand {
+    id: String,
+    pid: u32,
+    info: ProcessInfo,
+    spool: PathBuf,
+    out_path: PathBuf,
+    err_path: PathBuf,
+    stdin: Mutex<Option<StdinSink>>,
+    pty: Option<Arc<AsyncFd<OwnedFd>>>,
+    progress: watch::Sender<Progress>,
+    cgroup: Option<Cgroup>,
+    grace: Duration,
+    verify: Duration,
+    /// Serializes `terminate()`, and remembers its first report (it is idempotent).
+    terminating: Mutex<Option<TerminateReport>>,
+}
+
+impl LocalCommand {
+    fn info(&self) -> ProcessInfo {
+        ProcessInfo { exit: self.try_status(), ..self.info.clone() }
+    }
+
+    /// Processes of the command still alive.
+    fn members(&self) -> Vec<i32> {
+        match &self.cgroup {
+            Some(cg) => cg.pids(),
+            None => group_members(self.pid as i32),
+        }
+    }
+
+    fn deliver(&self, sig: NixSignal) {
+        match &self.cgroup {
+            Some(cg) => {
+                cg.signal(sig);
+            }
+            None => {
+                signal_group(self.pid as i32, sig);
+                // Members that left the group but kept the session (pty commands).
+                for pid in group_members(self.pid as i32) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
+                }
+            }
+        }
+    }
+
+    fn kill_now(&self) {
+        match &self.cgroup {
+            Some(cg) => cg.kill_all(),
+            None => self.deliver(NixSignal::SIGKILL),
+        }
+    }
+
+    async fn wait_gone(&self, limit: Duration) -> bool {
+        poll_until(limit, || self.members().is_empty()).await
+    }
+
+    async fn wait_exited(&self) {
+        let mut rx = self.progress.subscribe();
+        let _ = rx.wait_for(|p| p.exited.is_some()).await;
+    }
+
+    /// Drop the spool and the cgroup of a command no longer remembered.
+    async fn forget(&self) {
+        let _ = tokio::fs::remove_dir_all(&self.spool).await;
+        if let Some(cg) = &self.cgroup {
+            cg.remove();
+        }
+    }
+
+    async fn write_pty(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> std::io::Result<()> {
+        while !data.is_empty() {
+            let mut guard = fd.writable().await?;
+            match guard.try_io(|fd| rustix::io::write(fd.get_ref(), data).map_err(std::io::Error::from)) {
+                Ok(Ok(n)) => data = &data[n..],
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn to_nix(signal: Signal) -> NixSignal {
+    match signal {
+        Signal::Term => NixSignal::SIGTERM,
+        Signal::Kill => NixSignal::SIGKILL,
+        Signal::Int => NixSignal::SIGINT,
+        Signal::Hup => NixSignal::SIGHUP,
+        Signal::Quit => NixSignal::SIGQUIT,
+        Signal::Usr1 => NixSignal::SIGUSR1,
+        Signal::Usr2 => NixSignal::SIGUSR2,
+        Signal::Stop => NixSignal::SIGSTOP,
+        Signal::Cont => NixSignal::SIGCONT,
+    }
+}
+
+#[async_trait]
+impl ProcessHandle for LocalCommand {
+    fn command_id(&self) -> &str {
+        &self.id
+    }
+
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn events(&self, from: StreamOffsets) -> EventStream {
+        let reader = Reader {
+            started: (from == StreamOffsets::default()).then(|| ProcessEvent::Started { command_id: self.id.clone(), pid: self.pid }),
+            rx: self.progress.subscribe(),
+            out: SpoolCursor::new(self.out_path.clone(), from.stdout),
+            err: SpoolCursor::new(self.err_path.clone(), from.stderr),
+            out_kind: if self.pty.is_some() { StreamKind::Pty } else { StreamKind::Stdout },
+            done: false,
+        };
+        futures_util::stream::unfold(reader, |mut r| async move { r.next().await.map(|ev| (ev, r)) }).boxed()
+    }
+
+    async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()> {
+        let mut stdin = self.stdin.lock().await;
+        match stdin.as_mut() {
+            Some(StdinSink::Pipe(w)) => ctx
+                .run(async { w.write_all(&data).await.map_err(|e| spawn_failed("cannot write to stdin", Some(e))) })
+                .await
+                .map_err(|e| stdin_error(e, &self.id)),
+            Some(StdinSink::Pty(fd)) => {
+                let fd = fd.clone();
+                ctx.run(async move { Self::write_pty(&fd, &data).await.map_err(|e| spawn_failed("cannot write to the pty", Some(e))) })
+                    .await
+                    .map_err(|e| stdin_error(e, &self.id))
+            }
+            None => Err(ProviderError::InvalidRequest { message: format!("command {} has no open stdin", self.id) }),
+        }
+    }
+
+    async fn close_stdin(&self, ctx: &CallCtx) -> Result<()> {
+        let mut stdin = self.stdin.lock().await;
+        match stdin.take() {
+            Some(StdinSink::Pipe(mut w)) => {
+                let _ = w.shutdown().await;
+                Ok(())
+            }
+            // A pty has no half-close: send the end-of-file character instead.
+            Some(StdinSink::Pty(fd)) => {
+                let r = ctx.run(async { Self::write_pty(&fd, &[PTY_EOF]).await.map_err(|e| spawn_failed("cannot write to the pty", Some(e))) }).await;
+                *stdin = Some(StdinSink::Pty(fd));
+                r
+            }
+            None => Ok(()),
+        }
+    }
+
+    async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()> {
+        ctx.check()?;
+        if !self.members().is_empty() {
+            self.deliver(to_nix(signal));
+        }
+        Ok(())
+    }
+
+    async fn resize(&self, ctx: &CallCtx, size: PtySize) -> Result<()> {
+        ctx.check()?;
+        let Some(fd) = &self.pty else {
+            return Err(ProviderError::InvalidRequest { message: format!("command {} has no pty", self.id) });
+        };
+        if size.rows == 0 || size.cols == 0 {
+            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+        }
+        set_winsize(fd.get_ref(), size.rows, size.cols).map_err(|e| internal("cannot resize the pty", e))
+    }
+
+    /// Runs to completion whatever `ctx` says: it is the cleanup that follows a cancel.
+    /// Bounded by the grace period plus `kill_verify_ms`.
+    async fn terminate(&self, _ctx: &CallCtx) -> Result<TerminateReport> {
+        let mut done = self.terminating.lock().await;
+        if let Some(r) = *done
+            && self.members().is_empty()
+        {
+            return Ok(r);
+        }
+        let mut report = TerminateReport::default();
+        if !self.members().is_empty() {
+            self.deliver(NixSignal::SIGTERM);
+            // A stopped process would never act on SIGTERM.
+            self.deliver(NixSignal::SIGCONT);
+            report.term_sent = true;
+            if !self.wait_gone(self.grace).await {
+                self.kill_now();
+                report.killed = true;
+                self.wait_gone(self.verify).await;
+            }
+        }
+        let survivors = self.members();
+        report.survivors = survivors.len() as u32;
+        if !survivors.is_empty() {
+            tracing::warn!(command.id = %self.id, survivors = ?survivors, "Processes survived terminate");
+        }
+        let _ = tokio::time::timeout(self.verify, self.wait_exited()).await;
+        *done = Some(report);
+        Ok(report)
+    }
+
+    async fn wait(&self, ctx: &CallCtx) -> Result<ExitStatus> {
+        let mut rx = self.progress.subscribe();
+        tokio::select! {
+            r = rx.wait_for(|p| p.exited.is_some()) => match r {
+                Ok(p) => p.exited.ok_or_else(|| internal("exit status vanished", std::io::Error::other("none"))),
+                Err(e) => Err(internal("the command's supervisor is gone", e)),
+            },
+            _ = ctx.cancel.cancelled() => Err(ctx.check().err().unwrap_or(ProviderError::Cancelled {
+                reason: tether_provider::clock::CancelReason::Caller("wait"),
+            })),
+        }
+    }
+
+    fn try_status(&self) -> Option<ExitStatus> {
+        self.progress.borrow().exited
+    }
+}
+
+fn stdin_error(e: ProviderError, id: &str) -> ProviderError {
+    match e {
+        ProviderError::SpawnFailed { source: Some(io), .. } if io.kind() == std::io::ErrorKind::BrokenPipe => {
+            ProviderError::InvalidRequest { message: format!("command {id} closed its stdin") }
+        }
+        e => e,
+    }
+}
+
+// === impl Reader ===
+
+/// A read position in one spool file.
+struct SpoolCursor {
+    path: PathBuf,
+    file: Option<Arc<std::fs::File>>,
+    pos: u64,
+}
+
+impl SpoolCursor {
+    fn new(path: PathBuf, pos: u64) -> Self {
+        Self { path, file: None, pos }
+    }
+
+    /// Read the next chunk below `available`.
+    async fn read(&mut self, available: u64) -> Result<Option<(u64, Vec<u8>)>> {
+        if self.pos >= available {
+            return Ok(None);
+        }
+        let file = match &self.file {
+            Some(f) => f.clone(),
+            None => {
+                let f = Arc::new(std::fs::File::open(&self.path).map_err(|e| internal("cannot open the output spool", e))?);
+                self.file = Some(f.clone());
+                f
+            }
+        };
+        let pos = self.pos;
+        let want = (available - pos).min(CHUNK as u64) as usize;
+        let data = tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; want];
+            let n = file.read_at(&mut buf, pos)?;
+            buf.truncate(n);
+            Ok::<_, std::io::Error>(buf)
+        })
+        .await
+        .map_err(crate::error::join)?
+        .map_err(|e| internal("cannot read the output spool", e))?;
+        if data.is_empty() {
+            return Err(internal("the output spool is shorter than reported", std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+        }
+        self.pos += data.len() as u64;
+        Ok(Some((pos, data)))
+    }
+}
+
+/// One independent reader of a command's events.
+struct Reader {
+    started: Option<ProcessEvent>,
+    rx: watch::Receiver<Progress>,
+    out: SpoolCursor,
+    err: SpoolCursor,
+    out_kind: StreamKind,
+    done: bool,
+}
+
+impl Reader {
+    async fn next(&mut self) -> Option<Result<ProcessEvent>> {
+        if self.done {
+            return None;
+        }
+        if let Some(ev) = self.started.take() {
+            return Some(Ok(ev));
+        }
+        loop {
+            let p = *self.rx.borrow_and_update();
+            match self.out.read(p.out).await {
+                Ok(Some((offset, data))) => return Some(Ok(ProcessEvent::Output { stream: self.out_kind, offset, data })),
+                Ok(None) => {}
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+            match self.err.read(p.err).await {
+                Ok(Some((offset, data))) => return Some(Ok(ProcessEvent::Output { stream: StreamKind::Stderr, offset, data })),
+                Ok(None) => {}
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+            if let Some(status) = p.exited {
+                self.done = true;
+                return Some(Ok(ProcessEvent::Exited { status, stdout_bytes: p.out_total, stderr_bytes: p.err_total }));
+            }
+            if self.rx.changed().await.is_err() {
+                self.done = true;
+                return Some(Err(ProviderError::CommandNotFound { id: "the command is gone".into() }));
+            }
+        }
+    }
+}
