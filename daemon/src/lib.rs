@@ -1,1 +1,25 @@
-//! tetherd.
+//! tetherd, the tether daemon, as a library (the `tetherd` and `tether` binaries are thin
+//! wrappers over it).
+//!
+//! It holds the configuration, the HTTP server (the native API and the E2B front), the
+//! session store and its crash-safe logs, the tool pipeline and its guards, command
+//! execution with its clocks, leases, and telemetry. It must not contain provider
+//! (backend) code: providers are reached only through the `tether-provider` seam.
+
+pub mod api;
+pub mod cli;
+pub mod config;
+pub mod e2b_front;
+pub mod error;
+pub mod exec;
+pub mod invariants;
+pub mod leases;
+pub mod pipeline;
+pub mod providers;
+pub mod server;
+pub mod session;
+pub mod sessions;
+pub mod state;
+pub mod telemetry;
+#[cfg(test)]
+pub(crate) mod testutil;

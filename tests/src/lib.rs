@@ -1,1 +1,135 @@
-//! Shared helpers of the end-to-end tests.
+//! Shared helpers of tether's end-to-end tests: an in-process daemon on an ephemeral port
+//! with its own state directory, a JSON client, and `wait_until`.
+//!
+//! Everything here runs real components: the daemon, the local provider, real files and
+//! processes. Nothing is mocked.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tether_daemon::config::Config;
+use tether_daemon::server::{Daemon, RunningDaemon};
+
+pub mod fault_proxy;
+pub mod otlp;
+
+/// The workspace root (for scripts and fixtures).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// A daemon running in this process, with a temporary state dir.
+#[derive(Debug)]
+pub struct TestDaemon {
+    /// The daemon.
+    pub daemon: Option<RunningDaemon>,
+    /// Its state dir (removed on drop).
+    pub dir: tempfile::TempDir,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// An HTTP client.
+    pub http: reqwest::Client,
+}
+
+impl TestDaemon {
+    /// Start with the default config (local provider).
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Start with a config adjusted by `f` (state dir and listener are set here).
+    pub async fn start_with(f: impl FnOnce(&mut Config)) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        Self::start_in(dir, f).await
+    }
+
+    /// Start on an existing state dir (restart tests).
+    pub async fn start_in(dir: tempfile::TempDir, f: impl FnOnce(&mut Config)) -> Self {
+        let mut cfg = Config::default();
+        cfg.server.state_dir = dir.path().to_owned();
+        cfg.server.shutdown_grace_ms = 5_000;
+        f(&mut cfg);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let daemon = Daemon::start_on(cfg, listener).await.expect("daemon start");
+        let base = daemon.base_url();
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().expect("client");
+        Self { daemon: Some(daemon), dir, base, http }
+    }
+
+    /// `base + path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// POST JSON, return (status, JSON body or Null).
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self.http.post(self.url(path)).json(&body).send().await.expect("send");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// GET, return (status, JSON body or Null).
+    pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let r = self.http.get(self.url(path)).send().await.expect("send");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// Create a session on the local provider, return its id.
+    pub async fn new_session(&self) -> String {
+        let (st, body) = self.post("/v1/sessions", serde_json::json!({})).await;
+        assert_eq!(st, 201, "create session: {body}");
+        body["id"].as_str().expect("id").to_owned()
+    }
+
+    /// Graceful shutdown; returns the state dir for a restart.
+    pub async fn stop(mut self) -> tempfile::TempDir {
+        if let Some(d) = self.daemon.take() {
+            d.shutdown().await;
+        }
+        self.dir
+    }
+}
+
+/// Poll `f` until it returns true or `timeout` passes; panics with `what` on timeout.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The error code of an error body.
+pub fn code(body: &serde_json::Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("<no code>")
+}
+
+/// Path of a workspace binary (`tetherd`, `tether`), built first if needed. Used by tests
+/// that must run the daemon as a separate process (crash tests).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let root = workspace_root();
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "-q", "-p", "tether-daemon", "--bin", name])
+        .current_dir(&root)
+        .status()
+        .expect("run cargo build");
+    assert!(status.success(), "cargo build of {name} failed");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let path = target.join("debug").join(name);
+    assert!(path.exists(), "{} missing", path.display());
+    path
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; good enough for a child process).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}

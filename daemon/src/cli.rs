@@ -1,0 +1,469 @@
+//! `tether`, the command-line client of the native API.
+//!
+//! `tether run -- CMD` is tether's main job in one command: it starts an embedded daemon
+//! on the local provider (unless `--url` names a running one), leases a sandbox, runs the
+//! command there, prints its output, exit code and the time each step took, and cleans up.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use futures_util::StreamExt;
+use tether_protocol::api::*;
+use tether_protocol::events::Event;
+use tether_protocol::process::{ProcessEvent, StreamKind};
+use tokio::io::AsyncWriteExt;
+use tokio::time::Instant;
+
+/// The tether CLI.
+#[derive(Debug, Parser)]
+#[command(name = "tether", version, about = "Client of tetherd, the remote-sandbox orchestration daemon")]
+pub struct Cli {
+    /// The daemon's URL.
+    #[arg(long, env = "TETHER_URL", default_value = "http://127.0.0.1:7420", global = true)]
+    pub url: String,
+    /// Bearer token for the native API.
+    #[arg(long, env = "TETHER_TOKEN", global = true, hide_env_values = true)]
+    pub token: Option<String>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Run one command in a fresh sandbox and print its output, exit code and timings.
+    /// Starts an embedded daemon on the local provider unless `--url` is given explicitly.
+    Run {
+        /// Use the daemon at --url instead of an embedded one.
+        #[arg(long)]
+        remote: bool,
+        /// Provider name.
+        #[arg(long)]
+        provider: Option<String>,
+        /// The command and its arguments.
+        #[arg(trailing_var_arg = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Manage sessions.
+    Sessions {
+        /// new, ls or rm.
+        #[command(subcommand)]
+        op: SessionsOp,
+    },
+    /// Run a command in a session, stream its output, exit with its code.
+    Exec {
+        /// Session id.
+        session: String,
+        /// Total deadline, ms.
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// The command and its arguments.
+        #[arg(trailing_var_arg = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Call one tool: `tether call SESSION bash '{"command":"ls"}'`.
+    Call {
+        /// Session id.
+        session: String,
+        /// Tool name.
+        tool: String,
+        /// Arguments, a JSON object.
+        arguments: String,
+    },
+    /// Print a session's log; `-f` follows it.
+    Logs {
+        /// Session id.
+        session: String,
+        /// Follow.
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Fork a session.
+    Fork {
+        /// Session id.
+        session: String,
+        /// Inclusive boundary seq.
+        #[arg(long)]
+        at: Option<u64>,
+    },
+    /// Copy a file to or from a session: `tether cp ./a SESSION:/home/user/a` or back.
+    Cp {
+        /// Source: a local path or SESSION:PATH.
+        src: String,
+        /// Destination: a local path or SESSION:PATH.
+        dst: String,
+    },
+}
+
+/// `tether sessions ...`.
+#[derive(Debug, Subcommand)]
+pub enum SessionsOp {
+    /// Create a session.
+    New {
+        /// Provider name.
+        #[arg(long)]
+        provider: Option<String>,
+        /// TTL without activity, seconds.
+        #[arg(long)]
+        ttl: Option<u64>,
+    },
+    /// List sessions.
+    Ls,
+    /// Close a session (destroys its sandbox).
+    Rm {
+        /// Session id.
+        session: String,
+    },
+}
+
+/// A CLI failure: a message and the exit code.
+#[derive(Debug)]
+pub struct CliError {
+    /// What went wrong.
+    pub message: String,
+    /// Exit code.
+    pub code: i32,
+}
+
+impl<E: std::fmt::Display> From<E> for CliError {
+    fn from(e: E) -> Self {
+        Self { message: e.to_string(), code: 1 }
+    }
+}
+
+/// An HTTP client of the native API.
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Client {
+    /// A client of the daemon at `base`.
+    pub fn new(base: &str, token: Option<String>) -> Result<Self, CliError> {
+        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build()?;
+        Ok(Self { base: base.trim_end_matches('/').to_owned(), token, http })
+    }
+
+    fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(m, format!("{}{}", self.base, path));
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    async fn check(resp: reqwest::Response) -> Result<reqwest::Response, CliError> {
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        let msg = serde_json::from_str::<tether_protocol::ErrorBody>(&text)
+            .map(|b| format!("{}: {}", b.error.code, b.error.message))
+            .unwrap_or_else(|_| format!("HTTP {status}: {text}"));
+        Err(CliError { message: msg, code: 1 })
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(rb: reqwest::RequestBuilder) -> Result<T, CliError> {
+        Ok(Self::check(rb.send().await?).await?.json::<T>().await?)
+    }
+
+    /// Create a session.
+    pub async fn create_session(&self, req: &CreateSessionRequest) -> Result<SessionInfo, CliError> {
+        Self::json(self.req(reqwest::Method::POST, "/v1/sessions").json(req)).await
+    }
+
+    /// Close a session.
+    pub async fn delete_session(&self, id: &str) -> Result<(), CliError> {
+        Self::check(self.req(reqwest::Method::DELETE, &format!("/v1/sessions/{id}")).send().await?).await?;
+        Ok(())
+    }
+
+    /// Start a process.
+    pub async fn start_process(&self, id: &str, req: &StartProcessRequest) -> Result<StartProcessResponse, CliError> {
+        Self::json(self.req(reqwest::Method::POST, &format!("/v1/sessions/{id}/processes")).json(req)).await
+    }
+
+    /// Follow a process's output, writing it to stdout/stderr; returns the exit code.
+    pub async fn stream_output(&self, id: &str, cid: &str) -> Result<Option<i32>, CliError> {
+        let resp = Self::check(
+            self.req(reqwest::Method::GET, &format!("/v1/sessions/{id}/processes/{cid}/output?follow=true")).send().await?,
+        )
+        .await?;
+        let mut stdout = tokio::io::stdout();
+        let mut stderr = tokio::io::stderr();
+        let mut code = None;
+        let mut lines = ndjson_lines(resp);
+        while let Some(line) = lines.next().await {
+            match serde_json::from_slice::<ProcessEvent>(&line?)? {
+                ProcessEvent::Output { stream: StreamKind::Stderr, data, .. } => {
+                    stderr.write_all(&data).await?;
+                    stderr.flush().await?;
+                }
+                ProcessEvent::Output { data, .. } => {
+                    stdout.write_all(&data).await?;
+                    stdout.flush().await?;
+                }
+                ProcessEvent::Exited { status, .. } => code = status.code.or(status.signal.map(|s| 128 + s)),
+                ProcessEvent::Started { .. } => {}
+            }
+        }
+        Ok(code)
+    }
+}
+
+fn ndjson_lines(resp: reqwest::Response) -> futures_util::stream::BoxStream<'static, Result<Vec<u8>, CliError>> {
+    let body = resp.bytes_stream().boxed();
+    futures_util::stream::unfold((body, Vec::<u8>::new(), false), |(mut body, mut buf, mut done)| async move {
+        loop {
+            if let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+                let mut line: Vec<u8> = buf.drain(..=pos).collect();
+                line.pop();
+                if line.is_empty() {
+                    continue;
+                }
+                return Some((Ok(line), (body, buf, done)));
+            }
+            if done {
+                if buf.is_empty() {
+                    return None;
+                }
+                let line = std::mem::take(&mut buf);
+                return Some((Ok(line), (body, buf, true)));
+            }
+            match body.next().await {
+                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                Some(Err(e)) => return Some((Err(CliError::from(e)), (body, Vec::new(), true))),
+                None => done = true,
+            }
+        }
+    })
+    .boxed()
+}
+
+fn split_remote(s: &str) -> Option<(&str, &str)> {
+    let (sess, path) = s.split_once(':')?;
+    if sess.is_empty() || sess.contains('/') || path.is_empty() {
+        return None;
+    }
+    Some((sess, path))
+}
+
+/// Run the CLI; returns the process exit code.
+pub async fn run(cli: Cli) -> i32 {
+    match dispatch(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tether: {}", e.message);
+            e.code
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<i32, CliError> {
+    let client = Client::new(&cli.url, cli.token.clone())?;
+    match cli.command {
+        Cmd::Run { remote, provider, argv } => run_main_job(&cli.url, cli.token, remote, provider, argv).await,
+        Cmd::Sessions { op: SessionsOp::New { provider, ttl } } => {
+            let s = client.create_session(&CreateSessionRequest { provider, ttl_s: ttl, ..Default::default() }).await?;
+            println!("{}", s.id);
+            Ok(0)
+        }
+        Cmd::Sessions { op: SessionsOp::Ls } => {
+            let l: ListSessionsResponse = Client::json(client.req(reqwest::Method::GET, "/v1/sessions")).await?;
+            println!("{:<22} {:<10} {:<9} {:>7}  SANDBOX", "ID", "PROVIDER", "STATE", "EVENTS");
+            for s in l.sessions {
+                println!("{:<22} {:<10} {:<9} {:>7}  {}", s.id, s.provider, s.state, s.events, s.sandbox_id.unwrap_or_default());
+            }
+            Ok(0)
+        }
+        Cmd::Sessions { op: SessionsOp::Rm { session } } => {
+            client.delete_session(&session).await?;
+            Ok(0)
+        }
+        Cmd::Exec { session, timeout_ms, argv } => {
+            let p = client
+                .start_process(&session, &StartProcessRequest {
+                    cmd: None,
+                    argv: Some(argv),
+                    cwd: None,
+                    env: Default::default(),
+                    stdin: Default::default(),
+                    timeout_ms,
+                    idle_timeout_ms: None,
+                    pty: None,
+                    command_id: None,
+                })
+                .await?;
+            Ok(client.stream_output(&session, &p.command_id).await?.unwrap_or(1))
+        }
+        Cmd::Call { session, tool, arguments } => {
+            let args: serde_json::Value = serde_json::from_str(&arguments)?;
+            let req = ToolCallsRequest {
+                calls: vec![ToolCallRequest { id: format!("cli-{}", uuid::Uuid::new_v4().simple()), name: tool, arguments: args }],
+            };
+            let r: ToolCallsResponse =
+                Client::json(client.req(reqwest::Method::POST, &format!("/v1/sessions/{session}/tool-calls")).json(&req)).await?;
+            println!("{}", serde_json::to_string_pretty(&r.results)?);
+            Ok(if r.results.iter().any(|r| r.is_error) { 1 } else { 0 })
+        }
+        Cmd::Logs { session, follow } => {
+            let resp = Client::check(
+                client.req(reqwest::Method::GET, &format!("/v1/sessions/{session}/events?follow={follow}")).send().await?,
+            )
+            .await?;
+            let mut lines = ndjson_lines(resp);
+            while let Some(line) = lines.next().await {
+                let e: Event = serde_json::from_slice(&line?)?;
+                println!("{}", serde_json::to_string(&e)?);
+            }
+            Ok(0)
+        }
+        Cmd::Fork { session, at } => {
+            let s: SessionInfo = Client::json(
+                client.req(reqwest::Method::POST, &format!("/v1/sessions/{session}/fork")).json(&ForkRequest { at_seq: at }),
+            )
+            .await?;
+            println!("{}", s.id);
+            Ok(0)
+        }
+        Cmd::Cp { src, dst } => copy(&client, &src, &dst).await,
+    }
+}
+
+fn progress(len: u64, label: &str) -> indicatif::ProgressBar {
+    // A bar only for files large enough to be worth watching.
+    if len < 8 * 1024 * 1024 {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}") {
+        pb.set_style(style);
+    }
+    pb.set_message(label.to_owned());
+    pb
+}
+
+async fn copy(client: &Client, src: &str, dst: &str) -> Result<i32, CliError> {
+    match (split_remote(src), split_remote(dst)) {
+        (None, Some((sess, path))) => {
+            let file = tokio::fs::File::open(src).await?;
+            let len = file.metadata().await?.len();
+            let pb = progress(len, "upload");
+            let pb2 = pb.clone();
+            let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024).inspect(move |c| {
+                if let Ok(c) = c {
+                    pb2.inc(c.len() as u64);
+                }
+            });
+            let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));
+            Client::check(client.req(reqwest::Method::PUT, &url).body(reqwest::Body::wrap_stream(stream)).send().await?).await?;
+            pb.finish_and_clear();
+            eprintln!("uploaded {len} bytes to {sess}:{path}");
+            Ok(0)
+        }
+        (Some((sess, path)), None) => {
+            let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));
+            let resp = Client::check(client.req(reqwest::Method::GET, &url).send().await?).await?;
+            let len = resp.content_length().unwrap_or(0);
+            let pb = progress(len, "download");
+            let tmp = PathBuf::from(format!("{dst}.tether-part"));
+            let mut f = tokio::fs::File::create(&tmp).await?;
+            let mut body = resp.bytes_stream();
+            let mut n: u64 = 0;
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk?;
+                n += chunk.len() as u64;
+                pb.inc(chunk.len() as u64);
+                f.write_all(&chunk).await?;
+            }
+            f.sync_all().await?;
+            tokio::fs::rename(&tmp, dst).await?;
+            pb.finish_and_clear();
+            eprintln!("downloaded {n} bytes from {sess}:{path}");
+            Ok(0)
+        }
+        _ => Err(CliError { message: "exactly one of SRC and DST must be SESSION:PATH".into(), code: 2 }),
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+async fn run_main_job(url: &str, token: Option<String>, remote: bool, provider: Option<String>, argv: Vec<String>) -> Result<i32, CliError> {
+    let t0 = Instant::now();
+    let mut embedded = None;
+    let mut _state_dir = None;
+    let base = if remote {
+        url.to_owned()
+    } else {
+        let dir = tempfile::Builder::new().prefix("tether-run-").tempdir()?;
+        let mut cfg = crate::config::Config::default();
+        cfg.server.state_dir = dir.path().to_owned();
+        cfg.server.on_shutdown = crate::config::ShutdownPolicy::Release;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let d = crate::server::Daemon::start_on(cfg, listener).await.map_err(|e| CliError { message: e.to_string(), code: 1 })?;
+        let base = d.base_url();
+        embedded = Some(d);
+        _state_dir = Some(dir);
+        base
+    };
+    let t_daemon = t0.elapsed();
+    let client = Client::new(&base, token)?;
+    let t1 = Instant::now();
+    let s = client.create_session(&CreateSessionRequest { provider, ..Default::default() }).await?;
+    let t_create = t1.elapsed();
+    eprintln!("[tether] sandbox {} on provider {} (isolation: {})", s.sandbox_id.as_deref().unwrap_or("?"), s.provider, s.enforcement.as_deref().unwrap_or("?"));
+    let t2 = Instant::now();
+    let p = client
+        .start_process(&s.id, &StartProcessRequest {
+            cmd: None,
+            argv: Some(argv),
+            cwd: None,
+            env: Default::default(),
+            stdin: Default::default(),
+            timeout_ms: Some(600_000),
+            idle_timeout_ms: None,
+            pty: None,
+            command_id: None,
+        })
+        .await?;
+    let code = client.stream_output(&s.id, &p.command_id).await?;
+    let t_run = t2.elapsed();
+    let t3 = Instant::now();
+    client.delete_session(&s.id).await?;
+    let t_destroy = t3.elapsed();
+    if let Some(d) = embedded {
+        d.shutdown().await;
+    }
+    let mut err = std::io::stderr();
+    let _ = writeln!(err, "[tether] exit code: {}", code.map_or("none".to_owned(), |c| c.to_string()));
+    let _ = writeln!(
+        err,
+        "[tether] timings: daemon start {:.1} ms, sandbox create {:.1} ms, command {:.1} ms, sandbox destroy {:.1} ms, total {:.1} ms",
+        ms(t_daemon),
+        ms(t_create),
+        ms(t_run),
+        ms(t_destroy),
+        ms(t0.elapsed())
+    );
+    Ok(code.unwrap_or(1))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}

@@ -1,0 +1,425 @@
+//! The daemon's configuration: one typed tree, TOML on disk, validated at load.
+//!
+//! Every field has a documented default; unknown fields are refused. `tetherd
+//! validate-config` loads and validates a file and exits 64 (`EX_USAGE`) when it is
+//! invalid. Command-line flags (`--listen`, `--state-dir`) override the file.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Default listen address of the native API and the E2B front.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7420";
+/// Default state directory (session logs, lease ledger, local sandboxes).
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/tether";
+/// Default limit of a JSON request body.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 8 * 1024 * 1024;
+/// Default limit of an uploaded file.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
+/// Default grace period of a graceful shutdown.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listener, state and shutdown.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// Limits of tool calls and commands.
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    /// The provider sessions use when a request names none (default `local`).
+    #[serde(default = "default_provider")]
+    pub default_provider: String,
+    /// Named providers. `local` exists even when not listed.
+    #[serde(default)]
+    pub providers: BTreeMap<String, ProviderConfig>,
+    /// Tool pipeline and guards.
+    #[serde(default)]
+    pub pipeline: crate::pipeline::PipelineConfig,
+    /// Runtime invariants.
+    #[serde(default)]
+    pub invariants: crate::invariants::InvariantsConfig,
+    /// Telemetry (traces, metrics, logs).
+    #[serde(default)]
+    pub telemetry: crate::telemetry::TelemetryConfig,
+    /// The E2B-compatible API.
+    #[serde(default)]
+    pub e2b_front: E2bFrontConfig,
+    /// Sandbox leases.
+    #[serde(default)]
+    pub leases: LeaseConfig,
+}
+
+fn default_provider() -> String {
+    "local".to_owned()
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            server: ServerConfig::default(),
+            limits: LimitsConfig::default(),
+            default_provider: default_provider(),
+            providers: BTreeMap::new(),
+            pipeline: Default::default(),
+            invariants: Default::default(),
+            telemetry: Default::default(),
+            e2b_front: E2bFrontConfig::default(),
+            leases: LeaseConfig::default(),
+        }
+    }
+}
+
+/// What to do with live sandboxes when the daemon shuts down.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShutdownPolicy {
+    /// Keep sandboxes (and their leases) so sessions resume after a restart.
+    #[default]
+    Keep,
+    /// Destroy every sandbox.
+    Release,
+}
+
+/// Listener, state and shutdown.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Listen address (HTTP/1.1 and h2c). Default `127.0.0.1:7420`.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// State directory. Default `/var/lib/tether`.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// Bearer tokens accepted by the native API. Required when `listen` is not loopback.
+    #[serde(default)]
+    pub auth_tokens: Vec<String>,
+    /// Largest JSON request body, bytes. Default 8 MiB.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: u64,
+    /// Largest uploaded file, bytes. Default 4 GiB.
+    #[serde(default = "default_max_file")]
+    pub max_file_bytes: u64,
+    /// Grace period to drain requests at shutdown, ms. Default 10 000.
+    #[serde(default = "default_grace")]
+    pub shutdown_grace_ms: u64,
+    /// What happens to sandboxes at shutdown. Default `keep`.
+    #[serde(default)]
+    pub on_shutdown: ShutdownPolicy,
+}
+
+fn default_listen() -> SocketAddr {
+    DEFAULT_LISTEN.parse().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 7420)))
+}
+fn default_state_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_STATE_DIR)
+}
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY_BYTES
+}
+fn default_max_file() -> u64 {
+    DEFAULT_MAX_FILE_BYTES
+}
+fn default_grace() -> u64 {
+    DEFAULT_SHUTDOWN_GRACE_MS
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            state_dir: default_state_dir(),
+            auth_tokens: Vec::new(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
+            on_shutdown: ShutdownPolicy::Keep,
+        }
+    }
+}
+
+/// Limits of commands and tool calls.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Default total deadline of a command, ms (`bash` tool and processes API). Default 120 000.
+    #[serde(default = "d_cmd_timeout")]
+    pub command_timeout_ms: u64,
+    /// Largest total deadline a caller may ask for, ms. Default 3 600 000.
+    #[serde(default = "d_cmd_max")]
+    pub command_timeout_max_ms: u64,
+    /// Default output-idle limit of a command, ms (no stdout/stderr for this long ends it
+    /// with IDLE_TIMEOUT). Default 300 000. 0 disables.
+    #[serde(default = "d_idle")]
+    pub output_idle_ms: u64,
+    /// Bytes of a command's output kept in a tool result (the tail). Default 64 000.
+    #[serde(default = "d_tool_output")]
+    pub tool_output_bytes: u64,
+    /// Largest file `read_file` returns, bytes. Default 4 MiB.
+    #[serde(default = "d_read_max")]
+    pub read_file_max_bytes: u64,
+    /// Total deadline of one file operation, ms. Default 60 000.
+    #[serde(default = "d_fs_op")]
+    pub fs_op_timeout_ms: u64,
+    /// Deadline of sandbox creation, ms. Default 120 000.
+    #[serde(default = "d_create")]
+    pub sandbox_create_timeout_ms: u64,
+}
+
+fn d_cmd_timeout() -> u64 {
+    120_000
+}
+fn d_cmd_max() -> u64 {
+    3_600_000
+}
+fn d_idle() -> u64 {
+    300_000
+}
+fn d_tool_output() -> u64 {
+    64_000
+}
+fn d_read_max() -> u64 {
+    4 * 1024 * 1024
+}
+fn d_fs_op() -> u64 {
+    60_000
+}
+fn d_create() -> u64 {
+    120_000
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            command_timeout_ms: d_cmd_timeout(),
+            command_timeout_max_ms: d_cmd_max(),
+            output_idle_ms: d_idle(),
+            tool_output_bytes: d_tool_output(),
+            read_file_max_bytes: d_read_max(),
+            fs_op_timeout_ms: d_fs_op(),
+            sandbox_create_timeout_ms: d_create(),
+        }
+    }
+}
+
+/// One named provider. Each provider crate owns its section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ProviderConfig {
+    /// Confined local processes.
+    Local(tether_provider_local::LocalConfig),
+    /// An E2B backend (E2B cloud or a self-hosted E2B-compatible one).
+    E2b(tether_provider_e2b::E2bConfig),
+}
+
+/// An API key of the E2B front and the tenant it names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// The key (`X-API-Key` or bearer).
+    pub key: String,
+    /// The tenant's name; sandboxes are visible only to keys of the same tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
+}
+
+/// The E2B-compatible API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct E2bFrontConfig {
+    /// Serve it. Default true.
+    #[serde(default = "d_true")]
+    pub enabled: bool,
+    /// Accepted API keys. Empty on a loopback listener: any key is accepted
+    /// (development mode, said at start-up). Empty on another listener: refused to start.
+    #[serde(default)]
+    pub api_keys: Vec<ApiKey>,
+    /// The provider E2B sandboxes run on. Default: `default_provider`.
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// The domain reported to SDKs (`49983-<id>.<domain>` routing). Default `localhost`.
+    #[serde(default = "d_domain")]
+    pub domain: String,
+    /// Sandbox timeout when the SDK sends none, seconds. Default 300.
+    #[serde(default = "d_e2b_timeout")]
+    pub default_timeout_s: u64,
+    /// Largest timeout an SDK may set, seconds. Default 86 400.
+    #[serde(default = "d_e2b_max_timeout")]
+    pub max_timeout_s: u64,
+}
+
+fn d_true() -> bool {
+    true
+}
+fn d_domain() -> String {
+    "localhost".to_owned()
+}
+fn d_e2b_timeout() -> u64 {
+    300
+}
+fn d_e2b_max_timeout() -> u64 {
+    86_400
+}
+
+impl Default for E2bFrontConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            api_keys: Vec::new(),
+            provider: None,
+            domain: d_domain(),
+            default_timeout_s: d_e2b_timeout(),
+            max_timeout_s: d_e2b_max_timeout(),
+        }
+    }
+}
+
+/// Sandbox leases.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseConfig {
+    /// Time to live of a session's sandbox without activity, seconds. Default 3600.
+    #[serde(default = "d_ttl")]
+    pub ttl_s: u64,
+    /// How often the reconciler compares the ledger with the providers, seconds. Default 60.
+    #[serde(default = "d_reconcile")]
+    pub reconcile_interval_s: u64,
+}
+
+fn d_ttl() -> u64 {
+    3_600
+}
+fn d_reconcile() -> u64 {
+    60
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self { ttl_s: d_ttl(), reconcile_interval_s: d_reconcile() }
+    }
+}
+
+/// An invalid configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not match the schema.
+    #[error("invalid configuration: {0}")]
+    Parse(#[from] toml::de::Error),
+    /// A value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Parse and validate TOML.
+    pub fn from_toml_str(s: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(s)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Read, parse and validate a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::from_toml_str(&s)
+    }
+
+    /// Check cross-field rules. Called by the loaders; call again after overrides.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let s = &self.server;
+        if !s.listen.ip().is_loopback() && s.auth_tokens.is_empty() {
+            return Err(ConfigError::Invalid(format!(
+                "listen address {} is not loopback: server.auth_tokens must not be empty",
+                s.listen
+            )));
+        }
+        if s.auth_tokens.iter().any(|t| t.len() < 16) {
+            return Err(ConfigError::Invalid("server.auth_tokens: every token must be at least 16 characters".into()));
+        }
+        if self.e2b_front.enabled && !s.listen.ip().is_loopback() && self.e2b_front.api_keys.is_empty() {
+            return Err(ConfigError::Invalid(
+                "e2b_front is enabled on a non-loopback listener: e2b_front.api_keys must not be empty".into(),
+            ));
+        }
+        if s.max_body_bytes == 0 || s.max_file_bytes == 0 {
+            return Err(ConfigError::Invalid("server.max_body_bytes and max_file_bytes must be positive".into()));
+        }
+        let l = &self.limits;
+        if l.command_timeout_ms == 0 || l.command_timeout_max_ms < l.command_timeout_ms {
+            return Err(ConfigError::Invalid(
+                "limits.command_timeout_ms must be positive and at most limits.command_timeout_max_ms".into(),
+            ));
+        }
+        if l.tool_output_bytes == 0 || l.read_file_max_bytes == 0 || l.fs_op_timeout_ms == 0 {
+            return Err(ConfigError::Invalid("limits: byte limits and fs_op_timeout_ms must be positive".into()));
+        }
+        if !self.providers.contains_key(&self.default_provider) && self.default_provider != "local" {
+            return Err(ConfigError::Invalid(format!(
+                "default_provider {:?} is not a configured provider",
+                self.default_provider
+            )));
+        }
+        if let Some(p) = &self.e2b_front.provider
+            && !self.providers.contains_key(p)
+            && p != "local"
+        {
+            return Err(ConfigError::Invalid(format!("e2b_front.provider {p:?} is not a configured provider")));
+        }
+        if self.e2b_front.default_timeout_s == 0 || self.e2b_front.max_timeout_s < self.e2b_front.default_timeout_s {
+            return Err(ConfigError::Invalid("e2b_front: default_timeout_s must be positive and <= max_timeout_s".into()));
+        }
+        self.pipeline.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        crate::invariants::Invariants::new(&self.invariants).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.telemetry.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_is_the_documented_defaults() {
+        let c = Config::from_toml_str("").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.server.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.default_provider, "local");
+        assert_eq!(c.limits.command_timeout_ms, 120_000);
+        assert!(c.e2b_front.enabled);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        assert!(matches!(Config::from_toml_str("[server]\nlisten_addr = \"x\""), Err(ConfigError::Parse(_))));
+        assert!(matches!(Config::from_toml_str("bogus = 1"), Err(ConfigError::Parse(_))));
+    }
+
+    #[test]
+    fn non_loopback_needs_a_token() {
+        let e = Config::from_toml_str("[server]\nlisten = \"0.0.0.0:7420\"").unwrap_err();
+        assert!(matches!(e, ConfigError::Invalid(_)));
+        let ok = Config::from_toml_str(
+            "[server]\nlisten = \"0.0.0.0:7420\"\nauth_tokens = [\"0123456789abcdef\"]\n[e2b_front]\napi_keys = [{key = \"k\"}]",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
+    fn unknown_default_provider_is_refused() {
+        assert!(matches!(Config::from_toml_str("default_provider = \"nope\""), Err(ConfigError::Invalid(_))));
+    }
+}

@@ -1,0 +1,215 @@
+//! The daemon's error type and the one function that maps every error to an HTTP status
+//! and a stable code.
+
+use http::StatusCode;
+use tether_protocol::{ErrorBody, ErrorCode, ErrorDetail};
+use tether_provider::ProviderError;
+
+use crate::session::LogError;
+
+/// Result alias of the daemon.
+pub type Result<T, E = DaemonError> = std::result::Result<T, E>;
+
+/// An error of a daemon operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The request is malformed.
+    #[error("invalid request: {message}")]
+    InvalidRequest {
+        /// What is wrong.
+        message: String,
+    },
+    /// Missing or wrong credentials.
+    #[error("missing or invalid credentials")]
+    Unauthorized,
+    /// Valid credentials without access to the resource.
+    #[error("access denied")]
+    Forbidden,
+    /// No such route.
+    #[error("no such route")]
+    RouteNotFound,
+    /// Wrong method for the route.
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    /// The body is over the limit.
+    #[error("request body is larger than {limit} bytes")]
+    PayloadTooLarge {
+        /// The limit.
+        limit: u64,
+    },
+    /// No such session.
+    #[error("session {id} not found")]
+    SessionNotFound {
+        /// The id.
+        id: String,
+    },
+    /// The session has no sandbox (it was lost and could not be reconnected).
+    #[error("session {id} has no sandbox: {why}")]
+    Detached {
+        /// The session id.
+        id: String,
+        /// Why.
+        why: String,
+    },
+    /// No such command in the session.
+    #[error("command {id} not found")]
+    CommandNotFound {
+        /// The id.
+        id: String,
+    },
+    /// The request conflicts with the state.
+    #[error("conflict: {message}")]
+    Conflict {
+        /// What conflicts.
+        message: String,
+    },
+    /// A provider error.
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    /// A session-log error.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// A runtime invariant was violated.
+    #[error("invariant {module}/{check} violated: {message}")]
+    Invariant {
+        /// The owning module.
+        module: &'static str,
+        /// The check.
+        check: &'static str,
+        /// What was found.
+        message: String,
+    },
+    /// The daemon is shutting down.
+    #[error("the daemon is shutting down")]
+    ShuttingDown,
+    /// An internal error.
+    #[error("internal error: {message}")]
+    Internal {
+        /// What happened (logged, not returned).
+        message: String,
+    },
+}
+
+impl DaemonError {
+    /// Shorthand for an invalid request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidRequest { message: message.into() }
+    }
+
+    /// Shorthand for an internal error.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::Internal { message: message.into() }
+    }
+
+    /// The stable code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::InvalidRequest { .. } => ErrorCode::InvalidRequest,
+            Self::Unauthorized => ErrorCode::Unauthorized,
+            Self::Forbidden => ErrorCode::Forbidden,
+            Self::RouteNotFound => ErrorCode::NotFound,
+            Self::MethodNotAllowed => ErrorCode::MethodNotAllowed,
+            Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            Self::SessionNotFound { .. } => ErrorCode::SessionNotFound,
+            Self::Detached { .. } => ErrorCode::SandboxNotFound,
+            Self::CommandNotFound { .. } => ErrorCode::CommandNotFound,
+            Self::Conflict { .. } => ErrorCode::Conflict,
+            Self::Provider(e) => e.code(),
+            Self::Log(e) => e.code(),
+            Self::Invariant { .. } => ErrorCode::Invariant,
+            Self::ShuttingDown => ErrorCode::ShuttingDown,
+            Self::Internal { .. } => ErrorCode::Internal,
+        }
+    }
+
+    /// The clock that fired, for timeouts.
+    pub fn clock(&self) -> Option<&'static str> {
+        match self {
+            Self::Provider(e) => e.clock(),
+            _ => None,
+        }
+    }
+
+    /// The message returned to the client: internal details stay in the daemon's log.
+    pub fn public_message(&self) -> String {
+        match self.code() {
+            ErrorCode::Internal => "internal error (see the daemon's log for the request id)".to_owned(),
+            _ => self.to_string(),
+        }
+    }
+
+    /// The error body.
+    pub fn body(&self, request_id: Option<&str>) -> ErrorBody {
+        let code = self.code();
+        ErrorBody {
+            error: ErrorDetail {
+                code,
+                message: self.public_message(),
+                retryable: code.retryable(),
+                request_id: request_id.map(str::to_owned),
+                clock: self.clock().map(str::to_owned),
+            },
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        status_of(self.code())
+    }
+}
+
+/// The one mapping from a code to an HTTP status. Exhaustive: a new code forces a decision.
+pub fn status_of(code: ErrorCode) -> StatusCode {
+    use ErrorCode as C;
+    match code {
+        C::InvalidRequest | C::UnknownTool => StatusCode::BAD_REQUEST,
+        C::Unauthorized => StatusCode::UNAUTHORIZED,
+        C::Forbidden | C::FsPermissionDenied | C::ToolDenied => StatusCode::FORBIDDEN,
+        C::NotFound | C::SessionNotFound | C::SandboxNotFound | C::CommandNotFound | C::FsNotFound => {
+            StatusCode::NOT_FOUND
+        }
+        C::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+        C::PayloadTooLarge | C::FsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        C::Conflict
+        | C::FsNotDirectory
+        | C::FsIsDirectory
+        | C::FsNotRegularFile
+        | C::FsAlreadyExists
+        | C::FsNotEmpty
+        | C::FsAmbiguousEdit
+        | C::FsEditNotFound
+        | C::FsAborted => StatusCode::CONFLICT,
+        C::FsVersionMismatch => StatusCode::PRECONDITION_FAILED,
+        C::FsNotText | C::SpawnFailed => StatusCode::UNPROCESSABLE_ENTITY,
+        C::ToolTimeout | C::IdleTimeout | C::ConnectTimeout | C::TransportIdleTimeout | C::DeadlineExceeded => {
+            StatusCode::GATEWAY_TIMEOUT
+        }
+        // 499: the de-facto status of a request its client abandoned.
+        C::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        C::ProviderError => StatusCode::BAD_GATEWAY,
+        C::Unsupported => StatusCode::NOT_IMPLEMENTED,
+        C::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+        C::FsIoError | C::ToolNotStarted | C::ToolOutcomeUnknown | C::Invariant | C::Internal => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_has_a_status_and_internal_details_stay_inside() {
+        for c in ErrorCode::ALL {
+            let s = status_of(*c);
+            assert!(s.is_client_error() || s.is_server_error(), "{c}: {s}");
+        }
+        let e = DaemonError::internal("secret path /var/lib/x");
+        let b = e.body(Some("r1"));
+        assert_eq!(b.error.code, ErrorCode::Internal);
+        assert!(!b.error.message.contains("secret"));
+        assert_eq!(b.error.request_id.as_deref(), Some("r1"));
+    }
+}

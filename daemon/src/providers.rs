@@ -1,0 +1,133 @@
+//! The provider registry: named providers built from the config by one factory.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use tether_provider::Provider;
+
+use crate::config::{Config, ProviderConfig};
+use crate::error::{DaemonError, Result};
+
+/// Providers by name, plus the default.
+#[derive(Debug)]
+pub struct ProviderRegistry {
+    providers: BTreeMap<String, Arc<dyn Provider>>,
+    default: String,
+}
+
+impl ProviderRegistry {
+    /// Build every configured provider; `local` is always present, and `e2b` when the
+    /// process environment names an E2B backend.
+    pub fn from_config(cfg: &Config) -> Result<Self> {
+        Self::from_config_with_env(cfg, &|name| std::env::var(name).ok())
+    }
+
+    /// [`Self::from_config`] with the environment read through `env` (tests pass their own).
+    pub fn from_config_with_env(cfg: &Config, env: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut providers: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
+        for (name, pc) in &cfg.providers {
+            providers.insert(name.clone(), build_with_env(pc, &cfg.server.state_dir, name, env)?);
+        }
+        // === e2b from the environment ===
+        // Like the E2B SDKs: an API key or an API URL in the environment names a backend.
+        let named = |k: &str| env(k).is_some_and(|v| !v.trim().is_empty());
+        if !providers.contains_key("e2b")
+            && (named(tether_provider_e2b::config::ENV_API_KEY) || named(tether_provider_e2b::config::ENV_API_URL))
+        {
+            let pc = ProviderConfig::E2b(tether_provider_e2b::E2bConfig::default());
+            providers.insert("e2b".into(), build_with_env(&pc, &cfg.server.state_dir, "e2b", env)?);
+        }
+        if !providers.contains_key("local") {
+            let pc = ProviderConfig::Local(tether_provider_local::LocalConfig::default());
+            providers.insert("local".into(), build(&pc, &cfg.server.state_dir, "local")?);
+        }
+        Ok(Self { providers, default: cfg.default_provider.clone() })
+    }
+
+    /// A registry over given providers (tests, benches).
+    pub fn from_providers(providers: BTreeMap<String, Arc<dyn Provider>>, default: &str) -> Self {
+        Self { providers, default: default.to_owned() }
+    }
+
+    /// A provider by name.
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Provider>> {
+        self.providers.get(name).cloned()
+    }
+
+    /// The default provider's name.
+    pub fn default_name(&self) -> &str {
+        &self.default
+    }
+
+    /// Names.
+    pub fn names(&self) -> Vec<String> {
+        self.providers.keys().cloned().collect()
+    }
+
+    /// Every provider.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Arc<dyn Provider>)> {
+        self.providers.iter()
+    }
+}
+
+/// The one factory: a provider from its config section.
+pub fn build(cfg: &ProviderConfig, state_dir: &Path, name: &str) -> Result<Arc<dyn Provider>> {
+    build_with_env(cfg, state_dir, name, &|k| std::env::var(k).ok())
+}
+
+/// [`build`] with the environment read through `env`.
+pub fn build_with_env(
+    cfg: &ProviderConfig,
+    state_dir: &Path,
+    name: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Arc<dyn Provider>> {
+    match cfg {
+        ProviderConfig::Local(c) => {
+            let mut c = c.clone();
+            if c.root.as_os_str().is_empty() {
+                c.root = state_dir.join("sandboxes").join(name);
+            }
+            let p = tether_provider_local::LocalProvider::new(c)
+                .map_err(|e| DaemonError::internal(format!("provider {name}: {e}")))?;
+            Ok(Arc::new(p))
+        }
+        ProviderConfig::E2b(c) => {
+            let p = tether_provider_e2b::E2bProvider::new(c.clone().with_env(env))
+                .map_err(|e| DaemonError::internal(format!("provider {name}: {e}")))?;
+            Ok(Arc::new(p))
+        }
+    }
+}
+
+#[cfg(test)]
+mod e2b_env_tests {
+    use super::*;
+
+    fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned())
+    }
+
+    #[test]
+    fn e2b_is_registered_from_the_environment_only_when_it_names_a_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.server.state_dir = dir.path().to_owned();
+        let none = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_DOMAIN", "example.org")])).unwrap();
+        assert!(none.get("e2b").is_none());
+        let with_key = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        assert_eq!(with_key.get("e2b").map(|p| p.kind()), Some("e2b"));
+        let with_url =
+            ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "http://127.0.0.1:9")])).unwrap();
+        assert_eq!(with_url.get("e2b").map(|p| p.kind()), Some("e2b"));
+        // A configured `e2b` section wins over the environment.
+        let toml = "[providers.e2b]\nkind = \"e2b\"\napi_url = \"http://127.0.0.1:1\"\ninherit_env = false\n\n[providers.other]\nkind = \"e2b\"\napi_url = \"http://127.0.0.1:2\"\n";
+        let mut cfg2 = Config::from_toml_str(toml).unwrap();
+        cfg2.server.state_dir = dir.path().to_owned();
+        let r = ProviderRegistry::from_config_with_env(&cfg2, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        assert!(r.get("e2b").is_some() && r.get("other").is_some() && r.get("local").is_some());
+        // A malformed URL in the environment is refused loudly.
+        assert!(ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "not a url")])).is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! Crash safety: tetherd as a child process, 200 concurrent tool calls, `kill -9` in the
+//! middle, restart on the same state dir. Every acknowledged result must be in the log,
+//! the log must parse, every call must have exactly one result (real or repaired), and
+//! seq must be contiguous.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tether_tests::{free_port, wait_until, workspace_bin};
+
+const SESSIONS: usize = 20;
+const CALLS_PER_SESSION: usize = 10;
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_tetherd(bin: &std::path::Path, state: &std::path::Path, port: u16) -> Child {
+    let child = std::process::Command::new(bin)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
+        .arg(state)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn tetherd");
+    Child(child)
+}
+
+async fn wait_healthy(http: &reqwest::Client, base: &str) {
+    wait_until("tetherd health", Duration::from_secs(30), || async {
+        http.get(format!("{base}/v1/health")).send().await.map(|r| r.status().is_success()).unwrap_or(false)
+    })
+    .await;
+}
+
+fn count_results(state: &std::path::Path, ids: &[String]) -> usize {
+    ids.iter()
+        .map(|id| {
+            std::fs::read_to_string(state.join("sessions").join(id).join("events.jsonl"))
+                .map(|t| t.matches("\"type\":\"tool/result\"").count())
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_flight_loses_nothing_acknowledged() {
+    let bin = workspace_bin("tetherd");
+    let state = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let mut child = spawn_tetherd(&bin, state.path(), port);
+    wait_healthy(&http, &base).await;
+
+    let mut ids = Vec::new();
+    for _ in 0..SESSIONS {
+        let r: Value = http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await.unwrap().json().await.unwrap();
+        ids.push(r["id"].as_str().unwrap().to_owned());
+    }
+    // 200 requests in flight at once: each a one-call batch; batches of a session run in turn.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Value)>();
+    let mut handles = Vec::new();
+    for (si, sid) in ids.iter().enumerate() {
+        for ci in 0..CALLS_PER_SESSION {
+            let http = http.clone();
+            let url = format!("{base}/v1/sessions/{sid}/tool-calls");
+            let tx = tx.clone();
+            let sid = sid.clone();
+            let call_id = format!("s{si}c{ci}");
+            let args = if ci % 2 == 0 {
+                json!({"command": format!("echo out-{call_id}; sleep 0.15")})
+            } else {
+                json!({"path": format!("f{ci}.txt"), "content": format!("content-{call_id}")})
+            };
+            let name = if ci % 2 == 0 { "bash" } else { "write_file" };
+            handles.push(tokio::spawn(async move {
+                let body = json!({"calls": [{"id": call_id, "name": name, "arguments": args}]});
+                if let Ok(r) = http.post(url).json(&body).send().await
+                    && r.status().is_success()
+                    && let Ok(v) = r.json::<Value>().await
+                {
+                    let _ = tx.send((sid, call_id, v["results"][0].clone()));
+                }
+            }));
+        }
+    }
+    drop(tx);
+    // Kill once a good part (but not all) of the results are durable.
+    let total = SESSIONS * CALLS_PER_SESSION;
+    wait_until("some results logged", Duration::from_secs(60), || {
+        let n = count_results(state.path(), &ids);
+        async move { n >= total / 4 }
+    })
+    .await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.0.id() as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let _ = child.0.wait();
+    let mut acked: Vec<(String, String, Value)> = Vec::new();
+    while let Some(a) = rx.recv().await {
+        acked.push(a);
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    assert!(acked.len() < total, "the kill must land mid-flight (all {total} were acknowledged)");
+    eprintln!("acknowledged before the kill: {} of {total}", acked.len());
+
+    // Restart on the same state dir.
+    let port2 = free_port();
+    let base2 = format!("http://127.0.0.1:{port2}");
+    let _child2 = spawn_tetherd(&bin, state.path(), port2);
+    wait_healthy(&http, &base2).await;
+
+    let mut results_by_call: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    let mut calls_logged: BTreeSet<String> = BTreeSet::new();
+    let mut repaired = 0;
+    for sid in &ids {
+        let text = http.get(format!("{base2}/v1/sessions/{sid}/events")).send().await.unwrap().text().await.unwrap();
+        let events: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("event parses")).collect();
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e["seq"].as_u64(), Some(i as u64), "seq contiguous in {sid}");
+        }
+        let mut open_turn = false;
+        for e in &events {
+            match e["type"].as_str().unwrap() {
+                "tool/call" => {
+                    assert!(calls_logged.insert(e["data"]["call_id"].as_str().unwrap().to_owned()), "a call logged twice");
+                }
+                "tool/result" => {
+                    let cid = e["data"]["call_id"].as_str().unwrap().to_owned();
+                    if matches!(e["data"]["error"]["code"].as_str(), Some("TOOL_OUTCOME_UNKNOWN" | "TOOL_NOT_STARTED")) {
+                        repaired += 1;
+                    }
+                    results_by_call.entry(cid).or_default().push(e["data"].clone());
+                }
+                "turn/start" => open_turn = true,
+                "turn/end" => open_turn = false,
+                _ => {}
+            }
+        }
+        assert!(!open_turn, "an interrupted turn must be closed by repair in {sid}");
+        // The file on disk parses line by line too.
+        let disk = std::fs::read_to_string(state.path().join("sessions").join(sid).join("events.jsonl")).unwrap();
+        assert!(disk.ends_with('\n'));
+        for l in disk.lines() {
+            serde_json::from_str::<Value>(l).expect("disk line parses");
+        }
+    }
+    // Every logged call has exactly one result.
+    for c in &calls_logged {
+        assert_eq!(results_by_call.get(c).map_or(0, Vec::len), 1, "call {c} must have exactly one result");
+    }
+    for (c, r) in &results_by_call {
+        assert_eq!(r.len(), 1, "call {c} has {} results", r.len());
+    }
+    // Every acknowledged result is present, identical.
+    for (_, cid, res) in &acked {
+        let logged = &results_by_call.get(cid).unwrap_or_else(|| panic!("acknowledged call {cid} missing"))[0];
+        assert_eq!(logged["content"], res["content"], "acknowledged result of {cid} differs");
+        assert_eq!(logged["is_error"], res["is_error"]);
+    }
+    eprintln!("calls logged: {}, repaired results: {repaired}", calls_logged.len());
+}
