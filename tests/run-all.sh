@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs tether's whole test suite: installs the test fixtures it needs (idempotent: the
+# official E2B SDKs in a venv and node_modules, the OTLP receiver's venv), then every
+# test of every crate, the end-to-end tests, the conformance suite and the SDK suites.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash tests/e2b_sdk/setup.sh
+bash tests/otlp/setup.sh
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast "$@"
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi
