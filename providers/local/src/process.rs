@@ -528,6 +528,13 @@ impl LocalCommand {
     fn deliver(&self, sig: NixSignal) {
         match &self.cgroup {
             Some(cg) => {
+                // The trampoline joins the command's cgroup from inside, a moment after
+                // spawn; its process group exists from spawn on. Until the leader is seen
+                // to exit, signal the group too, so a signal sent right after spawn is
+                // never lost.
+                if self.progress.borrow().exited.is_none() {
+                    signal_group(self.pid as i32, sig);
+                }
                 cg.signal(sig);
             }
             None => {
@@ -542,13 +549,18 @@ impl LocalCommand {
 
     fn kill_now(&self) {
         match &self.cgroup {
-            Some(cg) => cg.kill_all(),
+            Some(cg) => {
+                if self.progress.borrow().exited.is_none() {
+                    signal_group(self.pid as i32, NixSignal::SIGKILL);
+                }
+                cg.kill_all()
+            }
             None => self.deliver(NixSignal::SIGKILL),
         }
     }
 
     async fn wait_gone(&self, limit: Duration) -> bool {
-        poll_until(limit, || self.members().is_empty()).await
+        poll_until(limit, || self.members().is_empty() && self.progress.borrow().exited.is_some()).await
     }
 
     async fn wait_exited(&self) {
@@ -649,7 +661,7 @@ impl ProcessHandle for LocalCommand {
 
     async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()> {
         ctx.check()?;
-        if !self.members().is_empty() {
+        if self.progress.borrow().exited.is_none() || !self.members().is_empty() {
             self.deliver(to_nix(signal));
         }
         Ok(())
@@ -676,7 +688,9 @@ impl ProcessHandle for LocalCommand {
             return Ok(r);
         }
         let mut report = TerminateReport::default();
-        if !self.members().is_empty() {
+        // Right after spawn the cgroup may still be empty while the trampoline runs: a
+        // leader not yet seen to exit counts as present.
+        if !self.members().is_empty() || self.progress.borrow().exited.is_none() {
             self.deliver(NixSignal::SIGTERM);
             // A stopped process would never act on SIGTERM.
             self.deliver(NixSignal::SIGCONT);
