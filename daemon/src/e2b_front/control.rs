@@ -1,0 +1,652 @@
+//! The E2B control plane: sandboxes as tether sessions.
+//!
+//! `POST /sandboxes` (v1) and `POST /v2/sandboxes` create a session owned by the API key's
+//! tenant, expiring at `now + timeout` (the daemon's reaper closes it then); its id is the
+//! sandbox id. List, get, kill, set-timeout, refresh, connect and pause/resume follow, all
+//! scoped to the tenant: another tenant's sandbox id reads as not found. Every answer and
+//! error has the JSON shape the SDKs' generated parsers demand (`201` on create, a
+//! `{code, message}` body on every error status).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, RawQuery, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use serde::de::DeserializeOwned;
+use tether_protocol::e2b::{
+    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest, SandboxDetail,
+    SandboxLifecycle, SandboxResponse, SandboxState, TimeoutRequest,
+};
+use tether_provider::{CallCtx, ProviderError};
+use tracing::Instrument;
+
+use super::auth::Tenant;
+use super::{CLIENT_ID, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339};
+use crate::server::RequestCtx;
+use crate::sessions::{Expiry, NewSession, Scope, Session, SessionState};
+use crate::state::AppState;
+
+/// Largest page of `GET /v2/sandboxes`.
+const MAX_PAGE: usize = 100;
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/sandboxes", post(create_v1).get(list_v1))
+        .route("/v2/sandboxes", post(create_v2).get(list_v2))
+        .route("/sandboxes/{id}", get(get_one).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/connect", post(connect_v1))
+        .route("/v2/sandboxes/{id}/connect", post(connect_v2))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/{*rest}", any(unsupported))
+        .route("/v2/sandboxes/{id}/{*rest}", any(unsupported))
+}
+
+// === helpers ===
+
+fn tenant(state: &AppState, headers: &HeaderMap) -> Result<Tenant, RestError> {
+    state.e2b.keys.tenant(headers)
+}
+
+/// The tenant's live sandbox `id`, or 404 (also for another tenant's id).
+fn owned(state: &AppState, tenant: &Tenant, id: &str) -> Result<(Arc<Session>, Arc<SandboxExtra>), RestError> {
+    match state.sessions.get(id, Scope::Owner(Some(&tenant.0))) {
+        Ok(s) if s.state() == SessionState::Active => {
+            let extra = state.e2b.extra(id, s.template.as_deref());
+            Ok((s, extra))
+        }
+        Ok(_) => {
+            state.e2b.forget(id);
+            Err(RestError::sandbox_not_found(id))
+        }
+        Err(_) => Err(RestError::sandbox_not_found(id)),
+    }
+}
+
+/// A JSON body; an empty body is `T::default()` where the operation allows it.
+fn json_body<T: DeserializeOwned + Default>(body: &Bytes, required: bool) -> Result<T, RestError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return if required { Err(RestError::bad_request("a JSON body is required")) } else { Ok(T::default()) };
+    }
+    serde_json::from_slice(body).map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+fn check_timeout(state: &AppState, secs: i64, min: i64) -> Result<i64, RestError> {
+    let max = i64::try_from(state.e2b.cfg.max_timeout_s).unwrap_or(i64::MAX);
+    if secs < min {
+        return Err(RestError::bad_request(format!("timeout must be at least {min} seconds")));
+    }
+    if secs > max {
+        return Err(RestError::bad_request(format!("timeout must be at most {max} seconds")));
+    }
+    Ok(secs)
+}
+
+fn ms_after(secs: i64) -> i64 {
+    now_ms().saturating_add(secs.saturating_mul(1000))
+}
+
+/// CPUs, memory (MiB) and disk (MiB) reported for every sandbox: the host's, which is what
+/// a local sandbox shares.
+fn resources(state: &AppState) -> (u32, u64, u64) {
+    static RES: OnceLock<(u32, u64, u64)> = OnceLock::new();
+    *RES.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+        let mem_mb = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb / 1024);
+        let disk_mb = nix::sys::statvfs::statvfs(state.config.server.state_dir.as_path())
+            .map_or(0, |s| s.blocks().saturating_mul(s.fragment_size()) / (1024 * 1024));
+        (cpus, mem_mb, disk_mb)
+    })
+}
+
+fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> SandboxResponse {
+    SandboxResponse {
+        template_id: extra.template.clone(),
+        sandbox_id: s.id.clone(),
+        client_id: CLIENT_ID.into(),
+        envd_version: ENVD_VERSION.into(),
+        alias: Some(extra.template.clone()),
+        envd_access_token: Some(state.e2b.access_token(&s.id)),
+        traffic_access_token: None,
+        domain: Some(state.e2b.cfg.domain.clone()),
+    }
+}
+
+fn state_of(extra: &SandboxExtra) -> SandboxState {
+    if extra.is_paused() { SandboxState::Paused } else { SandboxState::Running }
+}
+
+// === create ===
+
+async fn create_v1(state: State<Arc<AppState>>, ctx: RequestCtx, headers: HeaderMap, body: Bytes) -> Response {
+    create(state, ctx, headers, body).await
+}
+
+async fn create_v2(state: State<Arc<AppState>>, ctx: RequestCtx, headers: HeaderMap, body: Bytes) -> Response {
+    create(state, ctx, headers, body).await
+}
+
+async fn create(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!(
+        "e2b.sandbox.create",
+        session.id = tracing::field::Empty,
+        sandbox.id = tracing::field::Empty,
+        template = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
+    let r = do_create(&state, &ctx, &headers, &body).instrument(span.clone()).await;
+    match r {
+        Ok(resp) => {
+            span.record("session.id", resp.sandbox_id.as_str());
+            span.record("sandbox.id", resp.sandbox_id.as_str());
+            span.record("outcome", "ok");
+            (StatusCode::CREATED, axum::Json(resp)).into_response()
+        }
+        Err(e) => {
+            span.record("outcome", e.status().as_str());
+            e.into_response()
+        }
+    }
+}
+
+async fn do_create(
+    state: &AppState,
+    ctx: &CallCtx,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<SandboxResponse, RestError> {
+    let tenant = tenant(state, headers)?;
+    let req: NewSandboxRequest = json_body(body, true)?;
+    if req.template_id.trim().is_empty() {
+        return Err(RestError::bad_request("templateID is required"));
+    }
+    tracing::Span::current().record("template", req.template_id.as_str());
+    let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
+    let timeout = check_timeout(state, req.timeout.unwrap_or(default), 1)?;
+    let idem = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(|k| (tenant.0.clone(), k.to_owned()));
+    if let Some(key) = &idem {
+        let known = state.e2b.idempotency.read().ok().and_then(|m| m.get(key).cloned());
+        if let Some(id) = known
+            && let Ok((s, extra)) = owned(state, &tenant, &id)
+        {
+            return Ok(sandbox_response(state, &s, &extra));
+        }
+    }
+    let provider = state.e2b.cfg.provider.clone();
+    let provider_name = provider.clone().unwrap_or_else(|| state.sessions.providers().default_name().to_owned());
+    if req.auto_pause == Some(true) {
+        let can_pause = state.sessions.providers().get(&provider_name).is_some_and(|p| p.capabilities().pause);
+        if !can_pause {
+            return Err(RestError::bad_request(format!(
+                "autoPause: the {provider_name} provider cannot pause sandboxes"
+            )));
+        }
+    }
+    let allow_internet = req.allow_internet_access.unwrap_or(true);
+    let new = NewSession {
+        provider,
+        template: Some(req.template_id.clone()),
+        env: req.env_vars.unwrap_or_default(),
+        metadata: req.metadata.unwrap_or_default(),
+        network: allow_internet,
+        owner: Some(tenant.0.clone()),
+        expiry: Expiry::At(ms_after(timeout)),
+    };
+    prune(state);
+    let session = state.sessions.create(ctx, new).await?;
+    let extra = state.e2b.insert_extra(&session.id, SandboxExtra::new(&req.template_id, allow_internet));
+    if let Some(key) = idem
+        && let Ok(mut m) = state.e2b.idempotency.write()
+    {
+        m.insert(key, session.id.clone());
+    }
+    Ok(sandbox_response(state, &session, &extra))
+}
+
+/// Drop the front's extras of sandboxes that ended without the front seeing it (expired
+/// by the reaper), so they do not accumulate.
+fn prune(state: &AppState) {
+    let ids: Vec<String> = state.e2b.sandboxes.read().map(|m| m.keys().cloned().collect()).unwrap_or_default();
+    for id in ids {
+        let live = state.sessions.get(&id, Scope::Any).is_ok_and(|s| s.state() == SessionState::Active);
+        if !live {
+            state.e2b.forget(&id);
+        }
+    }
+}
+
+// === list ===
+
+/// The filters of a listing.
+#[derive(Debug, Default)]
+struct ListQuery {
+    metadata: BTreeMap<String, String>,
+    states: Vec<SandboxState>,
+    ascending: bool,
+    started_after_ms: Option<i64>,
+    template: Option<String>,
+    next_token: Option<String>,
+    limit: usize,
+}
+
+impl ListQuery {
+    fn parse(q: Option<&str>) -> Result<Self, RestError> {
+        let mut out = Self { limit: MAX_PAGE, ..Self::default() };
+        for (k, v) in form_pairs(q.unwrap_or("")) {
+            match k.as_str() {
+                // `metadata` is itself a query string whose keys and values were
+                // percent-encoded once more (`urlencode({quote(k): quote(v)})`).
+                "metadata" => {
+                    for (mk, mv) in form_pairs(&v) {
+                        out.metadata.insert(percent_decode(&mk), percent_decode(&mv));
+                    }
+                }
+                "state" => {
+                    for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                        let st = SandboxState::parse(s)
+                            .ok_or_else(|| RestError::bad_request(format!("invalid state {s:?}")))?;
+                        out.states.push(st);
+                    }
+                }
+                "order" => {
+                    out.ascending = match v.as_str() {
+                        "asc" => true,
+                        "desc" => false,
+                        other => return Err(RestError::bad_request(format!("invalid order {other:?}"))),
+                    }
+                }
+                "startedAfter" => {
+                    let ms = super::parse_rfc3339(&v)
+                        .ok_or_else(|| RestError::bad_request("startedAfter must be RFC 3339"))?;
+                    out.started_after_ms = Some(ms);
+                }
+                "template" => out.template = Some(v),
+                "nextToken" => out.next_token = Some(v).filter(|t| !t.is_empty()),
+                "limit" => {
+                    let n: usize = v.parse().map_err(|_| RestError::bad_request("limit must be an integer"))?;
+                    if !(1..=MAX_PAGE).contains(&n) {
+                        return Err(RestError::bad_request(format!("limit must be between 1 and {MAX_PAGE}")));
+                    }
+                    out.limit = n;
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn listed(state: &AppState, s: &Session, extra: &SandboxExtra) -> ListedSandbox {
+    let (cpu, mem, disk) = resources(state);
+    ListedSandbox {
+        template_id: extra.template.clone(),
+        sandbox_id: s.id.clone(),
+        client_id: CLIENT_ID.into(),
+        started_at: rfc3339(s.created_ms),
+        end_at: rfc3339(s.expires_ms()),
+        cpu_count: cpu,
+        memory_mb: mem,
+        disk_size_mb: disk,
+        state: state_of(extra),
+        envd_version: ENVD_VERSION.into(),
+        alias: Some(extra.template.clone()),
+        metadata: s.metadata.clone(),
+    }
+}
+
+/// The tenant's live sandboxes matching the filters, in the asked order.
+fn matching(state: &AppState, tenant: &Tenant, q: &ListQuery) -> Vec<(Arc<Session>, Arc<SandboxExtra>)> {
+    let mut v: Vec<_> = state
+        .sessions
+        .list(Scope::Owner(Some(&tenant.0)))
+        .into_iter()
+        .filter(|s| s.state() == SessionState::Active)
+        .map(|s| {
+            let extra = state.e2b.extra(&s.id, s.template.as_deref());
+            (s, extra)
+        })
+        .filter(|(s, extra)| {
+            q.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v))
+                && (q.states.is_empty() || q.states.contains(&state_of(extra)))
+                && q.started_after_ms.is_none_or(|t| s.created_ms >= t)
+                && q.template.as_ref().is_none_or(|t| &extra.template == t)
+        })
+        .collect();
+    // `list` is oldest first; the default order is newest first.
+    if !q.ascending {
+        v.reverse();
+    }
+    v
+}
+
+async fn list_v1(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuery(raw): RawQuery) -> Response {
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let mut q = ListQuery::parse(raw.as_deref())?;
+        // v1 lists running sandboxes only, unpaged.
+        q.states = vec![SandboxState::Running];
+        let items: Vec<_> = matching(&state, &tenant, &q).iter().map(|(s, e)| listed(&state, s, e)).collect();
+        Ok::<_, RestError>(axum::Json(items).into_response())
+    }
+    .instrument(tracing::info_span!("e2b.sandbox.list"))
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn list_v2(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuery(raw): RawQuery) -> Response {
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let q = ListQuery::parse(raw.as_deref())?;
+        let all = matching(&state, &tenant, &q);
+        let total_running = all.iter().filter(|(_, e)| !e.is_paused()).count();
+        // The cursor is the last returned sandbox's id: continue after it.
+        let start = match &q.next_token {
+            Some(tok) => match all.iter().position(|(s, _)| &s.id == tok) {
+                Some(i) => i + 1,
+                None => return Err(RestError::bad_request("invalid nextToken")),
+            },
+            None => 0,
+        };
+        let page: Vec<_> = all.iter().skip(start).take(q.limit).collect();
+        let more = start + page.len() < all.len();
+        let items: Vec<ListedSandbox> = page.iter().map(|(s, e)| listed(&state, s, e)).collect();
+        let mut resp = axum::Json(&items).into_response();
+        if more
+            && let Some((last, _)) = page.last()
+            && let Ok(v) = HeaderValue::from_str(&last.id)
+        {
+            resp.headers_mut().insert("x-next-token", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&total_running.to_string()) {
+            resp.headers_mut().insert("x-total-running", v);
+        }
+        Ok(resp)
+    }
+    .instrument(tracing::info_span!("e2b.sandbox.list"))
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+// === one sandbox ===
+
+async fn get_one(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.get", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, extra) = owned(&state, &tenant, &id)?;
+        let (cpu, mem, disk) = resources(&state);
+        let detail = SandboxDetail {
+            template_id: extra.template.clone(),
+            sandbox_id: s.id.clone(),
+            client_id: CLIENT_ID.into(),
+            started_at: rfc3339(s.created_ms),
+            end_at: rfc3339(s.expires_ms()),
+            envd_version: ENVD_VERSION.into(),
+            cpu_count: cpu,
+            memory_mb: mem,
+            disk_size_mb: disk,
+            state: state_of(&extra),
+            alias: Some(extra.template.clone()),
+            envd_access_token: Some(state.e2b.access_token(&s.id)),
+            allow_internet_access: Some(extra.allow_internet),
+            domain: Some(state.e2b.cfg.domain.clone()),
+            metadata: s.metadata.clone(),
+            lifecycle: Some(SandboxLifecycle { auto_resume: false, on_timeout: "kill".into() }),
+        };
+        Ok::<_, RestError>(axum::Json(detail).into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn kill(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let span =
+        tracing::info_span!("e2b.sandbox.kill", sandbox.id = %id, session.id = %id, outcome = tracing::field::Empty);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        owned(&state, &tenant, &id)?;
+        state.e2b.forget(&id);
+        state.sessions.close(&id, Scope::Owner(Some(&tenant.0)), "killed").await?;
+        Ok::<_, RestError>(StatusCode::NO_CONTENT.into_response())
+    }
+    .instrument(span.clone())
+    .await;
+    span.record("outcome", r.as_ref().map_or("error", |_| "ok"));
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn set_timeout(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.set_timeout", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, _) = owned(&state, &tenant, &id)?;
+        let req: TimeoutRequest =
+            serde_json::from_slice(&body).map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))?;
+        let secs = check_timeout(&state, req.timeout, 0)?;
+        // The new end may be earlier than the old one: E2B's timeout sets, not extends.
+        s.set_expiry(ms_after(secs));
+        Ok::<_, RestError>(StatusCode::NO_CONTENT.into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn refresh(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.refresh", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, _) = owned(&state, &tenant, &id)?;
+        let req: RefreshRequest = json_body(&body, false)?;
+        let secs = req.duration.unwrap_or(0);
+        if !(0..=3600).contains(&secs) {
+            return Err(RestError::bad_request("duration must be between 0 and 3600 seconds"));
+        }
+        // A refresh only extends.
+        let at = ms_after(secs.max(15));
+        if at > s.expires_ms() {
+            s.set_expiry(at);
+        }
+        Ok(StatusCode::NO_CONTENT.into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn connect_v1(
+    state: State<Arc<AppState>>,
+    ctx: RequestCtx,
+    headers: HeaderMap,
+    id: Path<String>,
+    body: Bytes,
+) -> Response {
+    connect(state, ctx, headers, id, body, true).await
+}
+
+async fn connect_v2(
+    state: State<Arc<AppState>>,
+    ctx: RequestCtx,
+    headers: HeaderMap,
+    id: Path<String>,
+    body: Bytes,
+) -> Response {
+    connect(state, ctx, headers, id, body, false).await
+}
+
+/// Connect: 200 with the sandbox (and its token) when running; a paused sandbox is resumed
+/// (201). The timeout, when longer than what is left, extends the sandbox's life.
+async fn connect(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+    v1: bool,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.connect", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, extra) = owned(&state, &tenant, &id)?;
+        let req: ConnectSandboxRequest = json_body(&body, v1)?;
+        let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
+        let secs = check_timeout(&state, req.timeout.unwrap_or(default), 1)?;
+        let resumed = if extra.is_paused() {
+            resume_sandbox(&state, &ctx, &s, &extra).await?;
+            true
+        } else {
+            false
+        };
+        let at = ms_after(secs);
+        if at > s.expires_ms() {
+            s.set_expiry(at);
+        }
+        let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+        Ok::<_, RestError>((status, axum::Json(sandbox_response(&state, &s, &extra))).into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Pause through the provider; a provider without pause (the local one) answers 501.
+async fn pause(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.pause", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, extra) = owned(&state, &tenant, &id)?;
+        if extra.is_paused() {
+            return Err(RestError::new(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
+        }
+        let provider = state
+            .sessions
+            .providers()
+            .get(&s.provider_name)
+            .ok_or_else(|| RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "the sandbox's provider is gone"))?;
+        let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
+        let pctx =
+            ctx.with_timeout(Duration::from_millis(state.config.limits.sandbox_create_timeout_ms), "DEADLINE_EXCEEDED");
+        match provider.pause(&pctx, &sid).await {
+            Ok(()) => {
+                extra.paused.store(true, std::sync::atomic::Ordering::Release);
+                Ok(StatusCode::NO_CONTENT.into_response())
+            }
+            Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                format!("pause is not supported by the {} provider this sandbox runs on", s.provider_kind),
+            )),
+            Err(e) => Err(crate::error::DaemonError::from(e).into()),
+        }
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn resume_sandbox(state: &AppState, ctx: &CallCtx, s: &Session, extra: &SandboxExtra) -> Result<(), RestError> {
+    let provider = state
+        .sessions
+        .providers()
+        .get(&s.provider_name)
+        .ok_or_else(|| RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "the sandbox's provider is gone"))?;
+    let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
+    let rctx =
+        ctx.with_timeout(Duration::from_millis(state.config.limits.sandbox_create_timeout_ms), "DEADLINE_EXCEEDED");
+    match provider.resume(&rctx, &sid).await {
+        // The session keeps its handle: the provider's sandbox id does not change.
+        Ok(_) => {
+            extra.paused.store(false, std::sync::atomic::Ordering::Release);
+            Ok(())
+        }
+        Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("resume is not supported by the {} provider", s.provider_kind),
+        )),
+        Err(e) => Err(crate::error::DaemonError::from(e).into()),
+    }
+}
+
+/// Deprecated `POST /sandboxes/{id}/resume`: 201 when a paused sandbox was resumed, 409
+/// when it runs.
+async fn resume(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.resume", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, extra) = owned(&state, &tenant, &id)?;
+        let req: ConnectSandboxRequest = json_body(&body, false)?;
+        if !extra.is_paused() {
+            return Err(RestError::new(StatusCode::CONFLICT, format!("sandbox {id} is already running")));
+        }
+        resume_sandbox(&state, &ctx, &s, &extra).await?;
+        let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
+        s.set_expiry(ms_after(check_timeout(&state, req.timeout.unwrap_or(default), 1)?));
+        Ok((StatusCode::CREATED, axum::Json(sandbox_response(&state, &s, &extra))).into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Operations of the E2B API tether does not serve (metrics, logs, snapshots, forks,
+/// network rules): a proper `{code, message}` 501, after auth and scoping.
+async fn unsupported(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, rest)): Path<(String, String)>,
+) -> Response {
+    let r = (|| {
+        let tenant = tenant(&state, &headers)?;
+        owned(&state, &tenant, &id)?;
+        Err::<Response, _>(RestError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("/{rest} is not supported by tether's E2B front"),
+        ))
+    })();
+    r.unwrap_or_else(IntoResponse::into_response)
+}

@@ -1,0 +1,775 @@
+//! envd's REST surface and the routing of every envd request to its sandbox.
+//!
+//! Routing: the `E2b-Sandbox-Id` header (what the SDKs send when `E2B_SANDBOX_URL` is
+//! set), else a `<port>-<id>.<domain>` host. A sandbox that does not exist (or is closed,
+//! or belongs to no E2B tenant) gets the edge proxy's 502 answer, which the SDKs turn into
+//! `SandboxNotRunningException`. Authentication: `X-Access-Token` must be the sandbox's
+//! token; `/files` also takes a signed URL instead; `/health` takes nothing.
+//!
+//! Endpoints: `GET /health` (204), `POST /init` (sandbox-wide env and default user),
+//! `GET /envs`, and `GET|POST /files`: streaming downloads (optionally gzip-encoded, with
+//! single byte ranges) and streaming uploads (`application/octet-stream`, optionally
+//! gzip-encoded, or `multipart/form-data`), with bounded memory whatever the file size.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{RawQuery, Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use tether_protocol::ErrorCode;
+use tether_protocol::e2b::{ApiError, ENVD_PORT, ENVD_VERSION, InitRequest, ProxyError, WrittenEntry};
+use tether_protocol::events::EventBody;
+use tether_protocol::fs::{ByteRange, FileKind, WriteGuard};
+use tether_provider::{ByteStream, CallCtx, ProviderError};
+use tracing::Instrument;
+
+use super::multipart::{Multipart, boundary_of};
+use super::{RestError, SandboxExtra, auth, query_param, resolve_path};
+use crate::error::DaemonError;
+use crate::server::RequestCtx;
+use crate::sessions::{Scope, Session, SessionState};
+use crate::state::AppState;
+
+/// Chunks queued between an upload's body and the provider's write.
+const UPLOAD_QUEUE: usize = 8;
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/health", get(health))
+        .route("/init", post(init))
+        .route("/envs", get(envs))
+        .route("/files", get(download).post(upload))
+}
+
+// === routing and auth ===
+
+/// The sandbox an envd request is for.
+#[derive(Debug, Clone)]
+pub(super) struct Target {
+    pub(super) session: Arc<Session>,
+    pub(super) extra: Arc<SandboxExtra>,
+    pub(super) id: String,
+}
+
+/// Why an envd request is refused before it reaches its sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Reject {
+    /// Neither the header nor the host names a sandbox.
+    NoSandbox,
+    /// No such live sandbox.
+    NotFound(String),
+    /// The sandbox exists but the port asked for is not envd's.
+    PortClosed(String),
+    /// Wrong or missing access token.
+    Unauthorized,
+}
+
+impl IntoResponse for Reject {
+    fn into_response(self) -> Response {
+        match self {
+            Self::NoSandbox => {
+                RestError::bad_request("missing header: E2b-Sandbox-Id (or a 49983-<id>.<domain> host)").into_response()
+            }
+            Self::NotFound(id) => proxy_error(id, "The sandbox was not found"),
+            Self::PortClosed(id) => proxy_error(id, "The sandbox is running but port is not open"),
+            Self::Unauthorized => {
+                let body = ApiError {
+                    code: 401,
+                    message: "unauthorized access, please provide a valid access token or method signing if supported"
+                        .into(),
+                    error_code: None,
+                };
+                (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
+            }
+        }
+    }
+}
+
+fn proxy_error(sandbox_id: String, message: &str) -> Response {
+    (StatusCode::BAD_GATEWAY, axum::Json(ProxyError { sandbox_id, message: message.into(), code: 502 })).into_response()
+}
+
+/// The sandbox id and port an envd request names, if any.
+pub(super) fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
+    if let Some(id) =
+        headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()).map(str::trim).filter(|s| !s.is_empty())
+    {
+        let port = headers
+            .get("e2b-sandbox-port")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(ENVD_PORT);
+        return Some((id.to_owned(), port));
+    }
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok())?;
+    let label = host.split('.').next()?;
+    // Only `<port>-<id>.<domain>`: a bare IP or `localhost` host names no sandbox.
+    if !host.contains('.') {
+        return None;
+    }
+    let (port, id) = label.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    (!id.is_empty() && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())).then(|| (id.to_owned(), port))
+}
+
+/// The live E2B sandbox named by `id`, without checking credentials.
+pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
+    let session = state.sessions.get(id, Scope::Any).ok()?;
+    // Only sessions created through the front (owned by a tenant) are E2B sandboxes.
+    if session.owner.is_none() || session.state() != SessionState::Active {
+        state.e2b.forget(id);
+        return None;
+    }
+    let extra = state.e2b.extra(id, session.template.as_deref());
+    if extra.is_paused() {
+        return None;
+    }
+    Some(Target { session, extra, id: id.to_owned() })
+}
+
+/// Resolve the sandbox of an envd request and check its access token.
+pub(super) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
+    let target = locate(state, headers)?;
+    match auth::access_token_matches(headers, &state.e2b.access_token(&target.id)) {
+        Some(true) => Ok(target),
+        _ => Err(Reject::Unauthorized),
+    }
+}
+
+fn locate(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
+    let (id, port) = addressed(headers).ok_or(Reject::NoSandbox)?;
+    let target = find(state, &id).ok_or_else(|| Reject::NotFound(id.clone()))?;
+    if port != ENVD_PORT {
+        return Err(Reject::PortClosed(id));
+    }
+    Ok(target)
+}
+
+/// The user an envd operation runs as: the one asked for (`user` or `root`), else the
+/// `/init` default, else `user`.
+pub(super) fn effective_user(asked: Option<String>, extra: &SandboxExtra) -> Result<String, String> {
+    let user = asked.or_else(|| extra.init().default_user).unwrap_or_else(|| "user".to_owned());
+    auth::check_user(&user)?;
+    Ok(user)
+}
+
+/// A context for work that outlives the request handler (a streamed download): cancelled
+/// only by the session's end or shutdown, bounded by `limit`.
+fn detached_ctx(ctx: &CallCtx, session: &Session, limit: Duration) -> CallCtx {
+    CallCtx::with_cancel(ctx.request_id.clone(), session.cancel.child())
+        .with_trace(ctx.trace.clone())
+        .with_timeout(limit, "DEADLINE_EXCEEDED")
+}
+
+/// Record a file operation in the session log.
+pub(super) async fn log_fs_op(session: &Session, op: &str, path: &str, outcome: Result<Option<u64>, ErrorCode>) {
+    let (outcome, bytes) = match outcome {
+        Ok(b) => ("ok".to_owned(), b),
+        Err(c) => (c.as_str().to_owned(), None),
+    };
+    let body = EventBody::FsOp { op: op.to_owned(), path: path.to_owned(), outcome, bytes };
+    if let Err(e) = session.log.append(body).await {
+        tracing::warn!(session.id = %session.id, error = %e, "Could not log a file operation");
+    }
+}
+
+// === /health, /init, /envs ===
+
+async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    match addressed(&headers) {
+        // envd's health: 204 while the sandbox lives.
+        Some(_) => match locate(&state, &headers) {
+            Ok(_) => (StatusCode::NO_CONTENT, [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))])
+                .into_response(),
+            Err(r) => r.into_response(),
+        },
+        // The control plane's health.
+        None => (StatusCode::OK, "Health check successful").into_response(),
+    }
+}
+
+async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let target = match locate(&state, &headers) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let req: InitRequest = if body.is_empty() {
+        InitRequest::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => return RestError::bad_request(format!("invalid JSON body: {e}")).into_response(),
+        }
+    };
+    let token = state.e2b.access_token(&target.id);
+    // `/init` authenticates itself: the token in the body (or the header) must be the
+    // sandbox's; a different one is a mismatch, none at all is refused.
+    let in_body = req.access_token.as_deref().map(|t| auth::constant_time_eq(t.as_bytes(), token.as_bytes()));
+    let in_header = auth::access_token_matches(&headers, &token);
+    if !matches!((in_body, in_header), (Some(true), None | Some(true)) | (None, Some(true))) {
+        return Reject::Unauthorized.into_response();
+    }
+    if let Some(u) = &req.default_user
+        && let Err(e) = auth::check_user(u)
+    {
+        return RestError::bad_request(e).into_response();
+    }
+    if let Ok(mut init) = target.extra.init.write() {
+        if let Some(env) = req.env_vars {
+            init.env.extend(env);
+        }
+        if let Some(u) = req.default_user {
+            init.default_user = Some(u);
+        }
+        if let Some(w) = req.default_workdir {
+            init.default_workdir = Some(resolve_path(&w));
+        }
+    }
+    (StatusCode::NO_CONTENT, [("x-envd-version", HeaderValue::from_static(ENVD_VERSION))]).into_response()
+}
+
+async fn envs(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let target = match authorize(&state, &headers) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let mut env: BTreeMap<String, String> = target.session.env.clone();
+    env.extend(target.extra.init().env);
+    axum::Json(env).into_response()
+}
+
+// === /files ===
+
+/// The query of `/files`.
+#[derive(Debug, Clone, Default)]
+struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+    signature: Option<String>,
+    expiration: Option<i64>,
+}
+
+impl FilesQuery {
+    fn parse(q: Option<&str>) -> Self {
+        Self {
+            path: query_param(q, "path"),
+            username: query_param(q, "username").filter(|u| !u.is_empty()),
+            signature: query_param(q, "signature").filter(|s| !s.is_empty()),
+            expiration: query_param(q, "signature_expiration").and_then(|e| e.parse().ok()),
+        }
+    }
+}
+
+/// Resolve and authorize a `/files` request: the access token, or a valid signature for
+/// `op`. A signed URL may come without a routing header (it is a plain link): then the
+/// signature itself names the sandbox.
+fn files_target(state: &AppState, headers: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Target, Reject> {
+    let located = match addressed(headers) {
+        Some(_) => Some(locate(state, headers)?),
+        None => None,
+    };
+    let signed_ok = |t: &Target| -> bool {
+        let Some(sig) = &q.signature else { return false };
+        if let Some(exp) = q.expiration
+            && exp < super::now_ms() / 1000
+        {
+            return false;
+        }
+        let token = state.e2b.access_token(&t.id);
+        let want = auth::file_signature(
+            q.path.as_deref().unwrap_or(""),
+            op,
+            q.username.as_deref().unwrap_or(""),
+            &token,
+            q.expiration,
+        );
+        auth::constant_time_eq(want.as_bytes(), sig.as_bytes())
+    };
+    match located {
+        Some(t) => match auth::access_token_matches(headers, &state.e2b.access_token(&t.id)) {
+            Some(true) => Ok(t),
+            Some(false) => Err(Reject::Unauthorized),
+            None if signed_ok(&t) => Ok(t),
+            None => Err(Reject::Unauthorized),
+        },
+        None => {
+            if q.signature.is_none() {
+                return Err(Reject::NoSandbox);
+            }
+            state
+                .sessions
+                .list(Scope::Any)
+                .into_iter()
+                .filter(|s| s.owner.is_some() && s.state() == SessionState::Active)
+                .filter_map(|s| find(state, &s.id))
+                .find(|t| signed_ok(t))
+                .ok_or(Reject::Unauthorized)
+        }
+    }
+}
+
+async fn download(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    let q = FilesQuery::parse(raw.as_deref());
+    let target = match files_target(&state, &headers, &q, "read") {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let span = tracing::info_span!("e2b.files.read", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
+    let r = serve_download(&state, &ctx, &target, &q, &headers).instrument(span.clone()).await;
+    span.record("outcome", if r.status().is_success() { "ok" } else { "error" });
+    r
+}
+
+async fn serve_download(
+    state: &AppState,
+    ctx: &CallCtx,
+    target: &Target,
+    q: &FilesQuery,
+    headers: &HeaderMap,
+) -> Response {
+    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
+        return RestError::unauthorized(e).into_response();
+    }
+    let shown = q.path.clone().unwrap_or_default();
+    let path = resolve_path(&shown);
+    let sandbox = match target.session.sandbox() {
+        Ok(s) => s,
+        Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
+    };
+    let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+    let sctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let stat = match sandbox.fs().stat(&sctx, &path).await {
+        Ok(s) => s,
+        Err(e) if e.code() == ErrorCode::FsNotFound => {
+            return RestError::new(StatusCode::NOT_FOUND, format!("path '{shown}' does not exist")).into_response();
+        }
+        Err(e) => return RestError::from_envd(&e.into()).into_response(),
+    };
+    if stat.kind == FileKind::Dir {
+        return RestError::bad_request(format!("path '{shown}' is a directory")).into_response();
+    }
+    let size = stat.size;
+    let range = match headers.get(header::RANGE).and_then(|v| v.to_str().ok()).map(|r| parse_range(r, size)) {
+        None | Some(RangeAsk::Ignore) => None,
+        Some(RangeAsk::Range(r)) => Some(r),
+        Some(RangeAsk::Unsatisfiable) => {
+            return (StatusCode::RANGE_NOT_SATISFIABLE, [(header::CONTENT_RANGE, format!("bytes */{size}"))])
+                .into_response();
+        }
+    };
+    let gzip = range.is_none() && accepts_gzip(headers);
+    // The body outlives this handler: read under a context of its own.
+    let rctx = detached_ctx(ctx, &target.session, limit);
+    let want = range.map_or(ByteRange::default(), |(a, b)| ByteRange { offset: a, length: Some(b - a + 1) });
+    let stream = match sandbox.fs().read(&rctx, &path, want).await {
+        Ok(s) => s,
+        Err(e) => return RestError::from_envd(&e.into()).into_response(),
+    };
+    let base = path.rsplit('/').next().unwrap_or("file").replace('"', "");
+    let mut resp = if gzip {
+        Response::new(Body::from_stream(gzip_stream(stream, rctx)))
+    } else {
+        let keep = rctx;
+        Response::new(Body::from_stream(stream.map(move |r| {
+            let _ = &keep;
+            r.map_err(std::io::Error::other)
+        })))
+    };
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if let Ok(v) = HeaderValue::from_str(&format!("inline; filename=\"{base}\"")) {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    if gzip {
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    } else {
+        h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    }
+    if let Some((a, b)) = range {
+        *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
+        if let Ok(v) = HeaderValue::from_str(&format!("bytes {a}-{b}/{size}")) {
+            resp.headers_mut().insert(header::CONTENT_RANGE, v);
+        }
+    }
+    resp
+}
+
+/// What a `Range` header asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RangeAsk {
+    /// Nothing servable as one range (multiple ranges, another unit): serve it whole.
+    Ignore,
+    /// Bytes `a..=b`.
+    Range((u64, u64)),
+    /// Outside the file.
+    Unsatisfiable,
+}
+
+fn parse_range(h: &str, size: u64) -> RangeAsk {
+    let Some(spec) = h.trim().strip_prefix("bytes=") else { return RangeAsk::Ignore };
+    if spec.contains(',') {
+        return RangeAsk::Ignore;
+    }
+    let Some((a, b)) = spec.trim().split_once('-') else { return RangeAsk::Ignore };
+    let (a, b) = (a.trim(), b.trim());
+    let r = match (a.parse::<u64>().ok(), b.parse::<u64>().ok()) {
+        (Some(a), Some(b)) if a <= b => (a, b.min(size.saturating_sub(1))),
+        (Some(a), None) if b.is_empty() => (a, size.saturating_sub(1)),
+        (None, Some(n)) if a.is_empty() && n > 0 => (size.saturating_sub(n), size.saturating_sub(1)),
+        _ => return RangeAsk::Ignore,
+    };
+    if size == 0 || r.0 >= size { RangeAsk::Unsatisfiable } else { RangeAsk::Range(r) }
+}
+
+/// Whether `Accept-Encoding` admits gzip (as envd: any listing of gzip with q > 0).
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers.get_all(header::ACCEPT_ENCODING).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(
+        |item| {
+            let mut parts = item.split(';');
+            let coding = parts.next().unwrap_or("").trim();
+            let q = parts
+                .find_map(|p| p.trim().strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok()))
+                .unwrap_or(1.0);
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && q > 0.0
+        },
+    )
+}
+
+/// gzip-encode a byte stream chunk by chunk (bounded memory).
+fn gzip_stream(input: ByteStream, keep: CallCtx) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
+    struct St {
+        input: ByteStream,
+        enc: Option<flate2::write::GzEncoder<Vec<u8>>>,
+        _ctx: CallCtx,
+    }
+    let st =
+        St { input, enc: Some(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast())), _ctx: keep };
+    futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            let enc = st.enc.as_mut()?;
+            match st.input.next().await {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = enc.write_all(&chunk) {
+                        st.enc = None;
+                        return Some((Err(e), st));
+                    }
+                    let out = std::mem::take(enc.get_mut());
+                    if !out.is_empty() {
+                        return Some((Ok(Bytes::from(out)), st));
+                    }
+                }
+                Some(Err(e)) => {
+                    st.enc = None;
+                    return Some((Err(std::io::Error::other(e)), st));
+                }
+                None => {
+                    let enc = st.enc.take()?;
+                    return Some((enc.finish().map(Bytes::from), st));
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// gunzip a byte stream chunk by chunk (bounded memory).
+fn gunzip_stream(input: BoxStream<'static, Result<Bytes, String>>) -> BoxStream<'static, Result<Bytes, String>> {
+    struct St {
+        input: BoxStream<'static, Result<Bytes, String>>,
+        dec: Option<flate2::write::GzDecoder<Vec<u8>>>,
+    }
+    let st = St { input, dec: Some(flate2::write::GzDecoder::new(Vec::new())) };
+    futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            let dec = st.dec.as_mut()?;
+            match st.input.next().await {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = dec.write_all(&chunk) {
+                        st.dec = None;
+                        return Some((Err(format!("invalid gzip body: {e}")), st));
+                    }
+                    let out = std::mem::take(dec.get_mut());
+                    if !out.is_empty() {
+                        return Some((Ok(Bytes::from(out)), st));
+                    }
+                }
+                Some(Err(e)) => {
+                    st.dec = None;
+                    return Some((Err(e), st));
+                }
+                None => {
+                    let dec = st.dec.take()?;
+                    return match dec.finish() {
+                        Ok(rest) if rest.is_empty() => None,
+                        Ok(rest) => Some((Ok(Bytes::from(rest)), st)),
+                        Err(e) => Some((Err(format!("invalid gzip body: {e}")), st)),
+                    };
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+async fn upload(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    RawQuery(raw): RawQuery,
+    req: Request,
+) -> Response {
+    let q = FilesQuery::parse(raw.as_deref());
+    let headers = req.headers().clone();
+    let target = match files_target(&state, &headers, &q, "write") {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let span = tracing::info_span!("e2b.files.write", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
+    let r = serve_upload(&state, &ctx, &target, &q, &headers, req.into_body()).instrument(span.clone()).await;
+    span.record("outcome", if r.status().is_success() { "ok" } else { "error" });
+    r
+}
+
+async fn serve_upload(
+    state: &AppState,
+    ctx: &CallCtx,
+    target: &Target,
+    q: &FilesQuery,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
+        return RestError::unauthorized(e).into_response();
+    }
+    let metadata = match metadata_of(headers) {
+        Ok(m) => m,
+        Err(e) => return RestError::bad_request(e).into_response(),
+    };
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let max = state.config.server.max_file_bytes;
+    let body: BoxStream<'static, Result<Bytes, String>> =
+        body.into_data_stream().map(|r| r.map_err(|e| e.to_string())).boxed();
+    let mut written = Vec::new();
+    if let Some(boundary) = boundary_of(&ct) {
+        let mut mp = Multipart::new(body, &boundary);
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let part = match mp.next_part().await {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(e) => return RestError::bad_request(e.to_string()).into_response(),
+            };
+            if part.name.as_deref() != Some("file") {
+                continue;
+            }
+            let Some(shown) = q.path.clone().or(part.filename.clone()).filter(|p| !p.is_empty()) else {
+                return RestError::bad_request("a file part has no filename and the request no path").into_response();
+            };
+            let path = resolve_path(&shown);
+            if !seen.insert(path.clone()) {
+                return RestError::bad_request(format!("cannot upload the same path twice: '{shown}'")).into_response();
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
+            let parts = &mut mp;
+            let p2 = path.clone();
+            // Feeds the part's bytes to the write; the sender drops (end of data) with it.
+            let feed = async move {
+                let mut total = 0u64;
+                loop {
+                    let item = match parts.next_chunk().await {
+                        Ok(Some(c)) => {
+                            total += c.len() as u64;
+                            if total > max {
+                                Err(ProviderError::fs(
+                                    ErrorCode::FsTooLarge,
+                                    &p2,
+                                    format!("file is larger than {max} bytes"),
+                                ))
+                            } else {
+                                Ok(c)
+                            }
+                        }
+                        Ok(None) => return,
+                        Err(e) => Err(ProviderError::InvalidRequest { message: e.to_string() }),
+                    };
+                    let failed = item.is_err();
+                    if tx.send(item).await.is_err() || failed {
+                        return;
+                    }
+                }
+            };
+            let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
+            let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
+            match res {
+                Ok(()) => written.push(entry(&path, metadata.clone())),
+                Err(e) => return RestError::from_envd(&e).into_response(),
+            }
+        }
+        if written.is_empty() {
+            return RestError::bad_request("the multipart body holds no part named \"file\"").into_response();
+        }
+    } else if ct.is_empty()
+        || ct.split(';').next().is_some_and(|b| b.trim().eq_ignore_ascii_case("application/octet-stream"))
+    {
+        let Some(shown) = q.path.clone().filter(|p| !p.is_empty()) else {
+            return RestError::bad_request("the path query parameter is required for an octet-stream upload")
+                .into_response();
+        };
+        let path = resolve_path(&shown);
+        let gz =
+            headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase());
+        let body = match gz.as_deref() {
+            None | Some("" | "identity") => body,
+            Some("gzip" | "x-gzip") => gunzip_stream(body),
+            Some(other) => {
+                return RestError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    format!("unsupported Content-Encoding {other:?}"),
+                )
+                .into_response();
+            }
+        };
+        let p2 = path.clone();
+        let mut total = 0u64;
+        let data: ByteStream = body
+            .map(move |r| match r {
+                Ok(c) => {
+                    total += c.len() as u64;
+                    if total > max {
+                        Err(ProviderError::fs(ErrorCode::FsTooLarge, &p2, format!("file is larger than {max} bytes")))
+                    } else {
+                        Ok(c)
+                    }
+                }
+                Err(e) => Err(ProviderError::InvalidRequest { message: e }),
+            })
+            .boxed();
+        if let Err(e) = write_one(state, ctx, target, &path, data).await {
+            return RestError::from_envd(&e).into_response();
+        }
+        written.push(entry(&path, metadata.clone()));
+    } else {
+        return RestError::bad_request(format!(
+            "unsupported Content-Type {ct:?}: use multipart/form-data or application/octet-stream"
+        ))
+        .into_response();
+    }
+    for w in &written {
+        target.extra.set_meta(&w.path, metadata.clone());
+    }
+    (StatusCode::OK, axum::Json(written)).into_response()
+}
+
+fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry {
+    WrittenEntry {
+        path: path.to_owned(),
+        name: path.rsplit('/').next().unwrap_or(path).to_owned(),
+        kind: "file".into(),
+        metadata,
+    }
+}
+
+/// Write one file through the seam, logged.
+async fn write_one(
+    state: &AppState,
+    ctx: &CallCtx,
+    target: &Target,
+    path: &str,
+    data: ByteStream,
+) -> Result<(), DaemonError> {
+    let sandbox = target.session.sandbox()?;
+    target.session.touch();
+    let wctx = ctx.with_timeout(Duration::from_millis(state.config.limits.fs_op_timeout_ms), "DEADLINE_EXCEEDED");
+    let r = sandbox.fs().write(&wctx, path, data, WriteGuard::None).await;
+    log_fs_op(&target.session, "write", path, r.as_ref().map(|o| Some(o.size)).map_err(ProviderError::code)).await;
+    r.map(|_| ()).map_err(DaemonError::from)
+}
+
+/// `X-Metadata-<key>: <value>` headers: keys lowercased; printable ASCII only; 4 KiB in all.
+fn metadata_of(headers: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, String> {
+    let mut out = BTreeMap::new();
+    let mut total = 0usize;
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
+        let value = value.to_str().map_err(|_| format!("metadata {key:?}: the value is not printable ASCII"))?;
+        let printable = |s: &str| s.bytes().all(|b| (0x20..0x7f).contains(&b));
+        if key.is_empty() || key.len() > 246 || !printable(key) || !printable(value) {
+            return Err(format!("invalid metadata key or value for {key:?}"));
+        }
+        total += key.len() + value.len();
+        out.insert(key.to_owned(), value.to_owned());
+    }
+    if total > 4096 {
+        return Err("metadata is larger than 4096 bytes".into());
+    }
+    Ok((!out.is_empty()).then_some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_and_encodings() {
+        assert_eq!(parse_range("bytes=0-4", 10), RangeAsk::Range((0, 4)));
+        assert_eq!(parse_range("bytes=5-", 10), RangeAsk::Range((5, 9)));
+        assert_eq!(parse_range("bytes=-3", 10), RangeAsk::Range((7, 9)));
+        assert_eq!(parse_range("bytes=20-30", 10), RangeAsk::Unsatisfiable);
+        assert_eq!(parse_range("bytes=0-1,3-4", 10), RangeAsk::Ignore);
+        let mut h = HeaderMap::new();
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip, deflate"));
+        assert!(accepts_gzip(&h));
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        assert!(!accepts_gzip(&h));
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip;q=0"));
+        assert!(!accepts_gzip(&h));
+    }
+
+    #[test]
+    fn routing_by_header_and_by_host() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, HeaderValue::from_static("49983-iabc123.localhost:7420"));
+        assert_eq!(addressed(&h), Some(("iabc123".into(), 49983)));
+        h.insert(header::HOST, HeaderValue::from_static("127.0.0.1:7420"));
+        assert_eq!(addressed(&h), None);
+        h.insert("e2b-sandbox-id", HeaderValue::from_static("iabc"));
+        h.insert("e2b-sandbox-port", HeaderValue::from_static("8080"));
+        assert_eq!(addressed(&h), Some(("iabc".into(), 8080)));
+    }
+
+    #[tokio::test]
+    async fn gzip_round_trips_in_chunks() {
+        let data: Vec<u8> = (0..200_000u32).flat_map(|i| i.to_le_bytes()).collect();
+        let chunks: Vec<tether_provider::Result<Bytes>> =
+            data.chunks(10_000).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        let gz: Vec<Bytes> = gzip_stream(futures_util::stream::iter(chunks).boxed(), CallCtx::new("t"))
+            .map(|r| r.unwrap())
+            .collect()
+            .await;
+        assert!(gz.len() > 1, "the encoder streams");
+        let back: Vec<Bytes> = gunzip_stream(futures_util::stream::iter(gz.into_iter().map(Ok)).boxed())
+            .map(|r| r.unwrap())
+            .collect()
+            .await;
+        assert_eq!(back.concat(), data);
+        let bad: Vec<Result<Bytes, String>> =
+            gunzip_stream(futures_util::stream::iter(vec![Ok(Bytes::from_static(b"not gzip at all"))]).boxed())
+                .collect()
+                .await;
+        assert!(bad.iter().any(Result::is_err));
+    }
+}

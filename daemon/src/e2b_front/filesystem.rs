@@ -1,0 +1,630 @@
+//! envd's `filesystem.Filesystem` service over Connect, on the provider's `Fs` seam.
+//!
+//! Each operation runs under the call's `Connect-Timeout-Ms` and the daemon's file
+//! operation limit; changes (`MakeDir`, `Move`, `Remove`) are recorded in the session log.
+//! Watches use the provider's `Fs::watch` when it has one, else a poller that lists the
+//! directory and reports the differences (create, write, remove), so `watch_dir` works on
+//! every provider. `CreateWatcher` buffers a watch's events until `GetWatcherEvents` takes
+//! them (the Python SDK polls), `WatchDir` streams them (the JS SDK).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use http::HeaderMap;
+use tether_protocol::ErrorCode;
+use tether_protocol::e2b::{
+    ConnectCode, CreateWatcherResponse, Empty, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent,
+    ListDirRequest, ListDirResponse, MoveRequest, PathRequest, WatchDirResponse, WatchRequest, WatcherEventsResponse,
+    WatcherRequest,
+};
+use tether_protocol::fs::{FileKind, FileStat, FsEvent, FsEventKind};
+use tether_provider::clock::{CancelReason, CancelToken};
+use tether_provider::{CallCtx, ProviderError, Sandbox};
+use tracing::Instrument;
+
+use super::connect::{self, CallOpts, RpcError, StreamOpts};
+use super::envd::{self, Target, log_fs_op};
+use super::{SandboxExtra, auth, resolve_path};
+use crate::server::RequestCtx;
+use crate::state::AppState;
+
+/// How often the polling watcher lists a directory.
+const POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// Depth the polling watcher lists to when recursive.
+const POLL_DEPTH: u32 = 32;
+/// Events a watcher keeps until they are taken; older ones are dropped beyond this.
+const WATCHER_BUFFER: usize = 10_000;
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new().route("/filesystem.Filesystem/{method}", post(rpc))
+}
+
+/// The methods of `filesystem.Filesystem`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Stat,
+    MakeDir,
+    Move,
+    ListDir,
+    Remove,
+    WatchDir,
+    CreateWatcher,
+    GetWatcherEvents,
+    RemoveWatcher,
+}
+
+impl Method {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "Stat" => Self::Stat,
+            "MakeDir" => Self::MakeDir,
+            "Move" => Self::Move,
+            "ListDir" => Self::ListDir,
+            "Remove" => Self::Remove,
+            "WatchDir" => Self::WatchDir,
+            "CreateWatcher" => Self::CreateWatcher,
+            "GetWatcherEvents" => Self::GetWatcherEvents,
+            "RemoveWatcher" => Self::RemoveWatcher,
+            _ => return None,
+        })
+    }
+
+    fn span(self, t: &Target) -> tracing::Span {
+        let (s, id) = (&t.session.id, &t.id);
+        match self {
+            Self::Stat => {
+                tracing::info_span!("e2b.filesystem.stat", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::MakeDir => {
+                tracing::info_span!("e2b.filesystem.make_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::Move => {
+                tracing::info_span!("e2b.filesystem.move", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::ListDir => {
+                tracing::info_span!("e2b.filesystem.list_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::Remove => {
+                tracing::info_span!("e2b.filesystem.remove", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::WatchDir => {
+                tracing::info_span!("e2b.filesystem.watch_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::CreateWatcher => {
+                tracing::info_span!("e2b.filesystem.create_watcher", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::GetWatcherEvents => {
+                tracing::info_span!("e2b.filesystem.get_watcher_events", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::RemoveWatcher => {
+                tracing::info_span!("e2b.filesystem.remove_watcher", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+        }
+    }
+}
+
+async fn rpc(
+    State(state): State<Arc<AppState>>,
+    Path(method): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some(m) = Method::parse(&method) else {
+        return RpcError::new(
+            ConnectCode::Unimplemented,
+            format!("filesystem.Filesystem/{method} is not a method of this service"),
+        )
+        .into_response();
+    };
+    let streaming = m == Method::WatchDir;
+    let opts = match CallOpts::parse(&headers, streaming) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    let target = match envd::authorize(&state, &headers) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    if let Err(e) = auth::basic_user(&headers).and_then(|u| envd::effective_user(u, &target.extra)) {
+        let e = RpcError::new(ConnectCode::Unauthenticated, e);
+        return if streaming { connect::stream_error(&e) } else { e.into_response() };
+    }
+    target.session.touch();
+    let span = m.span(&target);
+    // Every operation is bounded by the call's timeout and by the daemon's fs limit.
+    let fs_limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+    let limit = opts.timeout.map_or(fs_limit, |t| t.min(fs_limit));
+    let cctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let resp = async {
+        if m == Method::WatchDir {
+            return watch_dir(&cctx, opts, &target, body).await;
+        }
+        let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
+            Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
+            Err(e) => Err(e),
+        };
+        r.unwrap_or_else(IntoResponse::into_response)
+    }
+    .instrument(span.clone())
+    .await;
+    span.record("outcome", if resp.status().is_success() { "ok" } else { "error" });
+    resp
+}
+
+async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Response, RpcError> {
+    let sandbox = t.session.sandbox()?;
+    let fs = sandbox.fs();
+    match m {
+        Method::Stat => {
+            let req: PathRequest = connect::decode_unary(body)?;
+            let st = ctx.run(fs.stat(ctx, &resolve_path(&req.path))).await?;
+            Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) }))
+        }
+        Method::ListDir => {
+            let req: ListDirRequest = connect::decode_unary(body)?;
+            let path = resolve_path(&req.path);
+            let st = ctx.run(fs.stat(ctx, &path)).await?;
+            if st.kind != FileKind::Dir {
+                return Err(RpcError::invalid(format!("path '{}' is not a directory", req.path)));
+            }
+            let entries = ctx.run(fs.list(ctx, &path, req.depth.max(1))).await?;
+            let entries = entries.iter().map(|e| entry_info(&e.stat, &t.extra)).collect();
+            Ok(connect::unary_ok(&ListDirResponse { entries }))
+        }
+        Method::MakeDir => {
+            let req: PathRequest = connect::decode_unary(body)?;
+            let path = resolve_path(&req.path);
+            let r = ctx.run(fs.mkdir(ctx, &path, true)).await;
+            log_fs_op(&t.session, "mkdir", &path, r.as_ref().map(|_| None).map_err(ProviderError::code)).await;
+            match r {
+                Ok(st) => Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) })),
+                Err(e) if e.code() == ErrorCode::FsAlreadyExists => {
+                    // envd: an existing directory is `already_exists`, anything else in the
+                    // way is a bad argument.
+                    match ctx.run(fs.stat(ctx, &path)).await {
+                        Ok(st) if st.kind == FileKind::Dir => Err(RpcError::new(
+                            ConnectCode::AlreadyExists,
+                            format!("directory '{}' already exists", req.path),
+                        )),
+                        _ => {
+                            Err(RpcError::invalid(format!("path '{}' already exists and is not a directory", req.path)))
+                        }
+                    }
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
+        Method::Move => {
+            let req: MoveRequest = connect::decode_unary(body)?;
+            let (from, to) = (resolve_path(&req.source), resolve_path(&req.destination));
+            let r = ctx.run(fs.rename(ctx, &from, &to)).await;
+            log_fs_op(
+                &t.session,
+                "rename",
+                &format!("{from} -> {to}"),
+                r.as_ref().map(|_| None).map_err(ProviderError::code),
+            )
+            .await;
+            let st = r?;
+            t.extra.move_meta(&from, Some(&to));
+            Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) }))
+        }
+        Method::Remove => {
+            let req: PathRequest = connect::decode_unary(body)?;
+            let path = resolve_path(&req.path);
+            let r = ctx.run(fs.remove(ctx, &path, true)).await;
+            log_fs_op(&t.session, "remove", &path, r.as_ref().map(|_| None).map_err(ProviderError::code)).await;
+            r?;
+            t.extra.move_meta(&path, None);
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::CreateWatcher => {
+            let req: WatchRequest = connect::decode_unary(body)?;
+            let id = create_watcher(ctx, t, sandbox, &req).await?;
+            Ok(connect::unary_ok(&CreateWatcherResponse { watcher_id: id }))
+        }
+        Method::GetWatcherEvents => {
+            let req: WatcherRequest = connect::decode_unary(body)?;
+            let w = watcher(&t.extra, &req.watcher_id)?;
+            let (events, failure) = w.take();
+            if let Some(e) = failure
+                && events.is_empty()
+            {
+                return Err(e);
+            }
+            Ok(connect::unary_ok(&WatcherEventsResponse { events }))
+        }
+        Method::RemoveWatcher => {
+            let req: WatcherRequest = connect::decode_unary(body)?;
+            let w = t
+                .extra
+                .watchers
+                .write()
+                .ok()
+                .and_then(|mut m| m.remove(&req.watcher_id))
+                .ok_or_else(|| RpcError::not_found(format!("watcher with id {} not found", req.watcher_id)))?;
+            w.stop();
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::WatchDir => Err(RpcError::new(ConnectCode::Internal, "a streaming method was dispatched as unary")),
+    }
+}
+
+// === entries ===
+
+/// `EntryInfo` of a seam stat.
+pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
+    let kind = match st.kind {
+        FileKind::File => FileType::File,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Other => FileType::Unspecified,
+    };
+    EntryInfo {
+        name: st.name.clone(),
+        kind,
+        path: st.path.clone(),
+        size: i64::try_from(st.size).unwrap_or(i64::MAX),
+        mode: st.mode & 0o7777,
+        permissions: permissions(st.kind, st.mode),
+        owner: "user".into(),
+        group: "user".into(),
+        modified_time: Some(super::rfc3339(st.modified_ms)),
+        symlink_target: st.symlink_target.clone(),
+        metadata: extra.meta_of(&st.path),
+        is_symlink: st.kind == FileKind::Symlink,
+    }
+}
+
+/// Go's `os.FileMode.String()`: `drwxr-xr-x`, `-rw-r--r--`, `Lrwxrwxrwx`.
+fn permissions(kind: FileKind, mode: u32) -> String {
+    let t = match kind {
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'L',
+        FileKind::File => '-',
+        FileKind::Other => '?',
+    };
+    let mut s = String::with_capacity(10);
+    s.push(t);
+    for shift in [6u32, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+// === watches ===
+
+/// Open a watch on a directory: the provider's, or the polling fallback.
+async fn open_watch(
+    ctx: &CallCtx,
+    watch_ctx: CallCtx,
+    sandbox: Arc<dyn Sandbox>,
+    path: &str,
+    shown: &str,
+    recursive: bool,
+) -> Result<BoxStream<'static, Result<FsEvent, RpcError>>, RpcError> {
+    let st = ctx.run(sandbox.fs().stat(ctx, path)).await?;
+    if st.kind != FileKind::Dir {
+        return Err(RpcError::invalid(format!("path '{shown}' is not a directory")));
+    }
+    match sandbox.fs().watch(&watch_ctx, path, recursive).await {
+        Ok(s) => {
+            let keep = watch_ctx;
+            Ok(s.map(move |r| {
+                let _ = &keep;
+                r.map_err(RpcError::from)
+            })
+            .boxed())
+        }
+        Err(ProviderError::Unsupported { .. }) => poll_watch(ctx, watch_ctx, sandbox, path.to_owned(), recursive).await,
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What the poller remembers of one path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    kind: FileKind,
+    size: u64,
+    modified_ms: i64,
+    mode: u32,
+    version: String,
+}
+
+async fn snapshot(
+    ctx: &CallCtx,
+    sandbox: &Arc<dyn Sandbox>,
+    root: &str,
+    recursive: bool,
+) -> Result<BTreeMap<String, Seen>, ProviderError> {
+    let entries = sandbox.fs().list(ctx, root, if recursive { POLL_DEPTH } else { 1 }).await?;
+    let prefix = format!("{}/", root.trim_end_matches('/'));
+    Ok(entries
+        .into_iter()
+        .map(|e| {
+            let name = e.stat.path.strip_prefix(&prefix).unwrap_or(&e.stat.name).to_owned();
+            let seen = Seen {
+                kind: e.stat.kind,
+                size: e.stat.size,
+                modified_ms: e.stat.modified_ms,
+                mode: e.stat.mode,
+                version: e.stat.version.0.clone(),
+            };
+            (name, seen)
+        })
+        .collect())
+}
+
+/// The polling watcher: the first listing is taken before this returns, so every change
+/// after the watch was created is reported.
+async fn poll_watch(
+    ctx: &CallCtx,
+    watch_ctx: CallCtx,
+    sandbox: Arc<dyn Sandbox>,
+    root: String,
+    recursive: bool,
+) -> Result<BoxStream<'static, Result<FsEvent, RpcError>>, RpcError> {
+    let first = ctx.run(snapshot(ctx, &sandbox, &root, recursive)).await?;
+    struct St {
+        ctx: CallCtx,
+        sandbox: Arc<dyn Sandbox>,
+        root: String,
+        recursive: bool,
+        last: BTreeMap<String, Seen>,
+        pending: VecDeque<FsEvent>,
+    }
+    let st = St { ctx: watch_ctx, sandbox, root, recursive, last: first, pending: VecDeque::new() };
+    Ok(futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.pending.pop_front() {
+                return Some((Ok(e), st));
+            }
+            tokio::select! {
+                _ = st.ctx.cancel.cancelled() => return None,
+                _ = tokio::time::sleep(POLL_INTERVAL) => {}
+            }
+            let lctx = st.ctx.with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let now = match snapshot(&lctx, &st.sandbox, &st.root, st.recursive).await {
+                Ok(n) => n,
+                Err(e) if e.code() == ErrorCode::FsNotFound => {
+                    // The watched directory itself is gone: the watch ends.
+                    return Some((
+                        Err(RpcError::not_found(format!("watched directory '{}' was removed", st.root))),
+                        st,
+                    ));
+                }
+                Err(e) if st.ctx.cancel.is_cancelled() => {
+                    let _ = e;
+                    return None;
+                }
+                Err(e) => return Some((Err(e.into()), st)),
+            };
+            st.pending.extend(diff(&st.last, &now));
+            st.last = now;
+        }
+    })
+    .boxed())
+}
+
+/// The events that turn listing `a` into listing `b`.
+fn diff(a: &BTreeMap<String, Seen>, b: &BTreeMap<String, Seen>) -> Vec<FsEvent> {
+    let mut out = Vec::new();
+    for (name, new) in b {
+        match a.get(name) {
+            None => out.push(FsEvent { kind: FsEventKind::Create, name: name.clone() }),
+            Some(old) if old.kind != new.kind => {
+                out.push(FsEvent { kind: FsEventKind::Remove, name: name.clone() });
+                out.push(FsEvent { kind: FsEventKind::Create, name: name.clone() });
+            }
+            Some(old)
+                if old.kind == FileKind::File
+                    && (old.size != new.size || old.modified_ms != new.modified_ms || old.version != new.version) =>
+            {
+                out.push(FsEvent { kind: FsEventKind::Write, name: name.clone() });
+            }
+            Some(old) if old.mode != new.mode => out.push(FsEvent { kind: FsEventKind::Chmod, name: name.clone() }),
+            Some(_) => {}
+        }
+    }
+    for name in a.keys() {
+        if !b.contains_key(name) {
+            out.push(FsEvent { kind: FsEventKind::Remove, name: name.clone() });
+        }
+    }
+    out
+}
+
+/// A seam event as envd reports it, with the entry when asked for (and still there).
+async fn to_event(
+    ctx: &CallCtx,
+    sandbox: &Arc<dyn Sandbox>,
+    extra: &SandboxExtra,
+    root: &str,
+    ev: FsEvent,
+    include_entry: bool,
+) -> FilesystemEvent {
+    let kind = match ev.kind {
+        FsEventKind::Create => EventType::Create,
+        FsEventKind::Write => EventType::Write,
+        FsEventKind::Remove => EventType::Remove,
+        FsEventKind::Rename => EventType::Rename,
+        FsEventKind::Chmod => EventType::Chmod,
+    };
+    let entry = if include_entry && !matches!(ev.kind, FsEventKind::Remove | FsEventKind::Rename) {
+        let path = format!("{}/{}", root.trim_end_matches('/'), ev.name);
+        let sctx = ctx.with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
+        sandbox.fs().stat(&sctx, &path).await.ok().map(|st| entry_info(&st, extra))
+    } else {
+        None
+    };
+    FilesystemEvent { name: ev.name, kind, entry }
+}
+
+async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
+    let req: WatchRequest = match connect::read_single_message(body).await {
+        Ok(r) => r,
+        Err(e) => return connect::stream_error(&e),
+    };
+    let sandbox = match t.session.sandbox() {
+        Ok(s) => s,
+        Err(e) => return connect::stream_error(&RpcError::from(e)),
+    };
+    let path = resolve_path(&req.path);
+    let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.session.cancel.child());
+    let events = match open_watch(ctx, wctx.clone(), Arc::clone(&sandbox), &path, &req.path, req.recursive).await {
+        Ok(s) => s,
+        Err(e) => return connect::stream_error(&e),
+    };
+    let extra = Arc::clone(&t.extra);
+    let include = req.include_entry;
+    let first = futures_util::stream::once(async { Ok(connect::msg(&WatchDirResponse::Start(Empty {}))) });
+    let rest = events.then(move |r| {
+        let (wctx, sandbox, extra, path) = (wctx.clone(), Arc::clone(&sandbox), Arc::clone(&extra), path.clone());
+        async move {
+            let ev = r?;
+            let e = to_event(&wctx, &sandbox, &extra, &path, ev, include).await;
+            Ok(connect::msg(&WatchDirResponse::Filesystem(Box::new(e))))
+        }
+    });
+    connect::stream_response(
+        first.chain(rest).boxed(),
+        StreamOpts {
+            keepalive: opts.keepalive,
+            keepalive_msg: connect::msg(&WatchDirResponse::Keepalive(Empty {})),
+            deadline: opts.deadline(),
+            span: tracing::Span::current(),
+        },
+    )
+}
+
+// === watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher) ===
+
+/// A watch whose events wait to be taken.
+#[derive(Debug)]
+pub(super) struct Watcher {
+    events: RwLock<VecDeque<FilesystemEvent>>,
+    failure: RwLock<Option<RpcError>>,
+    stop: CancelToken,
+}
+
+impl Watcher {
+    pub(super) fn stop(&self) {
+        self.stop.cancel(CancelReason::Caller("watcher removed"));
+    }
+
+    fn push(&self, e: FilesystemEvent) {
+        if let Ok(mut q) = self.events.write() {
+            if q.len() >= WATCHER_BUFFER {
+                q.pop_front();
+            }
+            q.push_back(e);
+        }
+    }
+
+    fn take(&self) -> (Vec<FilesystemEvent>, Option<RpcError>) {
+        let events = self.events.write().map(|mut q| q.drain(..).collect()).unwrap_or_default();
+        let failure = self.failure.read().ok().and_then(|f| f.clone());
+        (events, failure)
+    }
+}
+
+fn watcher(extra: &SandboxExtra, id: &str) -> Result<Arc<Watcher>, RpcError> {
+    extra
+        .watchers
+        .read()
+        .ok()
+        .and_then(|m| m.get(id).cloned())
+        .ok_or_else(|| RpcError::not_found(format!("watcher with id {id} not found")))
+}
+
+async fn create_watcher(
+    ctx: &CallCtx,
+    t: &Target,
+    sandbox: Arc<dyn Sandbox>,
+    req: &WatchRequest,
+) -> Result<String, RpcError> {
+    let path = resolve_path(&req.path);
+    let stop = t.session.cancel.child();
+    let wctx = CallCtx::with_cancel(format!("watcher-{}", ctx.request_id), stop.clone());
+    let mut events = open_watch(ctx, wctx.clone(), Arc::clone(&sandbox), &path, &req.path, req.recursive).await?;
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let w = Arc::new(Watcher { events: RwLock::new(VecDeque::new()), failure: RwLock::new(None), stop: stop.clone() });
+    if let Ok(mut m) = t.extra.watchers.write() {
+        m.insert(id.clone(), Arc::clone(&w));
+    }
+    let (extra, include) = (Arc::clone(&t.extra), req.include_entry);
+    let span = tracing::info_span!("e2b.filesystem.watcher", session.id = %t.session.id, watcher.id = %id);
+    t.session.tasks().spawn(
+        async move {
+            loop {
+                let next = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    n = events.next() => n,
+                };
+                match next {
+                    Some(Ok(ev)) => w.push(to_event(&wctx, &sandbox, &extra, &path, ev, include).await),
+                    Some(Err(e)) => {
+                        if let Ok(mut f) = w.failure.write() {
+                            *f = Some(e);
+                        }
+                        break;
+                    }
+                    None => break,
+                }
+            }
+        }
+        .instrument(span),
+    );
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(kind: FileKind, size: u64, m: i64) -> Seen {
+        Seen { kind, size, modified_ms: m, mode: 0o644, version: format!("{size}-{m}") }
+    }
+
+    #[test]
+    fn poller_diff_reports_create_write_remove() {
+        let mut a = BTreeMap::new();
+        a.insert("keep".to_owned(), seen(FileKind::File, 1, 1));
+        a.insert("gone".to_owned(), seen(FileKind::File, 1, 1));
+        a.insert("grow".to_owned(), seen(FileKind::File, 1, 1));
+        let mut b = a.clone();
+        b.remove("gone");
+        b.insert("grow".to_owned(), seen(FileKind::File, 2, 2));
+        b.insert("new".to_owned(), seen(FileKind::Dir, 0, 3));
+        let mut d: Vec<(FsEventKind, String)> = diff(&a, &b).into_iter().map(|e| (e.kind, e.name)).collect();
+        d.sort_by(|x, y| x.1.cmp(&y.1));
+        assert_eq!(
+            d,
+            vec![
+                (FsEventKind::Remove, "gone".to_owned()),
+                (FsEventKind::Write, "grow".to_owned()),
+                (FsEventKind::Create, "new".to_owned()),
+            ]
+        );
+        assert!(diff(&b, &b).is_empty());
+    }
+
+    #[test]
+    fn permissions_read_like_go() {
+        assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
+        assert_eq!(permissions(FileKind::File, 0o644), "-rw-r--r--");
+        assert_eq!(permissions(FileKind::Symlink, 0o777), "Lrwxrwxrwx");
+    }
+}

@@ -1,0 +1,544 @@
+//! envd's `process.Process` service over Connect, on the daemon's command machinery.
+//!
+//! Every process is started with [`exec::start`](crate::exec::start), so it is journaled,
+//! bounded and logged like any command of the session; its output reaches the SDK from
+//! the journal (`RunningCommand::events`). E2B semantics kept here:
+//!
+//! - `Connect-Timeout-Ms` of `Start` is the process's own deadline (envd kills the process
+//!   when it passes; `timeout=0` in the SDK sends none: unlimited);
+//! - closing the stream does not kill the process;
+//! - `Connect` streams only what the process prints after it subscribed (envd's output
+//!   multiplexer does not replay), then the end;
+//! - the stream is `start{pid}`, `data`, `keepalive` when idle, `end`, and the end frame.
+//!
+//! The requested user (`user` or `root`) is recorded in the logged process spec; the
+//! local provider runs both as its one confined user.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use http::HeaderMap;
+use tether_protocol::e2b::{
+    ConnectCode, DataEvent, Empty, EndEvent, ListResponse, ProcessConfig, ProcessEventMsg, ProcessEventResponse,
+    ProcessInfoMsg, ProcessInput, ProcessSelector, PtyMsg, SelectRequest, SendInputRequest, SendSignalRequest,
+    SignalMsg, StartEvent, StartRequest, StreamInputRequest, UpdateRequest,
+};
+use tether_protocol::process::{Command, ExitStatus, ProcessEvent, ProcessSpec, PtySize, StdinMode, StreamKind};
+use tether_provider::{CallCtx, Signal, StreamOffsets};
+use tracing::Instrument;
+
+use super::connect::{self, CallOpts, RpcError, StreamOpts};
+use super::envd::{self, Target};
+use super::{auth, resolve_path};
+use crate::exec::{self, ExecLimits, RunningCommand};
+use crate::server::RequestCtx;
+use crate::state::AppState;
+
+/// Time an `end` event gets to follow a process killed at its deadline before the stream
+/// itself gives up with `deadline_exceeded`.
+const END_AFTER_DEADLINE: Duration = Duration::from_secs(2);
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new().route("/process.Process/{method}", post(rpc))
+}
+
+/// The methods of `process.Process`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Start,
+    Connect,
+    List,
+    SendInput,
+    StreamInput,
+    SendSignal,
+    CloseStdin,
+    Update,
+}
+
+impl Method {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "Start" => Self::Start,
+            "Connect" => Self::Connect,
+            "List" => Self::List,
+            "SendInput" => Self::SendInput,
+            "StreamInput" => Self::StreamInput,
+            "SendSignal" => Self::SendSignal,
+            "CloseStdin" => Self::CloseStdin,
+            "Update" => Self::Update,
+            _ => return None,
+        })
+    }
+
+    fn streaming(self) -> bool {
+        matches!(self, Self::Start | Self::Connect | Self::StreamInput)
+    }
+
+    fn span(self, t: &Target, user: &str) -> tracing::Span {
+        let (s, id) = (&t.session.id, &t.id);
+        match self {
+            Self::Start => {
+                tracing::info_span!("e2b.process.start", session.id = %s, sandbox.id = %id, user = %user, command.id = tracing::field::Empty, outcome = tracing::field::Empty)
+            }
+            Self::Connect => {
+                tracing::info_span!("e2b.process.connect", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::List => {
+                tracing::info_span!("e2b.process.list", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::SendInput => {
+                tracing::info_span!("e2b.process.send_input", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::StreamInput => {
+                tracing::info_span!("e2b.process.stream_input", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::SendSignal => {
+                tracing::info_span!("e2b.process.send_signal", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::CloseStdin => {
+                tracing::info_span!("e2b.process.close_stdin", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+            Self::Update => {
+                tracing::info_span!("e2b.process.update", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
+            }
+        }
+    }
+}
+
+async fn rpc(
+    State(state): State<Arc<AppState>>,
+    Path(method): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some(m) = Method::parse(&method) else {
+        return RpcError::new(
+            ConnectCode::Unimplemented,
+            format!("process.Process/{method} is not a method of this service"),
+        )
+        .into_response();
+    };
+    let opts = match CallOpts::parse(&headers, m.streaming()) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    let target = match envd::authorize(&state, &headers) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let user = match auth::basic_user(&headers).and_then(|u| envd::effective_user(u, &target.extra)) {
+        Ok(u) => u,
+        Err(e) => {
+            let e = RpcError::new(ConnectCode::Unauthenticated, e);
+            return if m.streaming() { connect::stream_error(&e) } else { e.into_response() };
+        }
+    };
+    target.session.touch();
+    let span = m.span(&target, &user);
+    let resp = async {
+        match m {
+            Method::Start => start(&ctx, opts, &target, user, body).await,
+            Method::Connect => connect_stream(opts, &target, body).await,
+            Method::StreamInput => stream_input(&ctx, opts, &target, body).await,
+            _ => {
+                let cctx = opts.timeout.map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, "DEADLINE_EXCEEDED"));
+                let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
+                    Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(resp) => resp,
+                    Err(e) => e.into_response(),
+                }
+            }
+        }
+    }
+    .instrument(span.clone())
+    .await;
+    span.record("outcome", if resp.status().is_success() { "ok" } else { "error" });
+    resp
+}
+
+async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Response, RpcError> {
+    match m {
+        Method::List => Ok(connect::unary_ok(&list(t))),
+        Method::SendInput => {
+            let req: SendInputRequest = connect::decode_unary(body)?;
+            let cmd = running(t, req.process.as_ref())?;
+            let data = match req.input {
+                Some(ProcessInput::Stdin(b) | ProcessInput::Pty(b)) => b,
+                None => return Err(RpcError::invalid("input is required")),
+            };
+            ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(data))).await?;
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::SendSignal => {
+            let req: SendSignalRequest = connect::decode_unary(body)?;
+            let signal = match req.signal {
+                SignalMsg::Sigkill => Signal::Kill,
+                SignalMsg::Sigterm => Signal::Term,
+                SignalMsg::Unspecified | SignalMsg::Other(_) => {
+                    return Err(RpcError::new(ConnectCode::Unimplemented, "only SIGTERM and SIGKILL can be sent"));
+                }
+            };
+            let cmd = running(t, req.process.as_ref())?;
+            ctx.run(cmd.handle.signal(ctx, signal)).await?;
+            if signal == Signal::Kill {
+                ensure_killed(t, cmd);
+            }
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::CloseStdin => {
+            let req: SelectRequest = connect::decode_unary(body)?;
+            let cmd = running(t, req.process.as_ref())?;
+            ctx.run(cmd.handle.close_stdin(ctx)).await?;
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::Update => {
+            let req: UpdateRequest = connect::decode_unary(body)?;
+            let cmd = running(t, req.process.as_ref())?;
+            if let Some(size) = pty_size(req.pty.as_ref()) {
+                ctx.run(cmd.handle.resize(ctx, size)).await?;
+            }
+            Ok(connect::unary_ok(&Empty {}))
+        }
+        Method::Start | Method::Connect | Method::StreamInput => {
+            Err(RpcError::new(ConnectCode::Internal, "a streaming method was dispatched as unary"))
+        }
+    }
+}
+
+/// Times a SIGKILL is re-delivered to a command that is still running.
+const KILL_REDELIVERIES: u32 = 20;
+/// Wait between re-deliveries.
+const KILL_REDELIVERY_EVERY: Duration = Duration::from_millis(100);
+
+/// A SIGKILL must end the process, as it does in envd. A signal sent in the instant after
+/// the start can reach the process before the provider has it in the group it signals
+/// (the local provider moves it into its cgroup from inside), so the kill is re-delivered
+/// until the command is seen to end, and as a last resort the command is terminated
+/// through its pump. Runs in the background: `SendSignal` answers once the first signal
+/// was sent, like envd.
+fn ensure_killed(t: &Target, cmd: Arc<RunningCommand>) {
+    let span =
+        tracing::info_span!("e2b.process.ensure_killed", session.id = %t.session.id, command.id = %cmd.command_id);
+    t.session.tasks().spawn(
+        async move {
+            for _ in 0..KILL_REDELIVERIES {
+                if tokio::time::timeout(KILL_REDELIVERY_EVERY, cmd.wait()).await.is_ok() {
+                    return;
+                }
+                let ctx = CallCtx::new(format!("kill-{}", cmd.command_id))
+                    .with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
+                if let Err(e) = cmd.handle.signal(&ctx, Signal::Kill).await {
+                    tracing::debug!(error = %e, "Re-delivering SIGKILL failed");
+                }
+            }
+            if cmd.is_running() {
+                tracing::warn!(command.id = %cmd.command_id, "SIGKILL did not end the command; terminating it");
+                cmd.kill("killed by SendSignal");
+            }
+        }
+        .instrument(span),
+    );
+}
+
+// === selectors ===
+
+/// A command of the sandbox by selector, preferring a running one (pids can be reused).
+fn select(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningCommand>, RpcError> {
+    let sel = sel.ok_or_else(|| RpcError::invalid("process selector is required"))?;
+    let found = match sel {
+        ProcessSelector::Pid(pid) => {
+            let all: Vec<_> = t.session.commands().into_iter().filter(|c| c.pid == *pid).collect();
+            all.iter().find(|c| c.is_running()).or_else(|| all.first()).cloned()
+        }
+        ProcessSelector::Tag(tag) => t.session.command(tag).filter(|_| t.extra.is_tag(tag)),
+    };
+    found.ok_or_else(|| RpcError::not_found(describe(sel)))
+}
+
+/// A running command by selector (envd forgets processes once they end).
+fn running(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningCommand>, RpcError> {
+    let cmd = select(t, sel)?;
+    if cmd.is_running() {
+        Ok(cmd)
+    } else {
+        Err(RpcError::not_found(describe(sel.unwrap_or(&ProcessSelector::Pid(cmd.pid)))))
+    }
+}
+
+fn describe(sel: &ProcessSelector) -> String {
+    match sel {
+        ProcessSelector::Pid(p) => format!("process with pid {p} not found"),
+        ProcessSelector::Tag(t) => format!("process with tag {t} not found"),
+    }
+}
+
+fn pty_size(pty: Option<&PtyMsg>) -> Option<PtySize> {
+    let s = pty?.size?;
+    let clamp = |v: u32| u16::try_from(v.max(1)).unwrap_or(u16::MAX);
+    Some(PtySize { rows: clamp(s.rows), cols: clamp(s.cols) })
+}
+
+// === List ===
+
+fn list(t: &Target) -> ListResponse {
+    let mut processes: Vec<ProcessInfoMsg> = t
+        .session
+        .commands()
+        .into_iter()
+        .filter(|c| c.is_running())
+        .map(|c| {
+            let (cmd, args) = match &c.spec.command {
+                Command::Argv(v) => (v.first().cloned().unwrap_or_default(), v.iter().skip(1).cloned().collect()),
+                Command::Shell(s) => ("/bin/bash".to_owned(), vec!["-l".to_owned(), "-c".to_owned(), s.clone()]),
+            };
+            let envs = c
+                .spec
+                .env
+                .iter()
+                .filter_map(|(k, v)| v.clone().map(|v| (k.clone(), v)))
+                .filter(|(k, _)| !k.starts_with("TRACE"))
+                .collect();
+            ProcessInfoMsg {
+                config: ProcessConfig { cmd, args, envs, cwd: c.spec.cwd.clone() },
+                pid: c.pid,
+                tag: t.extra.is_tag(&c.command_id).then(|| c.command_id.clone()),
+            }
+        })
+        .collect();
+    processes.sort_by_key(|p| p.pid);
+    ListResponse { processes }
+}
+
+// === Start and Connect ===
+
+async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Body) -> Response {
+    let req: StartRequest = match connect::read_single_message(body).await {
+        Ok(r) => r,
+        Err(e) => return connect::stream_error(&e),
+    };
+    match start_process(ctx, opts, t, user, req).await {
+        Ok(cmd) => {
+            tracing::Span::current().record("command.id", cmd.command_id.as_str());
+            let events = cmd.events(StreamOffsets::default());
+            let deadline = opts.deadline().map(|d| d + END_AFTER_DEADLINE);
+            respond(cmd.pid, events, opts, deadline)
+        }
+        Err(e) => connect::stream_error(&e),
+    }
+}
+
+async fn start_process(
+    ctx: &CallCtx,
+    opts: CallOpts,
+    t: &Target,
+    user: String,
+    req: StartRequest,
+) -> Result<Arc<RunningCommand>, RpcError> {
+    let cfg = req.process.ok_or_else(|| RpcError::invalid("process is required"))?;
+    if cfg.cmd.is_empty() {
+        return Err(RpcError::invalid("process.cmd is required"));
+    }
+    let init = t.extra.init();
+    let cwd = cfg.cwd.as_deref().filter(|c| !c.is_empty()).map(resolve_path).or(init.default_workdir);
+    if let Some(dir) = &cwd {
+        // envd checks the working directory before it starts anything.
+        let sandbox = t.session.sandbox()?;
+        let sctx = ctx.with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+        match sandbox.fs().stat(&sctx, dir).await {
+            Ok(st) if st.kind == tether_protocol::fs::FileKind::Dir => {}
+            Ok(_) => return Err(RpcError::invalid(format!("cwd '{dir}' is not a directory"))),
+            Err(e) if e.code() == tether_protocol::ErrorCode::FsNotFound => {
+                return Err(RpcError::invalid(format!("cwd '{dir}' does not exist")));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let mut spec = ProcessSpec::argv(std::iter::once(cfg.cmd).chain(cfg.args));
+    spec.cwd = cwd;
+    for (k, v) in init.env.into_iter().chain(cfg.envs) {
+        spec.env.insert(k, Some(v));
+    }
+    spec.pty = pty_size(req.pty.as_ref());
+    // A pty always takes input; otherwise stdin is open unless the client said no
+    // (absent means open, for old clients).
+    spec.stdin = if spec.pty.is_some() || req.stdin.unwrap_or(true) { StdinMode::Pipe } else { StdinMode::Ignore };
+    spec.user = Some(user);
+    // envd kills with SIGKILL at the deadline, without a grace period.
+    spec.grace_ms = 0;
+    let tag = req.tag.filter(|s| !s.is_empty());
+    spec.command_id = tag.clone();
+    let limits = ExecLimits { total: opts.timeout, output_idle: None };
+    let mut sctx = ctx.clone();
+    sctx.trace = crate::telemetry::current_trace_context(&tracing::Span::current());
+    let cmd = exec::start(&t.session, &sctx, spec, limits).await?;
+    if let Some(tag) = tag
+        && let Ok(mut tags) = t.extra.tags.write()
+    {
+        tags.insert(tag);
+    }
+    Ok(cmd)
+}
+
+async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
+    let req: SelectRequest = match connect::read_single_message(body).await {
+        Ok(r) => r,
+        Err(e) => return connect::stream_error(&e),
+    };
+    let cmd = match select(t, req.process.as_ref()) {
+        Ok(c) => c,
+        Err(e) => return connect::stream_error(&e),
+    };
+    // Only output produced from now on, as envd (no replay).
+    let first = if cmd.spec.pty.is_some() { StreamKind::Pty } else { StreamKind::Stdout };
+    let from = StreamOffsets { stdout: cmd.journal.len(first), stderr: cmd.journal.len(StreamKind::Stderr) };
+    respond(cmd.pid, cmd.events(from), opts, opts.deadline())
+}
+
+/// The process stream: `start`, then the command's output and its end.
+fn respond(
+    pid: u32,
+    events: BoxStream<'static, crate::error::Result<ProcessEvent>>,
+    opts: CallOpts,
+    deadline: Option<tokio::time::Instant>,
+) -> Response {
+    let first = connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Start(StartEvent { pid }) });
+    let rest = events.map(|ev| match ev {
+        Ok(ProcessEvent::Output { stream, data, .. }) => {
+            let data = match stream {
+                StreamKind::Stdout => DataEvent::Stdout(data),
+                StreamKind::Stderr => DataEvent::Stderr(data),
+                StreamKind::Pty => DataEvent::Pty(data),
+            };
+            Ok(Some(connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Data(data) })))
+        }
+        Ok(ProcessEvent::Exited { status, .. }) => {
+            Ok(Some(connect::msg(&ProcessEventResponse { event: ProcessEventMsg::End(end_event(status)) })))
+        }
+        Ok(ProcessEvent::Started { .. }) => Ok(None),
+        Err(e) => Err(RpcError::from(e)),
+    });
+    let messages = futures_util::stream::once(async move { Ok(first) })
+        .chain(rest.filter_map(|r| async move { r.transpose() }))
+        .boxed();
+    let keepalive_msg = connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Keepalive(Empty {}) });
+    connect::stream_response(
+        messages,
+        StreamOpts { keepalive: opts.keepalive, keepalive_msg, deadline, span: tracing::Span::current() },
+    )
+}
+
+/// An `EndEvent` shaped like Go's `ProcessState`: `exit status N`, or `signal: killed`
+/// with exit code -1.
+pub(super) fn end_event(status: ExitStatus) -> EndEvent {
+    match (status.code, status.signal) {
+        (Some(code), _) => {
+            let s = format!("exit status {code}");
+            EndEvent { exit_code: code, exited: true, error: (code != 0).then(|| s.clone()), status: s }
+        }
+        (None, Some(sig)) => {
+            let s = format!("signal: {}", signal_name(sig));
+            EndEvent { exit_code: -1, exited: false, error: Some(s.clone()), status: s }
+        }
+        (None, None) => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "unknown".into(),
+            error: Some("the process ended without a status".into()),
+        },
+    }
+}
+
+/// Go's names of signals (`syscall.Signal.String`).
+fn signal_name(sig: i32) -> String {
+    match sig {
+        1 => "hangup".into(),
+        2 => "interrupt".into(),
+        3 => "quit".into(),
+        6 => "aborted".into(),
+        9 => "killed".into(),
+        10 => "user defined signal 1".into(),
+        11 => "segmentation fault".into(),
+        12 => "user defined signal 2".into(),
+        13 => "broken pipe".into(),
+        14 => "alarm clock".into(),
+        15 => "terminated".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+// === StreamInput ===
+
+async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
+    let mut messages = connect::message_stream::<StreamInputRequest>(body);
+    let deadline = opts.deadline();
+    let work = async {
+        let cmd = match messages.next().await {
+            Some(Ok(StreamInputRequest::Start(s))) => running(t, s.process.as_ref())?,
+            Some(Ok(_)) => return Err(RpcError::invalid("the first message of StreamInput must be start")),
+            Some(Err(e)) => return Err(e),
+            None => return Err(RpcError::invalid("StreamInput got no message")),
+        };
+        while let Some(m) = messages.next().await {
+            match m? {
+                StreamInputRequest::Data(d) => match d.input {
+                    Some(ProcessInput::Stdin(b) | ProcessInput::Pty(b)) => {
+                        ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(b))).await?;
+                    }
+                    None => return Err(RpcError::invalid("data without input")),
+                },
+                StreamInputRequest::Keepalive(_) => {}
+                StreamInputRequest::Start(_) => return Err(RpcError::invalid("start may only be the first message")),
+            }
+        }
+        Ok(())
+    };
+    let r = match deadline {
+        Some(d) => tokio::time::timeout_at(d, work).await.unwrap_or_else(|_| {
+            Err(RpcError::new(ConnectCode::DeadlineExceeded, "the call's Connect-Timeout-Ms expired"))
+        }),
+        None => work.await,
+    };
+    match r {
+        Ok(()) => {
+            let mut body = connect::envelope(0, b"{}").to_vec();
+            body.extend_from_slice(&connect::end_frame(None));
+            (
+                http::StatusCode::OK,
+                [(http::header::CONTENT_TYPE, http::HeaderValue::from_static(connect::STREAM_JSON))],
+                body,
+            )
+                .into_response()
+        }
+        Err(e) => connect::stream_error(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_events_read_like_go_process_state() {
+        let ok = end_event(ExitStatus { code: Some(0), signal: None });
+        assert_eq!((ok.exit_code, ok.exited, ok.status.as_str(), ok.error), (0, true, "exit status 0", None));
+        let fail = end_event(ExitStatus { code: Some(3), signal: None });
+        assert_eq!((fail.exit_code, fail.error.as_deref()), (3, Some("exit status 3")));
+        let killed = end_event(ExitStatus { code: None, signal: Some(9) });
+        assert_eq!((killed.exit_code, killed.exited, killed.status.as_str()), (-1, false, "signal: killed"));
+        assert_eq!(Method::parse("Start"), Some(Method::Start));
+        assert_eq!(Method::parse("start"), None);
+        assert!(Method::StreamInput.streaming() && !Method::SendSignal.streaming());
+    }
+}
