@@ -26,14 +26,21 @@ fn stats(mut v: Vec<Duration>) -> (f64, f64, f64) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let dir = tempfile::tempdir().unwrap();
+    // Both sides use the same confinement trampoline binary.
+    let helper = tether_tests::workspace_bin("tetherd");
     let mut cfg = tether_provider_local::LocalConfig::default();
     cfg.root = dir.path().join("direct");
-    cfg.confine_helper = Some(tether_tests::workspace_bin("tetherd"));
+    cfg.confine_helper = Some(helper.clone());
     let provider = Arc::new(tether_provider_local::LocalProvider::new(cfg).unwrap());
     let ctx = CallCtx::new("bench");
     let sb = provider.create(&ctx, SandboxSpec::default()).await.unwrap();
 
-    let d = TestDaemon::start().await;
+    let d = TestDaemon::start_with(|c| {
+        let mut local = tether_provider_local::LocalConfig::default();
+        local.confine_helper = Some(helper.clone());
+        c.providers.insert("local".into(), tether_daemon::config::ProviderConfig::Local(local));
+    })
+    .await;
     let sid = d.new_session().await;
     let url = d.url(&format!("/v1/sessions/{sid}/tool-calls"));
 

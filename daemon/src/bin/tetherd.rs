@@ -105,7 +105,10 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            rt.block_on(serve(cfg))
+            let code = rt.block_on(serve(cfg));
+            // A blocking exporter thread stuck on a dead collector must not hold the exit.
+            rt.shutdown_timeout(std::time::Duration::from_secs(5));
+            code
         }
     }
 }
