@@ -193,10 +193,11 @@ impl Batch {
             });
         }
         let call_ids = calls.iter().map(|c| c.id.clone()).collect();
+        // Staged: written with the first tool/call (or result) in one group commit.
         session
             .log
-            .append(EventBody::TurnStart { turn, call_ids })
-            .await?;
+            .stage(EventBody::TurnStart { turn, call_ids })
+            .await;
         Span::current().record("turn", turn);
         session.touch();
 
@@ -511,13 +512,17 @@ impl Runner {
                 PostDecision::accept()
             };
             let result = apply(slot.output, decision, &inv.call_id);
-            self.session
-                .log
-                .append(EventBody::ToolResult {
-                    result: result.clone(),
-                    call_seq: call.call_seq,
-                })
-                .await?;
+            let body = EventBody::ToolResult {
+                result: result.clone(),
+                call_seq: call.call_seq,
+            };
+            if i + 1 == self.calls.len() {
+                // The last result is written with `turn/end`, in one group commit: the
+                // batch is acknowledged only after both are durable.
+                self.session.log.stage(body).await;
+            } else {
+                self.session.log.append(body).await?;
+            }
             let outcome = result.error.as_ref().map_or("ok", |e| e.code.as_str());
             span.record("outcome", outcome);
             if let Some(e) = &result.error {

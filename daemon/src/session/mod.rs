@@ -254,6 +254,8 @@ pub struct SessionLog {
     stats: Arc<Stats>,
     writer: Mutex<Option<JoinHandle<()>>>,
     journals: Mutex<HashMap<String, Arc<OutputJournal>>>,
+    /// Events that need no durability point of their own: written with the next append.
+    staged: Mutex<Vec<EventBody>>,
 }
 
 impl std::fmt::Debug for SessionLog {
@@ -426,6 +428,7 @@ impl SessionLog {
             stats,
             writer: Mutex::new(Some(handle)),
             journals: Mutex::new(HashMap::new()),
+            staged: Mutex::new(Vec::new()),
         })
     }
 
@@ -441,12 +444,28 @@ impl SessionLog {
         if bodies.is_empty() {
             return Ok(Vec::new());
         }
+        // Staged events go first, in the same group: one write, one fdatasync.
+        let mut all = std::mem::take(&mut *self.staged.lock().await);
+        let staged = all.len();
+        all.extend(bodies);
         let (ack, acked) = oneshot::channel();
         self.tx
-            .send(Command::Append { bodies, ack })
+            .send(Command::Append { bodies: all, ack })
             .await
             .map_err(|_| LogError::Closed)?;
-        acked.await.map_err(|_| LogError::Closed)?
+        let mut events = acked.await.map_err(|_| LogError::Closed)??;
+        Ok(events.split_off(staged.min(events.len())))
+    }
+
+    /// Stage an event that needs no durability point of its own: it is written, in order,
+    /// in the same group as the next [`SessionLog::append`] or [`SessionLog::append_all`]
+    /// (or by [`SessionLog::close`]). Readers see it only once it is durable.
+    ///
+    /// For events whose loss in a crash is harmless because a later event they precede is
+    /// what makes the state observable (`turn/start` before the first `tool/call`; the last
+    /// `tool/result` before `turn/end`): a batch costs two fdatasyncs instead of four.
+    pub async fn stage(&self, body: EventBody) {
+        self.staged.lock().await.push(body);
     }
 
     /// The header line.
@@ -634,6 +653,12 @@ impl SessionLog {
     /// Write what is queued, stop the writer and release the writer lock; later appends
     /// fail with `Closed` and followers end. Idempotent.
     pub async fn close(&self) {
+        let staged = std::mem::take(&mut *self.staged.lock().await);
+        if !staged.is_empty()
+            && let Err(e) = self.append_all(staged).await
+        {
+            tracing::warn!(session.id = %self.header.id, error = %e, "Staged events could not be written at close");
+        }
         let (ack, acked) = oneshot::channel();
         if self.tx.send(Command::Close { ack }).await.is_ok() {
             let _ = acked.await;
