@@ -115,16 +115,24 @@ pub fn code(body: &serde_json::Value) -> &str {
 
 /// Path of a workspace binary (`tetherd`, `tether`), built first if needed. Used by tests
 /// that must run the daemon as a separate process (crash tests).
+///
+/// Tests get the debug build; benchmarks (compiled without debug assertions) get the
+/// release build, so what they measure is what ships.
 pub fn workspace_bin(name: &str) -> PathBuf {
     let root = workspace_root();
+    let release = !cfg!(debug_assertions);
+    let mut args = vec!["build", "-q", "-p", "tether-daemon", "--bin", name];
+    if release {
+        args.push("--release");
+    }
     let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "-q", "-p", "tether-daemon", "--bin", name])
+        .args(&args)
         .current_dir(&root)
         .status()
         .expect("run cargo build");
     assert!(status.success(), "cargo build of {name} failed");
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let path = target.join("debug").join(name);
+    let path = target.join(if release { "release" } else { "debug" }).join(name);
     assert!(path.exists(), "{} missing", path.display());
     path
 }

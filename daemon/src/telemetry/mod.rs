@@ -174,8 +174,11 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
         layers.push(
             tracing_opentelemetry::layer()
                 .with_tracer(tp.tracer(TRACER_NAME))
+                // Per-span extras the vocabulary does not use: busy/idle timing, thread ids
+                // and source locations cost time on every span of the hot path.
                 .with_tracked_inactivity(false)
                 .with_threads(false)
+                .with_location(false)
                 .with_filter(otel_filter)
                 .boxed(),
         );
