@@ -37,12 +37,6 @@ fn spawn(bin: &std::path::Path, state: &std::path::Path, port: u16, otlp: Option
     Child(cmd.spawn().expect("spawn tetherd"))
 }
 
-fn pcts(mut v: Vec<Duration>) -> (f64, f64, f64) {
-    v.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let mean = v.iter().map(|d| ms(*d)).sum::<f64>() / v.len() as f64;
-    (ms(v[v.len() / 2]), ms(v[v.len() * 95 / 100]), mean)
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -89,7 +83,7 @@ async fn main() {
                 if k == 0 { on.push(t.elapsed()) } else { off.push(t.elapsed()) }
             }
         }
-        rows.push((label, pcts(on), pcts(off)));
+        rows.push((label, tether_tests::latency_ms(on), tether_tests::latency_ms(off)));
     }
     let spans = rx.wait_for_spans(|s| s.iter().any(|x| x["name"] == "tool.call"), Duration::from_secs(20)).await;
     println!("tool-call latency with OTLP export on vs off, {N} calls each, alternating (ms; p50 / p95 / mean)");

@@ -4,7 +4,6 @@
 //! `cargo bench -p tether-tests --bench tool_latency`
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde_json::json;
@@ -16,12 +15,6 @@ use tokio::time::Instant;
 
 const N: usize = 200;
 
-fn stats(mut v: Vec<Duration>) -> (f64, f64, f64) {
-    v.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let mean = v.iter().map(|d| ms(*d)).sum::<f64>() / v.len() as f64;
-    (ms(v[v.len() / 2]), ms(v[v.len() * 95 / 100]), mean)
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -64,7 +57,7 @@ async fn main() {
         let _ = r.bytes().await.unwrap();
         daemon.push(t.elapsed());
     }
-    rows.push(("bash true", stats(direct), stats(daemon)));
+    rows.push(("bash true", tether_tests::latency_ms(direct), tether_tests::latency_ms(daemon)));
     // write_file / read_file of 4 KiB
     let payload = "x".repeat(4096);
     let mut direct_w = Vec::new();
@@ -88,8 +81,8 @@ async fn main() {
         let _ = r.bytes().await.unwrap();
         daemon_r.push(t.elapsed());
     }
-    rows.push(("write_file 4 KiB", stats(direct_w), stats(daemon_w)));
-    rows.push(("read_file 4 KiB", stats(direct_r), stats(daemon_r)));
+    rows.push(("write_file 4 KiB", tether_tests::latency_ms(direct_w), tether_tests::latency_ms(daemon_w)));
+    rows.push(("read_file 4 KiB", tether_tests::latency_ms(direct_r), tether_tests::latency_ms(daemon_r)));
 
     println!("tool-call latency, {N} calls each (ms; p50 / p95 / mean)");
     println!("{:<18} {:>26} {:>26} {:>12}", "operation", "provider direct", "through tetherd", "ratio p50");

@@ -141,3 +141,14 @@ pub fn workspace_bin(name: &str) -> PathBuf {
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
+
+/// p50, p95 and mean of latency samples, in milliseconds (benchmarks).
+pub fn latency_ms(mut samples: Vec<Duration>) -> (f64, f64, f64) {
+    samples.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    if samples.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    let mean = samples.iter().map(|d| ms(*d)).sum::<f64>() / samples.len() as f64;
+    (ms(samples[samples.len() / 2]), ms(samples[samples.len() * 95 / 100]), mean)
+}
