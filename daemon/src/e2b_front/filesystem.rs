@@ -77,37 +77,32 @@ impl Method {
         })
     }
 
+    /// The span's name in the trace vocabulary (`docs/telemetry.md`).
+    fn span_name(self) -> &'static str {
+        match self {
+            Self::Stat => "e2b.filesystem.stat",
+            Self::MakeDir => "e2b.filesystem.make_dir",
+            Self::Move => "e2b.filesystem.move",
+            Self::ListDir => "e2b.filesystem.list_dir",
+            Self::Remove => "e2b.filesystem.remove",
+            Self::WatchDir => "e2b.filesystem.watch_dir",
+            Self::CreateWatcher => "e2b.filesystem.create_watcher",
+            Self::GetWatcherEvents => "e2b.filesystem.get_watcher_events",
+            Self::RemoveWatcher => "e2b.filesystem.remove_watcher",
+        }
+    }
+
     fn span(self, t: &Target) -> tracing::Span {
         let (s, id) = (&t.session.id, &t.id);
-        match self {
-            Self::Stat => {
-                tracing::info_span!("e2b.filesystem.stat", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::MakeDir => {
-                tracing::info_span!("e2b.filesystem.make_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::Move => {
-                tracing::info_span!("e2b.filesystem.move", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::ListDir => {
-                tracing::info_span!("e2b.filesystem.list_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::Remove => {
-                tracing::info_span!("e2b.filesystem.remove", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::WatchDir => {
-                tracing::info_span!("e2b.filesystem.watch_dir", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::CreateWatcher => {
-                tracing::info_span!("e2b.filesystem.create_watcher", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::GetWatcherEvents => {
-                tracing::info_span!("e2b.filesystem.get_watcher_events", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::RemoveWatcher => {
-                tracing::info_span!("e2b.filesystem.remove_watcher", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-        }
+        // One callsite for every method; `otel.name` carries the method's span name.
+        tracing::info_span!(
+            "e2b.filesystem",
+            otel.name = self.span_name(),
+            session.id = %s,
+            sandbox.id = %id,
+            command.id = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        )
     }
 }
 

@@ -82,34 +82,32 @@ impl Method {
         matches!(self, Self::Start | Self::Connect | Self::StreamInput)
     }
 
+    /// The span's name in the trace vocabulary (`docs/telemetry.md`).
+    fn span_name(self) -> &'static str {
+        match self {
+            Self::Start => "e2b.process.start",
+            Self::Connect => "e2b.process.connect",
+            Self::List => "e2b.process.list",
+            Self::SendInput => "e2b.process.send_input",
+            Self::StreamInput => "e2b.process.stream_input",
+            Self::SendSignal => "e2b.process.send_signal",
+            Self::CloseStdin => "e2b.process.close_stdin",
+            Self::Update => "e2b.process.update",
+        }
+    }
+
     fn span(self, t: &Target, user: &str) -> tracing::Span {
         let (s, id) = (&t.session.id, &t.id);
-        match self {
-            Self::Start => {
-                tracing::info_span!("e2b.process.start", session.id = %s, sandbox.id = %id, user = %user, command.id = tracing::field::Empty, outcome = tracing::field::Empty)
-            }
-            Self::Connect => {
-                tracing::info_span!("e2b.process.connect", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::List => {
-                tracing::info_span!("e2b.process.list", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::SendInput => {
-                tracing::info_span!("e2b.process.send_input", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::StreamInput => {
-                tracing::info_span!("e2b.process.stream_input", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::SendSignal => {
-                tracing::info_span!("e2b.process.send_signal", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::CloseStdin => {
-                tracing::info_span!("e2b.process.close_stdin", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-            Self::Update => {
-                tracing::info_span!("e2b.process.update", session.id = %s, sandbox.id = %id, outcome = tracing::field::Empty)
-            }
-        }
+        // One callsite for every method; `otel.name` carries the method's span name.
+        tracing::info_span!(
+            "e2b.process",
+            otel.name = self.span_name(),
+            session.id = %s,
+            sandbox.id = %id,
+            user = %user,
+            command.id = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        )
     }
 }
 
