@@ -1,0 +1,649 @@
+//! The raw transport: the E2B control-plane REST client, the envd client (its REST
+//! endpoints and its Connect services), and the Connect codec.
+//!
+//! One `reqwest::Client` is shared by everything a provider does. Every call is bounded
+//! by tether's clocks, each reported with its own code: the connect / first-byte phase
+//! (`CONNECT_TIMEOUT`), silence on a stream with keepalives counted as life
+//! (`TRANSPORT_IDLE_TIMEOUT`), and the total of a request/response call plus the caller's
+//! deadline (`DEADLINE_EXCEEDED`). Idempotent calls are retried with `backon` within the
+//! remaining deadline, honouring `Retry-After`.
+//!
+//! The Connect codec is written here rather than taken from the `connectrpc` crate. That
+//! crate (0.9) works only with its own `buffa`-generated message types and its own hyper
+//! client: using it would mean a second set of envd message types beside the serde ones
+//! in `tether_protocol::e2b` that tetherd's E2B front serves, a proto code-generation step,
+//! and a second HTTP client outside our shared one and outside our per-phase clocks. What
+//! the SDKs use of Connect is small: JSON bodies for unary calls, and for server streams
+//! 5-byte envelopes (a flag byte, a big-endian length) where flag `0x02` marks the final
+//! frame, whose JSON carries the call's error if it failed.
+
+use std::future::Future;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use base64::Engine as _;
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use reqwest::{Method, StatusCode, Url};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tether_protocol::e2b::{ENVD_PORT, EndOfStream};
+use tether_provider::clock::{CancelReason, CancelToken, IdleWatchdog};
+use tether_provider::{CallCtx, ProviderError, Result};
+
+use crate::config::{E2bConfig, Endpoints, RetryConfig, join};
+use crate::error::{Op, WireError, from_connect, from_reqwest, from_status, malformed};
+
+/// Flag of a compressed envelope (never sent: identity only).
+pub const FLAG_COMPRESSED: u8 = 0x01;
+/// Flag of the end-of-stream envelope.
+pub const FLAG_END_STREAM: u8 = 0x02;
+/// Content type of Connect streams with the JSON codec.
+pub const CONNECT_STREAM_JSON: &str = "application/connect+json";
+/// Largest envelope accepted (a longer length prefix means a corrupted stream).
+pub const MAX_ENVELOPE_BYTES: usize = 64 * 1024 * 1024;
+
+const USER_AGENT: &str = concat!("tether-provider-e2b/", env!("CARGO_PKG_VERSION"));
+
+// === Connect envelopes ===
+
+/// One Connect envelope: flags, big-endian length, payload.
+pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(5 + payload.len());
+    b.extend_from_slice(&[flags]);
+    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    b.extend_from_slice(payload);
+    b.freeze()
+}
+
+/// A decoded envelope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// A message.
+    Message(Bytes),
+    /// The end of the stream, with its JSON (an error, if the call failed).
+    End(EndOfStream),
+}
+
+/// An incremental envelope decoder: feed it body chunks as they come, split anywhere.
+#[derive(Debug, Default)]
+pub struct EnvelopeReader {
+    buf: BytesMut,
+}
+
+impl EnvelopeReader {
+    /// Add bytes from the body.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// Bytes received but not yet decoded.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete frame, if one is buffered.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let flags = self.buf[0];
+        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if len > MAX_ENVELOPE_BYTES {
+            return Err(format!("an envelope of {len} bytes"));
+        }
+        if flags & FLAG_COMPRESSED != 0 {
+            return Err("a compressed envelope (identity was asked for)".into());
+        }
+        if self.buf.len() < 5 + len {
+            return Ok(None);
+        }
+        self.buf.advance(5);
+        let payload = self.buf.split_to(len).freeze();
+        if flags & FLAG_END_STREAM != 0 {
+            let end = if payload.iter().all(u8::is_ascii_whitespace) {
+                EndOfStream::default()
+            } else {
+                serde_json::from_slice(&payload).map_err(|e| format!("an undecodable end-of-stream frame: {e}"))?
+            };
+            return Ok(Some(Frame::End(end)));
+        }
+        Ok(Some(Frame::Message(payload)))
+    }
+}
+
+// === timing ===
+
+/// Run the connect / first-byte phase of a call: bounded by the connect limit (and by
+/// `ctx`), reported as `CONNECT_TIMEOUT` when that limit is what fired.
+pub(crate) async fn within_connect<T>(ctx: &CallCtx, limit: Duration, f: impl Future<Output = Result<T>>) -> Result<T> {
+    let cctx = ctx.with_timeout(limit, "CONNECT_TIMEOUT");
+    cctx.run(f).await
+}
+
+/// Retry an idempotent call: exponential backoff with jitter, `Retry-After` honoured (up
+/// to the largest delay), only retryable errors, never past `ctx`'s deadline.
+pub(crate) async fn retry<T, F, Fut>(ctx: &CallCtx, policy: RetryConfig, what: &'static str, f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(policy.min_delay_ms))
+        .with_max_delay(Duration::from_millis(policy.max_delay_ms))
+        .with_max_times(policy.max_times)
+        .with_jitter();
+    let max = Duration::from_millis(policy.max_delay_ms);
+    let cancel = ctx.cancel.clone();
+    let remaining = || ctx.remaining();
+    f.retry(backoff)
+        .sleep(tokio::time::sleep)
+        .when(|e: &ProviderError| e.retryable() && !cancel.is_cancelled())
+        .adjust(|e, dur| {
+            let advised = match e {
+                ProviderError::Unavailable { retry_after: Some(d), .. } => Some((*d).min(max)),
+                _ => None,
+            };
+            let d = advised.or(dur)?;
+            match remaining() {
+                Some(left) if left <= d => None,
+                _ => Some(d),
+            }
+        })
+        .notify(|e, d| tracing::debug!(op = what, error = %e, delay_ms = d.as_millis() as u64, "Retrying an E2B call"))
+        .await
+}
+
+// === impl Http ===
+
+/// The shared HTTP client and the limits every call observes.
+#[derive(Debug, Clone)]
+pub(crate) struct Http {
+    pub(crate) client: reqwest::Client,
+    pub(crate) connect: Duration,
+    pub(crate) request: Duration,
+    pub(crate) transport_idle_ms: f64,
+    pub(crate) retry: RetryConfig,
+}
+
+impl Http {
+    pub(crate) fn new(cfg: &E2bConfig, client: reqwest::Client) -> Self {
+        Self {
+            client,
+            connect: cfg.connect_timeout(),
+            request: cfg.request_timeout(),
+            transport_idle_ms: cfg.transport_idle_ms as f64,
+            retry: cfg.retry,
+        }
+    }
+
+    /// The one client a provider uses (plain HTTP/1.1, or HTTP/2 over TLS by ALPN).
+    pub(crate) fn build_client() -> Result<reqwest::Client> {
+        reqwest::Client::builder()
+            .user_agent(USER_AGENT)
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()
+            .map_err(|e| ProviderError::Internal { message: "cannot build the HTTP client".into(), source: Some(Box::new(e)) })
+    }
+
+    /// Send a request; the connect / first-byte phase is bounded.
+    pub(crate) async fn send(&self, ctx: &CallCtx, req: reqwest::RequestBuilder, op: Op<'_>) -> Result<reqwest::Response> {
+        within_connect(ctx, self.connect, async { req.send().await.map_err(|e| from_reqwest(e, op)) }).await
+    }
+
+    /// A whole request/response call bounded by the total limit: the answer's status and
+    /// body, whatever the status.
+    pub(crate) async fn call(&self, ctx: &CallCtx, req: reqwest::RequestBuilder, op: Op<'_>) -> Result<(StatusCode, HeaderMap, Bytes)> {
+        let tctx = ctx.with_timeout(self.request, "DEADLINE_EXCEEDED");
+        let resp = self.send(&tctx, req, op).await?;
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = tctx.run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        Ok((status, headers, body))
+    }
+
+    /// A watchdog of transport silence under `parent`.
+    pub(crate) fn transport_watchdog(&self, parent: &CancelToken) -> Result<IdleWatchdog> {
+        IdleWatchdog::new(Some(parent), self.transport_idle_ms, "TRANSPORT_IDLE_TIMEOUT")
+            .map_err(|e| ProviderError::Internal { message: "cannot arm the transport watchdog".into(), source: Some(Box::new(e)) })
+    }
+}
+
+/// Decode a JSON body, empty meaning `{}`.
+pub(crate) fn decode<T: DeserializeOwned>(body: &[u8], what: &str) -> Result<T> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
+    serde_json::from_slice(body).map_err(|e| {
+        ProviderError::Backend { message: format!("malformed answer to {what}"), source: Some(Box::new(WireError::Json(e))) }
+    })
+}
+
+// === impl ByteBody ===
+
+/// A streaming HTTP body with a deadline on each chunk: the transport watchdog fires when
+/// nothing arrives for the transport idle limit.
+pub(crate) struct ByteBody {
+    body: BoxStream<'static, reqwest::Result<Bytes>>,
+    watchdog: IdleWatchdog,
+    op: String,
+    done: bool,
+}
+
+impl std::fmt::Debug for ByteBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByteBody").field("op", &self.op).field("done", &self.done).finish_non_exhaustive()
+    }
+}
+
+impl ByteBody {
+    pub(crate) fn new(resp: reqwest::Response, watchdog: IdleWatchdog, op: impl Into<String>) -> Self {
+        Self { body: resp.bytes_stream().boxed(), watchdog, op: op.into(), done: false }
+    }
+
+    /// The next chunk; `Ok(None)` at the end of the body.
+    pub(crate) async fn next(&mut self) -> Result<Option<Bytes>> {
+        if self.done {
+            return Ok(None);
+        }
+        let token = self.watchdog.token().clone();
+        let next = self
+            .watchdog
+            .next(async {
+                tokio::select! {
+                    biased;
+                    _ = token.cancelled() => None,
+                    c = self.body.next() => Some(c),
+                }
+            })
+            .await
+            .map_err(|e| ProviderError::Internal { message: "transport watchdog misuse".into(), source: Some(Box::new(e)) })?;
+        match next {
+            None => {
+                self.done = true;
+                Err(ProviderError::from_reason(token.reason().unwrap_or(CancelReason::Caller("stream"))))
+            }
+            Some(None) => {
+                self.done = true;
+                Ok(None)
+            }
+            Some(Some(Ok(b))) => Ok(Some(b)),
+            Some(Some(Err(e))) => {
+                self.done = true;
+                Err(from_reqwest(e, Op::Api("stream")))
+            }
+        }
+    }
+}
+
+// === impl ConnectStream ===
+
+/// A Connect server stream of `T` messages.
+pub(crate) struct ConnectStream {
+    body: ByteBody,
+    reader: EnvelopeReader,
+    op: &'static str,
+    id: String,
+    fs: bool,
+    ended: bool,
+}
+
+impl std::fmt::Debug for ConnectStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectStream").field("op", &self.op).field("ended", &self.ended).finish_non_exhaustive()
+    }
+}
+
+/// How a stream ended.
+#[derive(Debug)]
+pub(crate) enum StreamItem<T> {
+    /// A message.
+    Message(T),
+    /// The end frame said the call succeeded.
+    End,
+}
+
+impl ConnectStream {
+    /// The next message, the clean end, or the failure (an error end frame, a body that
+    /// stops without its end frame, transport silence).
+    pub(crate) async fn next<T: DeserializeOwned>(&mut self) -> Result<StreamItem<T>> {
+        loop {
+            if self.ended {
+                return Ok(StreamItem::End);
+            }
+            match self.reader.next_frame() {
+                Ok(Some(Frame::Message(m))) => {
+                    return serde_json::from_slice(&m).map(StreamItem::Message).map_err(|e| ProviderError::Backend {
+                        message: format!("malformed {} message", self.op),
+                        source: Some(Box::new(WireError::Json(e))),
+                    });
+                }
+                Ok(Some(Frame::End(end))) => {
+                    self.ended = true;
+                    return match end.error {
+                        None => Ok(StreamItem::End),
+                        Some(e) => {
+                            let op = if self.fs { Op::Fs { op: self.op, path: &self.id } } else { Op::Process { op: self.op, id: &self.id } };
+                            Err(from_connect(op, e.code, &e.message))
+                        }
+                    };
+                }
+                Ok(None) => {}
+                Err(what) => return Err(malformed(what)),
+            }
+            match self.body.next().await? {
+                Some(chunk) => self.reader.push(&chunk),
+                None => {
+                    return Err(crate::error::unavailable(
+                        format!("the {} stream ended without its end frame", self.op),
+                        None,
+                        None,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+// === impl ApiClient ===
+
+/// The control-plane REST client.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiClient {
+    pub(crate) http: Http,
+    pub(crate) endpoints: Endpoints,
+    headers: HeaderMap,
+}
+
+impl ApiClient {
+    pub(crate) fn new(cfg: &E2bConfig, endpoints: Endpoints, http: Http) -> Result<Self> {
+        let mut headers = HeaderMap::new();
+        let header = |v: &str, what: &str| {
+            HeaderValue::from_str(v).map_err(|_| ProviderError::InvalidRequest { message: format!("e2b {what} is not a valid header value") })
+        };
+        if let Some(k) = &cfg.api_key {
+            let mut v = header(k, "api_key")?;
+            v.set_sensitive(true);
+            headers.insert(HeaderName::from_static("x-api-key"), v);
+        }
+        if let Some(t) = &cfg.access_token {
+            let mut v = header(&format!("Bearer {t}"), "access_token")?;
+            v.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, v);
+        }
+        Ok(Self { http, endpoints, headers })
+    }
+
+    /// A request to `path` of the control plane.
+    pub(crate) fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        self.request_url(method, self.endpoints.api_path(path))
+    }
+
+    pub(crate) fn request_url(&self, method: Method, url: Url) -> reqwest::RequestBuilder {
+        self.http.client.request(method, url).headers(self.headers.clone())
+    }
+
+    /// One JSON call: `Ok` with the status, headers and body of a success (2xx), the
+    /// mapped error otherwise.
+    pub(crate) async fn json_call<B: Serialize + ?Sized>(
+        &self,
+        ctx: &CallCtx,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        extra: &[(&'static str, String)],
+        op: Op<'_>,
+    ) -> Result<(StatusCode, HeaderMap, Bytes)> {
+        let mut req = self.request(method, path);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        for (k, v) in extra {
+            req = req.header(*k, v.as_str());
+        }
+        let (status, headers, body) = self.http.call(ctx, req, op).await?;
+        if status.is_success() {
+            Ok((status, headers, body))
+        } else {
+            Err(from_status(op, status, &headers, &body))
+        }
+    }
+}
+
+// === impl Envd ===
+
+/// The envd client of one sandbox.
+#[derive(Debug, Clone)]
+pub(crate) struct Envd {
+    pub(crate) http: Http,
+    base: Url,
+    headers: HeaderMap,
+    /// `Keepalive-Ping-Interval` asked of streams, seconds.
+    keepalive_s: u32,
+    /// The envd version the backend reported.
+    pub(crate) version: EnvdVersion,
+}
+
+/// A `major.minor.patch` version, for feature gates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct EnvdVersion(pub u32, pub u32, pub u32);
+
+impl EnvdVersion {
+    /// Parse `0.6.13` (leading `v`, pre-release and build suffixes ignored); unparsable
+    /// parts read as 0.
+    pub fn parse(s: &str) -> Option<Self> {
+        let core = s.trim().trim_start_matches('v').split(['-', '+']).next()?;
+        let mut it = core.split('.').map(|p| p.parse::<u32>().ok());
+        let major = it.next().flatten()?;
+        Some(Self(major, it.next().flatten().unwrap_or(0), it.next().flatten().unwrap_or(0)))
+    }
+
+    /// `CloseStdin` exists (envd 0.5.2).
+    pub fn close_stdin(self) -> bool {
+        self >= Self(0, 5, 2)
+    }
+
+    /// Raw `application/octet-stream` uploads (envd 0.5.7); before, multipart only.
+    pub fn octet_stream_upload(self) -> bool {
+        self >= Self(0, 5, 7)
+    }
+
+    /// A default user exists (envd 0.4.0); before, every call names one.
+    pub fn default_user(self) -> bool {
+        self >= Self(0, 4, 0)
+    }
+
+    /// File metadata (`X-Metadata-*`, envd 0.6.2).
+    pub fn file_metadata(self) -> bool {
+        self >= Self(0, 6, 2)
+    }
+}
+
+/// A user in envd's `Authorization: Basic` form.
+pub(crate) fn basic_user(user: &str) -> String {
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:")))
+}
+
+impl Envd {
+    pub(crate) fn new(http: Http, base: Url, sandbox_id: &str, token: Option<&str>, keepalive_s: u32, version: EnvdVersion) -> Result<Self> {
+        let mut headers = HeaderMap::new();
+        if let Some(t) = token {
+            let mut v = HeaderValue::from_str(t).map_err(|_| malformed("an envd access token that is not a header value"))?;
+            v.set_sensitive(true);
+            headers.insert(HeaderName::from_static("x-access-token"), v);
+        }
+        let id = HeaderValue::from_str(sandbox_id).map_err(|_| malformed("a sandbox id that is not a header value"))?;
+        headers.insert(HeaderName::from_static("e2b-sandbox-id"), id);
+        headers.insert(HeaderName::from_static("e2b-sandbox-port"), HeaderValue::from(ENVD_PORT));
+        Ok(Self { http, base, headers, keepalive_s, version })
+    }
+
+    fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        self.request_url(method, join(&self.base, path))
+    }
+
+    fn request_url(&self, method: Method, url: Url) -> reqwest::RequestBuilder {
+        self.http.client.request(method, url).headers(self.headers.clone())
+    }
+
+    /// The `/files` URL of `path`.
+    fn files_url(&self, path: &str, user: Option<&str>) -> Url {
+        let mut url = join(&self.base, "/files");
+        {
+            let mut q = url.query_pairs_mut();
+            q.append_pair("path", path);
+            if let Some(u) = self.effective_user(user) {
+                q.append_pair("username", &u);
+            }
+        }
+        url
+    }
+
+    fn rpc_request(&self, method: &str, user: Option<&str>, content_type: &'static str) -> reqwest::RequestBuilder {
+        let mut req = self
+            .request(Method::POST, &format!("/{method}"))
+            .header("connect-protocol-version", "1")
+            .header(reqwest::header::CONTENT_TYPE, content_type);
+        if let Some(u) = self.effective_user(user) {
+            req = req.header(reqwest::header::AUTHORIZATION, basic_user(&u));
+        }
+        req
+    }
+
+    /// The user to name on a call: the one asked for, else (on envd without a default
+    /// user) `user`.
+    pub(crate) fn effective_user(&self, user: Option<&str>) -> Option<String> {
+        match user {
+            Some(u) if !u.is_empty() => Some(u.to_owned()),
+            _ if !self.version.default_user() => Some("user".to_owned()),
+            _ => None,
+        }
+    }
+
+    /// A unary Connect call with the JSON codec, bounded by the total limit.
+    pub(crate) async fn unary<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        ctx: &CallCtx,
+        method: &'static str,
+        req: &Req,
+        user: Option<&str>,
+        op: Op<'_>,
+    ) -> Result<Resp> {
+        let body = serde_json::to_vec(req).map_err(|e| ProviderError::Internal { message: "cannot encode a request".into(), source: Some(Box::new(e)) })?;
+        let tctx = ctx.with_timeout(self.http.request, "DEADLINE_EXCEEDED");
+        let mut rb = self.rpc_request(method, user, "application/json").body(body);
+        if let Some(left) = tctx.remaining() {
+            rb = rb.header("connect-timeout-ms", left.as_millis().max(1).to_string());
+        }
+        let (status, headers, body) = self.http.call(&tctx, rb, op).await?;
+        if status == StatusCode::OK {
+            return decode(&body, method);
+        }
+        Err(from_status(op, status, &headers, &body))
+    }
+
+    /// Open a server stream: the request is sent and the answer's headers are checked
+    /// within the connect limit. The stream's silence is then bounded by the transport
+    /// idle limit, under `parent`.
+    pub(crate) async fn server_stream<Req: Serialize>(
+        &self,
+        ctx: &CallCtx,
+        parent: &CancelToken,
+        method: &'static str,
+        req: &Req,
+        user: Option<&str>,
+        op: Op<'_>,
+    ) -> Result<ConnectStream> {
+        let json = serde_json::to_vec(req).map_err(|e| ProviderError::Internal { message: "cannot encode a request".into(), source: Some(Box::new(e)) })?;
+        let rb = self
+            .rpc_request(method, user, CONNECT_STREAM_JSON)
+            .header("connect-accept-encoding", "identity")
+            .header("connect-content-encoding", "identity")
+            .header("keepalive-ping-interval", self.keepalive_s.to_string())
+            .body(envelope(0, &json));
+        let resp = self.http.send(ctx, rb, op).await?;
+        let status = resp.status();
+        if status != StatusCode::OK {
+            let headers = resp.headers().clone();
+            let body = within_connect(ctx, self.http.connect, async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) })
+                .await
+                .unwrap_or_default();
+            return Err(from_status(op, status, &headers, &body));
+        }
+        let ct = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        if !ct.starts_with(CONNECT_STREAM_JSON) {
+            return Err(malformed(format!("a {method} stream of content type {ct:?}")));
+        }
+        let (id, fs) = match op {
+            Op::Process { id, .. } | Op::Sandbox { id, .. } => (id.to_owned(), false),
+            Op::Fs { path, .. } => (path.to_owned(), true),
+            Op::Api(_) => (String::new(), false),
+        };
+        let watchdog = self.http.transport_watchdog(parent)?;
+        Ok(ConnectStream { body: ByteBody::new(resp, watchdog, method), reader: EnvelopeReader::default(), op: method_op(method), id, fs, ended: false })
+    }
+
+    /// `GET /files`: the response (any status), with an optional byte range.
+    pub(crate) async fn get_file(&self, ctx: &CallCtx, path: &str, range: Option<(u64, Option<u64>)>, user: Option<&str>) -> Result<reqwest::Response> {
+        let mut rb =
+            self.request_url(Method::GET, self.files_url(path, user)).header(reqwest::header::ACCEPT_ENCODING, "identity");
+        if let Some((from, to)) = range {
+            let v = match to {
+                Some(end) => format!("bytes={from}-{}", end.saturating_sub(1)),
+                None => format!("bytes={from}-"),
+            };
+            rb = rb.header(reqwest::header::RANGE, v);
+        }
+        self.http.send(ctx, rb, Op::Fs { op: "read", path }).await
+    }
+
+    /// `POST /files` with a streaming body; `Ok` once envd answered 200.
+    pub(crate) async fn post_file(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        body: reqwest::Body,
+        content_type: &str,
+        metadata: &[(String, String)],
+        user: Option<&str>,
+    ) -> Result<()> {
+        let op = Op::Fs { op: "write", path };
+        let mut rb = self
+            .request_url(Method::POST, self.files_url(path, user))
+            .header(reqwest::header::CONTENT_TYPE, content_type)
+            .body(body);
+        if self.version.file_metadata() {
+            for (k, v) in metadata {
+                rb = rb.header(format!("x-metadata-{k}"), v.as_str());
+            }
+        }
+        // The answer comes only once the whole body is in: the connect limit cannot bound
+        // this call; the caller watches the body's progress instead.
+        let resp = ctx.run(async { rb.send().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = ctx.run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(from_status(op, status, &headers, &body))
+        }
+    }
+
+    /// `GET /health`: `Ok` on 2xx.
+    pub(crate) async fn health(&self, ctx: &CallCtx) -> Result<()> {
+        let (status, headers, body) = self.http.call(ctx, self.request(Method::GET, "/health"), Op::Api("health")).await?;
+        if status.is_success() { Ok(()) } else { Err(from_status(Op::Api("health"), status, &headers, &body)) }
+    }
+}
+
+/// The short operation name of an RPC method, for error reports.
+fn method_op(method: &'static str) -> &'static str {
+    match method.rsplit('/').next() {
+        Some("Start") => "start",
+        Some("Connect") => "connect",
+        Some("WatchDir") => "watch",
+        _ => "stream",
+    }
+}

@@ -1,0 +1,700 @@
+//! The provider (control plane) and the sandbox handle.
+//!
+//! `create` posts to `/v2/sandboxes` with an idempotency key (so it may be retried),
+//! falling back to the v1 `/sandboxes` of older backends, where a retry first looks for
+//! the sandbox a lost answer may have created (by a marker in its metadata). `connect`
+//! uses the connect endpoint (which also resumes a paused sandbox and extends its
+//! lifetime), falling back to v1 and then to the sandbox's details on backends without
+//! it. `destroy` is a kill where a 404 means already gone; `renew` sets the timeout.
+//! What a backend supports is probed on first contact and remembered, so an operation it
+//! lacks fails with `UNSUPPORTED` at once instead of being tried again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reqwest::Method;
+use tether_protocol::ErrorCode;
+use tether_protocol::e2b::{
+    ConnectSandboxRequest, EndEvent, ListedSandbox, NewSandboxRequest, ProcessConfig, ProcessEventMsg,
+    ProcessEventResponse, SandboxDetail, SandboxResponse, StartRequest, TimeoutRequest,
+};
+use tether_protocol::process::ExitStatus;
+use tether_provider::clock::{CancelReason, CancelToken};
+use tether_provider::{
+    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox, SandboxInfo, SandboxSpec,
+};
+use tokio_util::task::TaskTracker;
+
+use crate::client::{ApiClient, Envd, EnvdVersion, Http, StreamItem, decode, retry};
+use crate::config::{DEBUG_SANDBOX_ID, E2bConfig};
+use crate::error::{Op, from_status};
+use crate::fs::E2bFs;
+use crate::process::{E2bProcess, exit_status};
+
+/// The provider kind.
+pub const KIND: &str = "e2b";
+
+/// Metadata key of the marker that lets a retried create find the sandbox an earlier,
+/// lost attempt made.
+pub const CREATE_MARKER: &str = "tether.create";
+
+/// How long a failed create keeps looking for the sandbox it may still have made, to kill it.
+const CREATE_CLEANUP_WINDOW: Duration = Duration::from_secs(60);
+
+/// The envd version assumed in debug mode (no control plane reports one), as the SDKs do.
+const DEBUG_ENVD_VERSION: EnvdVersion = EnvdVersion(99, 99, 99);
+
+const UNKNOWN: u8 = 0;
+const YES: u8 = 1;
+const NO: u8 = 2;
+
+/// What the backend supports, learned on first contact.
+#[derive(Debug, Default)]
+pub(crate) struct Probe {
+    create_v2: AtomicU8,
+    list_v2: AtomicU8,
+    connect_v2: AtomicU8,
+    pause: AtomicU8,
+}
+
+impl Probe {
+    fn get(slot: &AtomicU8) -> u8 {
+        slot.load(Ordering::Acquire)
+    }
+
+    fn set(slot: &AtomicU8, v: u8) {
+        slot.store(v, Ordering::Release);
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Milliseconds since the epoch of an RFC 3339 time.
+pub(crate) fn parse_time_ms(s: &str) -> Option<i64> {
+    let t = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339).ok()?;
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
+}
+
+fn secs_ceil(d: Duration) -> i64 {
+    let s = d.as_millis().div_ceil(1000);
+    i64::try_from(s).unwrap_or(i64::MAX).max(1)
+}
+
+// === impl E2bProvider ===
+
+/// A sandbox provider backed by E2B (or an E2B-compatible control plane).
+#[derive(Debug, Clone)]
+pub struct E2bProvider {
+    inner: Arc<ProviderInner>,
+}
+
+#[derive(Debug)]
+struct ProviderInner {
+    cfg: Arc<E2bConfig>,
+    api: ApiClient,
+    http: Http,
+    probe: Probe,
+    /// Live sandbox handles by id, so that `connect` to a sandbox this provider already
+    /// holds shares its command table, and `destroy` stops its streams.
+    live: RwLock<HashMap<String, Weak<Shared>>>,
+    tasks: TaskTracker,
+}
+
+impl E2bProvider {
+    /// A provider for `cfg` (already merged with the environment, see
+    /// [`E2bConfig::with_env`]) with its own HTTP client.
+    pub fn new(cfg: E2bConfig) -> Result<Self> {
+        Self::with_client(cfg, Http::build_client()?)
+    }
+
+    /// A provider for `cfg` using a shared HTTP client.
+    pub fn with_client(cfg: E2bConfig, client: reqwest::Client) -> Result<Self> {
+        let endpoints = cfg.validate()?;
+        let http = Http::new(&cfg, client);
+        let api = ApiClient::new(&cfg, endpoints, http.clone())?;
+        Ok(Self {
+            inner: Arc::new(ProviderInner {
+                cfg: Arc::new(cfg),
+                api,
+                http,
+                probe: Probe::default(),
+                live: RwLock::new(HashMap::new()),
+                tasks: TaskTracker::new(),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &E2bConfig {
+        &self.inner.cfg
+    }
+
+    /// Wait (bounded) for the provider's background work (cleanups of failed creates).
+    pub async fn drain(&self, limit: Duration) {
+        self.inner.tasks.close();
+        let _ = tokio::time::timeout(limit, self.inner.tasks.wait()).await;
+        self.inner.tasks.reopen();
+    }
+}
+
+impl ProviderInner {
+    fn debug(&self) -> bool {
+        self.api.endpoints.debug
+    }
+
+    /// A sandbox handle, shared with any live one of the same id.
+    fn sandbox(
+        &self,
+        id: &str,
+        token: Option<&str>,
+        domain: Option<&str>,
+        envd_version: &str,
+        info: SandboxInfo,
+    ) -> Result<Arc<dyn Sandbox>> {
+        if let Some(shared) = self.live.read().ok().and_then(|m| m.get(id).and_then(Weak::upgrade))
+            && !shared.core.closed.is_cancelled()
+        {
+            return Ok(Arc::new(E2bSandbox { shared, info }));
+        }
+        let version = EnvdVersion::parse(envd_version).ok_or_else(|| crate::error::malformed(format!("envd version {envd_version:?}")))?;
+        let base = self.api.endpoints.envd_url(id, domain)?;
+        let envd = Envd::new(self.http.clone(), base, id, token, self.cfg.keepalive_interval_s, version)?;
+        let core = Arc::new(SandboxCore {
+            id: id.to_owned(),
+            cfg: self.cfg.clone(),
+            envd,
+            closed: CancelToken::new(),
+            tasks: TaskTracker::new(),
+        });
+        let shared = Arc::new(Shared { fs: E2bFs::new(core.clone()), process: E2bProcess::new(core.clone()), core });
+        if let Ok(mut m) = self.live.write() {
+            m.retain(|_, w| w.strong_count() > 0);
+            m.insert(id.to_owned(), Arc::downgrade(&shared));
+        }
+        Ok(Arc::new(E2bSandbox { shared, info }))
+    }
+
+    fn forget(&self, id: &str) {
+        let gone = self.live.write().ok().and_then(|mut m| m.remove(id)).and_then(|w| w.upgrade());
+        if let Some(shared) = gone {
+            shared.core.closed.cancel(CancelReason::SessionClosed);
+        }
+    }
+
+    fn info_from_listed(&self, s: &ListedSandbox) -> SandboxInfo {
+        SandboxInfo {
+            id: s.sandbox_id.clone(),
+            provider: KIND.into(),
+            template: Some(s.alias.clone().unwrap_or_else(|| s.template_id.clone())),
+            workspace: self.cfg.workspace.clone(),
+            enforcement: Enforcement::Full,
+            created_ms: parse_time_ms(&s.started_at).unwrap_or(0),
+            expires_ms: parse_time_ms(&s.end_at),
+            metadata: s.metadata.clone(),
+            network: false,
+        }
+    }
+
+    fn info_from_detail(&self, d: &SandboxDetail) -> SandboxInfo {
+        SandboxInfo {
+            id: d.sandbox_id.clone(),
+            provider: KIND.into(),
+            template: Some(d.alias.clone().unwrap_or_else(|| d.template_id.clone())),
+            workspace: self.cfg.workspace.clone(),
+            enforcement: Enforcement::Full,
+            created_ms: parse_time_ms(&d.started_at).unwrap_or(0),
+            expires_ms: parse_time_ms(&d.end_at),
+            metadata: d.metadata.clone(),
+            network: d.allow_internet_access.unwrap_or(false),
+        }
+    }
+
+    fn debug_info(&self) -> SandboxInfo {
+        SandboxInfo {
+            id: DEBUG_SANDBOX_ID.into(),
+            provider: KIND.into(),
+            template: None,
+            workspace: self.cfg.workspace.clone(),
+            enforcement: Enforcement::Full,
+            created_ms: now_ms(),
+            expires_ms: None,
+            metadata: BTreeMap::new(),
+            network: true,
+        }
+    }
+
+    // --- create ---
+
+    async fn create_v1(&self, ctx: &CallCtx, body: &NewSandboxRequest) -> Result<SandboxResponse> {
+        let (_, _, b) = self.api.json_call(ctx, Method::POST, "/sandboxes", Some(body), &[], Op::Api("create")).await?;
+        decode(&b, "create")
+    }
+
+    /// One create attempt: v2 with the idempotency key, else (an older backend) v1.
+    async fn create_once(&self, ctx: &CallCtx, v2: &NewSandboxRequest, v1: &NewSandboxRequest, key: &str) -> Result<SandboxResponse> {
+        if Probe::get(&self.probe.create_v2) != NO {
+            let op = Op::Api("create");
+            let req = self.api.request(Method::POST, "/v2/sandboxes").json(v2).header("idempotency-key", key);
+            let (status, headers, body) = self.http.call(ctx, req, op).await?;
+            match status.as_u16() {
+                200 | 201 => {
+                    Probe::set(&self.probe.create_v2, YES);
+                    return decode(&body, "create");
+                }
+                404 | 405 | 501 if Probe::get(&self.probe.create_v2) == UNKNOWN => {
+                    // A 404 is either a missing route (an older backend) or a missing
+                    // template: v1 tells which.
+                    let r = self.create_v1(ctx, v1).await;
+                    if r.is_ok() {
+                        Probe::set(&self.probe.create_v2, NO);
+                        tracing::info!(api = %self.api.endpoints.api, "The E2B backend has no v2 create; using v1");
+                    }
+                    return r;
+                }
+                _ => return Err(from_status(op, status, &headers, &body)),
+            }
+        }
+        self.create_v1(ctx, v1).await
+    }
+
+    /// The sandbox carrying `marker`, if the backend lists one.
+    async fn find_by_marker(&self, ctx: &CallCtx, marker: &str) -> Result<Option<ListedSandbox>> {
+        Ok(self.list_all(ctx).await?.into_iter().find(|s| s.metadata.get(CREATE_MARKER).map(String::as_str) == Some(marker)))
+    }
+
+    /// After a create whose outcome is unknown: kill the sandbox it may have made.
+    fn cleanup_lost_create(self: &Arc<Self>, marker: String) {
+        let this = self.clone();
+        self.tasks.spawn(async move {
+            let until = tokio::time::Instant::now() + CREATE_CLEANUP_WINDOW;
+            while tokio::time::Instant::now() < until {
+                let ctx = CallCtx::new(format!("create-cleanup-{marker}"));
+                if let Ok(Some(s)) = this.find_by_marker(&ctx, &marker).await {
+                    tracing::warn!(sandbox.id = %s.sandbox_id, "Killing a sandbox whose create did not complete");
+                    let _ = this.kill(&ctx, &s.sandbox_id).await;
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        });
+    }
+
+    // --- list, get, kill ---
+
+    async fn list_page(&self, ctx: &CallCtx, next: Option<&str>, limit: u32) -> Result<(Vec<ListedSandbox>, Option<String>)> {
+        let op = Op::Api("list");
+        if Probe::get(&self.probe.list_v2) != NO {
+            let mut url = self.api.endpoints.api_path("/v2/sandboxes");
+            {
+                let mut q = url.query_pairs_mut();
+                q.append_pair("state", "running,paused");
+                q.append_pair("limit", &limit.to_string());
+                if let Some(n) = next {
+                    q.append_pair("nextToken", n);
+                }
+            }
+            let (status, headers, body) = self.http.call(ctx, self.api.request_url(Method::GET, url), op).await?;
+            match status.as_u16() {
+                200 => {
+                    Probe::set(&self.probe.list_v2, YES);
+                    let next = headers.get("x-next-token").and_then(|v| v.to_str().ok()).map(str::to_owned).filter(|s| !s.is_empty());
+                    return Ok((decode(&body, "list")?, next));
+                }
+                404 | 405 | 501 if Probe::get(&self.probe.list_v2) == UNKNOWN => {
+                    Probe::set(&self.probe.list_v2, NO);
+                }
+                _ => return Err(from_status(op, status, &headers, &body)),
+            }
+        }
+        let (_, _, body) = self.api.json_call::<()>(ctx, Method::GET, "/sandboxes", None, &[], op).await?;
+        Ok((decode(&body, "list")?, None))
+    }
+
+    async fn list_all(&self, ctx: &CallCtx) -> Result<Vec<ListedSandbox>> {
+        let mut out = Vec::new();
+        let mut next: Option<String> = None;
+        // Bounded: a backend that keeps handing out cursors cannot loop us forever.
+        for _ in 0..1000 {
+            let (page, n) = retry(ctx, self.http.retry, "list", || self.list_page(ctx, next.as_deref(), 100)).await?;
+            out.extend(page);
+            match n {
+                Some(n) if Some(&n) != next.as_ref() => next = Some(n),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
+    async fn detail(&self, ctx: &CallCtx, id: &str) -> Result<SandboxDetail> {
+        let op = Op::Sandbox { op: "get", id };
+        let path = format!("/sandboxes/{id}");
+        let (_, _, body) = retry(ctx, self.http.retry, "get", || self.api.json_call::<()>(ctx, Method::GET, &path, None, &[], op)).await?;
+        decode(&body, "get")
+    }
+
+    async fn kill(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        let op = Op::Sandbox { op: "destroy", id };
+        let path = format!("/sandboxes/{id}");
+        let r = retry(ctx, self.http.retry, "destroy", || self.api.json_call::<()>(ctx, Method::DELETE, &path, None, &[], op)).await;
+        match r {
+            Ok(_) => Ok(()),
+            // Already gone is what destroy wants.
+            Err(ProviderError::SandboxNotFound { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    // --- connect ---
+
+    /// The connect endpoint's answer; `Ok(None)` when the backend has no such endpoint.
+    async fn connect_call(&self, ctx: &CallCtx, id: &str, ttl_s: i64) -> Result<Option<SandboxResponse>> {
+        let op = Op::Sandbox { op: "connect", id };
+        let body = ConnectSandboxRequest { timeout: Some(ttl_s) };
+        for (v2, path) in [(true, format!("/v2/sandboxes/{id}/connect")), (false, format!("/sandboxes/{id}/connect"))] {
+            if v2 && Probe::get(&self.probe.connect_v2) == NO {
+                continue;
+            }
+            let (status, headers, b) =
+                retry(ctx, self.http.retry, "connect", || self.http.call(ctx, self.api.request(Method::POST, &path).json(&body), op))
+                    .await?;
+            match status.as_u16() {
+                200 | 201 => {
+                    if v2 {
+                        Probe::set(&self.probe.connect_v2, YES);
+                    }
+                    return decode(&b, "connect").map(Some);
+                }
+                // 404: no sandbox, or no route; the details tell which.
+                404 | 405 | 501 => {
+                    if status.as_u16() == 404 {
+                        self.detail(ctx, id).await?;
+                    }
+                    if v2 {
+                        Probe::set(&self.probe.connect_v2, NO);
+                    }
+                }
+                _ => return Err(from_status(op, status, &headers, &b)),
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[async_trait]
+impl Provider for E2bProvider {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let i = &self.inner;
+        Capabilities {
+            pause: !i.debug() && Probe::get(&i.probe.pause) != NO,
+            watch: true,
+            pty: true,
+            reattach: true,
+            renew: !i.debug(),
+        }
+    }
+
+    async fn healthcheck(&self, ctx: &CallCtx) -> Result<()> {
+        let i = &self.inner;
+        if i.debug() {
+            let base = i.api.endpoints.envd_url(DEBUG_SANDBOX_ID, None)?;
+            let envd = Envd::new(i.http.clone(), base, DEBUG_SANDBOX_ID, None, i.cfg.keepalive_interval_s, DEBUG_ENVD_VERSION)?;
+            return retry(ctx, i.http.retry, "health", || envd.health(ctx)).await;
+        }
+        // One page of the listing: reachability, credentials and the listing's version.
+        retry(ctx, i.http.retry, "healthcheck", || i.list_page(ctx, None, 1)).await.map(|_| ())
+    }
+
+    #[tracing::instrument(name = "sandbox.create", skip_all, fields(provider.kind = "e2b"))]
+    async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() {
+            let mut info = i.debug_info();
+            info.metadata = spec.metadata.clone();
+            return i.sandbox(DEBUG_SANDBOX_ID, None, None, "99.99.99", info);
+        }
+        let template = spec.template.clone().filter(|t| !t.is_empty()).unwrap_or_else(|| i.cfg.template.clone());
+        let ttl = spec.ttl.unwrap_or(Duration::from_millis(i.cfg.ttl_ms));
+        let ttl_s = secs_ceil(ttl);
+        let marker = uuid::Uuid::new_v4().to_string();
+        let mut metadata = spec.metadata.clone();
+        metadata.insert(CREATE_MARKER.into(), marker.clone());
+        let network = spec.network || i.cfg.default_network;
+        let v2 = NewSandboxRequest {
+            template_id: template.clone(),
+            timeout: Some(ttl_s),
+            metadata: Some(metadata.clone()),
+            env_vars: Some(spec.env.clone()),
+            auto_pause: Some(i.cfg.auto_pause),
+            secure: None,
+            allow_internet_access: Some(network),
+        };
+        // v1: `secure` for an access token, and an explicit timeout (its default is 15 s).
+        let v1 = NewSandboxRequest { secure: Some(true), ..v2.clone() };
+        let attempt = std::sync::atomic::AtomicUsize::new(0);
+        let r = retry(ctx, i.http.retry, "create", || async {
+            let n = attempt.fetch_add(1, Ordering::AcqRel);
+            // v1 has no idempotency key: before trying again, look for what a lost
+            // answer may have created.
+            if n > 0
+                && Probe::get(&i.probe.create_v2) == NO
+                && let Some(s) = i.find_by_marker(ctx, &marker).await?
+            {
+                return Ok(Adopted::Listed(s));
+            }
+            i.create_once(ctx, &v2, &v1, &marker).await.map(Adopted::Created)
+        })
+        .await;
+        let resp = match r {
+            Ok(Adopted::Created(resp)) => resp,
+            Ok(Adopted::Listed(s)) => {
+                let sb = self.connect(ctx, &s.sandbox_id).await?;
+                return Ok(sb);
+            }
+            Err(e) => {
+                // The request may have reached the backend: make sure its sandbox does
+                // not outlive this failure.
+                if matches!(e.code(), ErrorCode::DeadlineExceeded | ErrorCode::Cancelled | ErrorCode::ShuttingDown | ErrorCode::ProviderUnavailable | ErrorCode::TransportIdleTimeout | ErrorCode::ConnectTimeout) {
+                    i.cleanup_lost_create(marker);
+                }
+                return Err(e);
+            }
+        };
+        let version = EnvdVersion::parse(&resp.envd_version);
+        if version.is_none_or(|v| v < EnvdVersion(0, 1, 0)) {
+            let kctx = CallCtx::new(ctx.request_id.clone()).with_timeout(i.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+            let _ = i.kill(&kctx, &resp.sandbox_id).await;
+            return Err(ProviderError::InvalidRequest {
+                message: format!("template {template} has envd {:?}, too old for this client", resp.envd_version),
+            });
+        }
+        let created = now_ms();
+        let info = SandboxInfo {
+            id: resp.sandbox_id.clone(),
+            provider: KIND.into(),
+            template: Some(template),
+            workspace: i.cfg.workspace.clone(),
+            enforcement: Enforcement::Full,
+            created_ms: created,
+            expires_ms: Some(created.saturating_add(ttl_s.saturating_mul(1000))),
+            metadata,
+            network,
+        };
+        tracing::debug!(sandbox.id = %resp.sandbox_id, envd.version = %resp.envd_version, "Created an E2B sandbox");
+        i.sandbox(&resp.sandbox_id, resp.envd_access_token.as_deref(), resp.domain.as_deref(), &resp.envd_version, info)
+    }
+
+    #[tracing::instrument(name = "sandbox.connect", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
+    async fn connect(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() {
+            if id != DEBUG_SANDBOX_ID {
+                return Err(ProviderError::SandboxNotFound { id: id.to_owned() });
+            }
+            return i.sandbox(DEBUG_SANDBOX_ID, None, None, "99.99.99", i.debug_info());
+        }
+        let ttl_s = secs_ceil(Duration::from_millis(i.cfg.ttl_ms));
+        let conn = i.connect_call(ctx, id, ttl_s).await?;
+        let detail = i.detail(ctx, id).await?;
+        let info = i.info_from_detail(&detail);
+        match conn {
+            Some(r) => i.sandbox(id, r.envd_access_token.as_deref(), r.domain.as_deref(), &r.envd_version, info),
+            None => i.sandbox(id, detail.envd_access_token.as_deref(), detail.domain.as_deref(), &detail.envd_version, info),
+        }
+    }
+
+    #[tracing::instrument(name = "sandbox.list", skip_all, fields(provider.kind = "e2b"))]
+    async fn list(&self, ctx: &CallCtx) -> Result<Vec<SandboxInfo>> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() {
+            return Ok(Vec::new());
+        }
+        Ok(i.list_all(ctx).await?.iter().map(|s| i.info_from_listed(s)).collect())
+    }
+
+    #[tracing::instrument(name = "sandbox.destroy", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
+    async fn destroy(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        ctx.check()?;
+        let i = &self.inner;
+        if !i.debug() {
+            i.kill(ctx, id).await?;
+        }
+        i.forget(id);
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "sandbox.renew", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
+    async fn renew(&self, ctx: &CallCtx, id: &str, ttl: Duration) -> Result<()> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() {
+            return Err(ProviderError::Unsupported { op: "renew" });
+        }
+        let op = Op::Sandbox { op: "renew", id };
+        let path = format!("/sandboxes/{id}/timeout");
+        let body = TimeoutRequest { timeout: secs_ceil(ttl) };
+        retry(ctx, i.http.retry, "renew", || i.api.json_call(ctx, Method::POST, &path, Some(&body), &[], op)).await.map(|_| ())
+    }
+
+    #[tracing::instrument(name = "sandbox.pause", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
+    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() || Probe::get(&i.probe.pause) == NO {
+            return Err(ProviderError::Unsupported { op: "pause" });
+        }
+        let op = Op::Sandbox { op: "pause", id };
+        let path = format!("/sandboxes/{id}/pause");
+        let (status, headers, body) = retry(ctx, i.http.retry, "pause", || async {
+            let (s, h, b) = i.http.call(ctx, i.api.request(Method::POST, &path).json(&serde_json::json!({})), op).await?;
+            // Retryable statuses go through the retry policy; everything else is judged below.
+            if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
+                return Err(from_status(op, s, &h, &b));
+            }
+            Ok((s, h, b))
+        })
+        .await?;
+        match status.as_u16() {
+            200..=299 => {
+                Probe::set(&i.probe.pause, YES);
+                tracing::debug!(sandbox.id = %id, "Paused an E2B sandbox");
+                Ok(())
+            }
+            // Already paused.
+            409 => Ok(()),
+            405 | 501 => {
+                Probe::set(&i.probe.pause, NO);
+                Err(ProviderError::Unsupported { op: "pause" })
+            }
+            404 => match i.detail(ctx, id).await {
+                // The sandbox exists: it is the route that is missing.
+                Ok(_) => {
+                    Probe::set(&i.probe.pause, NO);
+                    Err(ProviderError::Unsupported { op: "pause" })
+                }
+                Err(e) => Err(e),
+            },
+            _ => Err(from_status(op, status, &headers, &body)),
+        }
+    }
+
+    async fn resume(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() || Probe::get(&i.probe.pause) == NO {
+            return Err(ProviderError::Unsupported { op: "resume" });
+        }
+        // Connecting to a paused sandbox resumes it.
+        self.connect(ctx, id).await
+    }
+}
+
+enum Adopted {
+    Created(SandboxResponse),
+    Listed(ListedSandbox),
+}
+
+// === impl SandboxCore ===
+
+/// What every part of one sandbox shares: its envd client, its configuration, and the
+/// token and task tracker that end its background work when it is destroyed.
+#[derive(Debug)]
+pub(crate) struct SandboxCore {
+    pub(crate) id: String,
+    pub(crate) cfg: Arc<E2bConfig>,
+    pub(crate) envd: Envd,
+    pub(crate) closed: CancelToken,
+    pub(crate) tasks: TaskTracker,
+}
+
+/// What a small control command printed and how it ended.
+#[derive(Debug)]
+pub(crate) struct ControlOutcome {
+    pub(crate) status: ExitStatus,
+    pub(crate) stdout: Vec<u8>,
+}
+
+impl SandboxCore {
+    /// The user of file operations.
+    pub(crate) fn user(&self) -> Option<&str> {
+        self.cfg.user.as_deref()
+    }
+
+    /// Run a short control command (`sh -c script tether args...`) to completion, bounded
+    /// by the total limit of a call.
+    pub(crate) async fn control(&self, ctx: &CallCtx, user: Option<&str>, script: &str, args: &[&str]) -> Result<ControlOutcome> {
+        let tctx = ctx.with_timeout(self.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+        let mut argv = vec!["-c".to_owned(), script.to_owned(), "tether".to_owned()];
+        argv.extend(args.iter().map(|a| (*a).to_owned()));
+        let req = StartRequest {
+            process: Some(ProcessConfig { cmd: "/bin/sh".into(), args: argv, envs: BTreeMap::new(), cwd: Some(self.cfg.workspace.clone()) }),
+            pty: None,
+            tag: None,
+            stdin: Some(false),
+        };
+        let op = Op::Process { op: "control", id: "control" };
+        let mut stream = self.envd.server_stream(&tctx, &tctx.cancel, "process.Process/Start", &req, user.or(self.user()), op).await?;
+        let mut stdout = Vec::new();
+        let mut end: Option<EndEvent> = None;
+        while let StreamItem::Message(m) = tctx.run(stream.next::<ProcessEventResponse>()).await? {
+            match m.event {
+                ProcessEventMsg::Data(tether_protocol::e2b::DataEvent::Stdout(b)) => stdout.extend_from_slice(&b),
+                ProcessEventMsg::End(e) => end = Some(e),
+                _ => {}
+            }
+        }
+        let end = end.ok_or_else(|| crate::error::malformed("a control command ended without an end event"))?;
+        Ok(ControlOutcome { status: exit_status(&end), stdout })
+    }
+}
+
+// === impl E2bSandbox ===
+
+#[derive(Debug)]
+struct Shared {
+    core: Arc<SandboxCore>,
+    fs: E2bFs,
+    process: E2bProcess,
+}
+
+/// One E2B sandbox.
+#[derive(Debug)]
+pub struct E2bSandbox {
+    shared: Arc<Shared>,
+    info: SandboxInfo,
+}
+
+impl E2bSandbox {
+    /// The envd version the backend reported for this sandbox.
+    pub fn envd_version(&self) -> EnvdVersion {
+        self.shared.core.envd.version
+    }
+}
+
+impl Sandbox for E2bSandbox {
+    fn info(&self) -> SandboxInfo {
+        self.info.clone()
+    }
+
+    fn fs(&self) -> &dyn Fs {
+        &self.shared.fs
+    }
+
+    fn process(&self) -> &dyn Process {
+        &self.shared.process
+    }
+}

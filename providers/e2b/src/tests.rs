@@ -1,0 +1,400 @@
+//! Unit tests of the E2B provider's pieces: the Connect codec, configuration from the
+//! environment, endpoint resolution, error mapping, exit statuses, the output window,
+//! paths and versions, and the bash wrapper itself. The whole provider against small
+//! in-test backends is in `tests/fake_backend.rs`; against tetherd's E2B front in the
+//! workspace's end-to-end tests.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use reqwest::StatusCode;
+use reqwest::header::{HeaderMap, HeaderValue};
+use tether_protocol::ErrorCode;
+use tether_protocol::e2b::{ConnectCode, EndEvent, EntryInfo, FileType};
+use tether_protocol::fs::FileKind;
+
+use crate::client::{EnvdVersion, EnvelopeReader, FLAG_END_STREAM, Frame, basic_user, envelope};
+use crate::config::{E2bConfig, Endpoints, RetryConfig};
+use crate::error::{Op, from_connect, from_status};
+use crate::fs::{resolve, to_stat, version_of};
+use crate::process::{Window, exit_status};
+
+// --- the Connect codec ---
+
+#[test]
+fn envelopes_decode_whatever_the_chunking() {
+    let mut wire = Vec::new();
+    wire.extend_from_slice(&envelope(0, br#"{"event":{"start":{"pid":7}}}"#));
+    wire.extend_from_slice(&envelope(0, b""));
+    wire.extend_from_slice(&envelope(0, &vec![b'x'; 70_000]));
+    wire.extend_from_slice(&envelope(FLAG_END_STREAM, b"{}"));
+    for split in [1usize, 2, 3, 4, 5, 6, 7, 4096, wire.len()] {
+        let mut r = EnvelopeReader::default();
+        let mut frames = Vec::new();
+        for chunk in wire.chunks(split) {
+            r.push(chunk);
+            while let Some(f) = r.next_frame().unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(frames.len(), 4, "split {split}");
+        assert_eq!(frames[0], Frame::Message(Bytes::from_static(br#"{"event":{"start":{"pid":7}}}"#)));
+        assert_eq!(frames[1], Frame::Message(Bytes::new()));
+        assert!(matches!(&frames[2], Frame::Message(m) if m.len() == 70_000));
+        assert!(matches!(&frames[3], Frame::End(e) if e.error.is_none()));
+        assert_eq!(r.pending(), 0);
+    }
+}
+
+#[test]
+fn an_end_frame_carries_the_calls_error_and_corruption_is_refused() {
+    let mut r = EnvelopeReader::default();
+    r.push(&envelope(FLAG_END_STREAM, br#"{"error":{"code":"invalid_argument","message":"cwd '/x' does not exist"}}"#));
+    match r.next_frame().unwrap() {
+        Some(Frame::End(e)) => assert_eq!(e.error.map(|e| e.code), Some(ConnectCode::InvalidArgument)),
+        other => panic!("{other:?}"),
+    }
+    // An empty end frame is a clean end too.
+    let mut r = EnvelopeReader::default();
+    r.push(&envelope(FLAG_END_STREAM, b""));
+    assert!(matches!(r.next_frame().unwrap(), Some(Frame::End(e)) if e.error.is_none()));
+    // A compressed frame (identity was asked for) and an absurd length are refused.
+    let mut r = EnvelopeReader::default();
+    r.push(&envelope(0x01, b"x"));
+    assert!(r.next_frame().is_err());
+    let mut r = EnvelopeReader::default();
+    r.push(&[0, 0xff, 0xff, 0xff, 0xff]);
+    assert!(r.next_frame().is_err());
+    // A header alone is not a frame yet.
+    let mut r = EnvelopeReader::default();
+    r.push(&[0, 0, 0, 0, 3, b'{']);
+    assert_eq!(r.next_frame().unwrap(), None);
+}
+
+// --- configuration ---
+
+fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+    move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned())
+}
+
+#[test]
+fn the_environment_names_a_backend_as_the_sdks_read_it() {
+    assert!(E2bConfig::from_env(&env_of(&[("E2B_DOMAIN", "example.org")])).is_none(), "a domain alone names no backend");
+    let c = E2bConfig::from_env(&env_of(&[
+        ("E2B_API_KEY", "e2b_k"),
+        ("E2B_DOMAIN", "example.org"),
+        ("E2B_SANDBOX_URL", "http://127.0.0.1:9"),
+        ("E2B_DEBUG", "FALSE"),
+    ]))
+    .unwrap();
+    assert_eq!(c.api_key.as_deref(), Some("e2b_k"));
+    assert_eq!(c.domain(), "example.org");
+    assert!(!c.is_debug());
+    let ep = c.validate().unwrap();
+    assert_eq!(ep.api.as_str(), "https://api.example.org/");
+    assert_eq!(ep.envd_url("iabc", None).unwrap().as_str(), "http://127.0.0.1:9/");
+    // An explicit value beats the variable; `inherit_env = false` ignores them all.
+    let explicit = E2bConfig { api_key: Some("mine".into()), ..E2bConfig::default() }.with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
+    assert_eq!(explicit.api_key.as_deref(), Some("mine"));
+    let sealed = E2bConfig { inherit_env: false, ..E2bConfig::default() }.with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
+    assert_eq!(sealed.api_key, None);
+    // Debug mode: no key needed, the SDKs' local URLs.
+    let d = E2bConfig::from_env(&env_of(&[("E2B_DEBUG", "True")])).unwrap();
+    let ep = d.validate().unwrap();
+    assert!(ep.debug);
+    assert_eq!(ep.api.as_str(), "http://localhost:3000/");
+    assert_eq!(ep.envd_url("x", None).unwrap().as_str(), "http://localhost:49983/");
+    // Credentials stay out of debug output.
+    let shown = format!("{:?}", E2bConfig { api_key: Some("e2b_secret".into()), access_token: Some("sk_secret".into()), ..E2bConfig::default() });
+    assert!(!shown.contains("secret"), "{shown}");
+}
+
+#[test]
+fn envd_urls_follow_the_sandbox_domain() {
+    let ep = Endpoints::resolve(&E2bConfig::default()).unwrap();
+    assert_eq!(ep.api.as_str(), "https://api.e2b.app/");
+    // E2B's own domains share one host, routed by headers.
+    assert_eq!(ep.envd_url("iabc", None).unwrap().as_str(), "https://sandbox.e2b.app/");
+    assert_eq!(ep.envd_url("iabc", Some("e2b.dev")).unwrap().as_str(), "https://sandbox.e2b.dev/");
+    // Other domains: one host per sandbox and port; a domain from create/connect wins.
+    assert_eq!(ep.envd_url("iabc", Some("sandboxes.example.org")).unwrap().as_str(), "https://49983-iabc.sandboxes.example.org/");
+    let self_hosted = Endpoints::resolve(&E2bConfig { domain: Some("corp.test".into()), ..E2bConfig::default() }).unwrap();
+    assert_eq!(self_hosted.envd_url("i1", None).unwrap().as_str(), "https://49983-i1.corp.test/");
+    // A base path of the API URL is kept.
+    let prefixed = Endpoints::resolve(&E2bConfig { api_url: Some("http://127.0.0.1:8/e2b/".into()), ..E2bConfig::default() }).unwrap();
+    assert_eq!(prefixed.api_path("/v2/sandboxes").as_str(), "http://127.0.0.1:8/e2b/v2/sandboxes");
+}
+
+#[test]
+fn invalid_configurations_are_refused() {
+    let bad = |c: E2bConfig| c.validate().map(|_| ()).unwrap_err().code();
+    assert_eq!(bad(E2bConfig { api_url: Some("not a url".into()), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
+    assert_eq!(bad(E2bConfig { sandbox_url: Some("ftp://x".into()), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
+    assert_eq!(bad(E2bConfig { workspace: "home/user".into(), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
+    assert_eq!(bad(E2bConfig { connect_timeout_ms: 0, ..E2bConfig::default() }), ErrorCode::InvalidRequest);
+    // Keepalives must come more often than the transport is declared dead.
+    assert_eq!(bad(E2bConfig { transport_idle_ms: 10_000, keepalive_interval_s: 10, ..E2bConfig::default() }), ErrorCode::InvalidRequest);
+    assert_eq!(
+        bad(E2bConfig { retry: RetryConfig { max_times: 1, min_delay_ms: 500, max_delay_ms: 100 }, ..E2bConfig::default() }),
+        ErrorCode::InvalidRequest
+    );
+    let toml_like: E2bConfig = serde_json::from_value(serde_json::json!({"template": "code-interpreter", "ttl_ms": 60000})).unwrap();
+    assert_eq!(toml_like.template, "code-interpreter");
+    assert_eq!(toml_like.state_dir(), "/home/user/.cache/tether");
+    assert!(serde_json::from_value::<E2bConfig>(serde_json::json!({"bogus": 1})).is_err(), "unknown fields are refused");
+}
+
+#[test]
+fn envd_versions_gate_features() {
+    let v = EnvdVersion::parse("0.6.13").unwrap();
+    assert_eq!(v, EnvdVersion(0, 6, 13));
+    assert!(v.close_stdin() && v.octet_stream_upload() && v.default_user() && v.file_metadata());
+    let old = EnvdVersion::parse("v0.5.1-rc.2").unwrap();
+    assert_eq!(old, EnvdVersion(0, 5, 1));
+    assert!(!old.close_stdin() && !old.octet_stream_upload() && old.default_user());
+    assert!(!EnvdVersion::parse("0.3").unwrap().default_user());
+    assert_eq!(EnvdVersion::parse("garbage"), None);
+    assert_eq!(basic_user("root"), "Basic cm9vdDo=");
+}
+
+// --- errors ---
+
+fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(*k, HeaderValue::from_static(v));
+    }
+    h
+}
+
+#[test]
+fn http_errors_map_onto_stable_codes() {
+    let sb = Op::Sandbox { op: "get", id: "i1" };
+    let none = HeaderMap::new();
+    let e = from_status(sb, StatusCode::NOT_FOUND, &none, br#"{"code":404,"message":"sandbox not found"}"#);
+    assert_eq!(e.code(), ErrorCode::SandboxNotFound);
+    // The edge proxy's answer for a sandbox that is gone.
+    let fs = Op::Fs { op: "read", path: "/home/user/a" };
+    let e = from_status(fs, StatusCode::BAD_GATEWAY, &none, br#"{"sandboxId":"i1","message":"The sandbox was not found","code":502}"#);
+    assert_eq!(e.code(), ErrorCode::SandboxNotFound);
+    // Rate limits and overload: retryable, with the advised delay.
+    let e = from_status(sb, StatusCode::TOO_MANY_REQUESTS, &headers(&[("retry-after", "2")]), br#"{"code":429,"message":"slow down"}"#);
+    assert!(e.retryable());
+    assert!(matches!(e, tether_provider::ProviderError::Unavailable { retry_after: Some(d), .. } if d == Duration::from_secs(2)));
+    // `Should-Retry` overrides the status either way.
+    assert!(!from_status(sb, StatusCode::SERVICE_UNAVAILABLE, &headers(&[("should-retry", "false")]), b"{}").retryable());
+    assert!(from_status(sb, StatusCode::INTERNAL_SERVER_ERROR, &headers(&[("should-retry", "true")]), b"{}").retryable());
+    assert!(!from_status(sb, StatusCode::INTERNAL_SERVER_ERROR, &none, b"<html>").retryable());
+    assert_eq!(from_status(sb, StatusCode::NOT_IMPLEMENTED, &none, b"").code(), ErrorCode::Unsupported);
+    assert_eq!(from_status(fs, StatusCode::NOT_FOUND, &none, b"").code(), ErrorCode::FsNotFound);
+    assert_eq!(from_status(fs, StatusCode::FORBIDDEN, &none, b"").code(), ErrorCode::FsPermissionDenied);
+    assert_eq!(from_status(fs, StatusCode::INSUFFICIENT_STORAGE, &none, b"").code(), ErrorCode::FsIoError);
+    // A Connect error body in front of an RPC wins over the status.
+    let p = Op::Process { op: "start", id: "c1" };
+    assert_eq!(from_status(p, StatusCode::BAD_REQUEST, &none, br#"{"code":"not_found","message":"x"}"#).code(), ErrorCode::CommandNotFound);
+}
+
+#[test]
+fn connect_errors_map_by_operation() {
+    let fs = Op::Fs { op: "mkdir", path: "/d" };
+    let p = Op::Process { op: "start", id: "c" };
+    assert_eq!(from_connect(fs, ConnectCode::AlreadyExists, "").code(), ErrorCode::FsAlreadyExists);
+    assert_eq!(from_connect(fs, ConnectCode::NotFound, "").code(), ErrorCode::FsNotFound);
+    assert_eq!(from_connect(fs, ConnectCode::PermissionDenied, "").code(), ErrorCode::FsPermissionDenied);
+    assert_eq!(from_connect(p, ConnectCode::InvalidArgument, "cwd does not exist").code(), ErrorCode::SpawnFailed);
+    assert_eq!(from_connect(p, ConnectCode::NotFound, "").code(), ErrorCode::CommandNotFound);
+    assert_eq!(from_connect(p, ConnectCode::Unimplemented, "").code(), ErrorCode::Unsupported);
+    assert!(from_connect(p, ConnectCode::Unavailable, "").retryable());
+    assert_eq!(from_connect(p, ConnectCode::DeadlineExceeded, "").code(), ErrorCode::DeadlineExceeded);
+    assert_eq!(from_connect(p, ConnectCode::Canceled, "").code(), ErrorCode::Cancelled);
+}
+
+// --- processes ---
+
+fn end(exit_code: i32, exited: bool, status: &str) -> EndEvent {
+    EndEvent { exit_code, exited, status: status.into(), error: None }
+}
+
+#[test]
+fn exit_statuses_read_like_go_process_state() {
+    assert_eq!(exit_status(&end(0, true, "exit status 0")), tether_protocol::process::ExitStatus { code: Some(0), signal: None });
+    assert_eq!(exit_status(&end(3, true, "exit status 3")).code, Some(3));
+    for (status, n) in [("signal: killed", 9), ("signal: terminated", 15), ("signal: interrupt", 2), ("signal: user defined signal 1", 10), ("signal: segmentation fault (core dumped)", 11), ("signal: signal 40", 40)] {
+        let s = exit_status(&end(-1, false, status));
+        assert_eq!((s.code, s.signal), (None, Some(n)), "{status}");
+    }
+    // proto3 JSON omits `exited: false` and `exitCode: 0`: the status text decides.
+    assert_eq!(exit_status(&end(0, false, "exit status 4")).code, Some(4));
+}
+
+#[test]
+fn the_output_window_keeps_the_recent_bytes_at_their_offsets() {
+    let mut w = Window::with_limit(10);
+    for c in [&b"abcd"[..], b"efgh", b"ijkl", b"mnop"] {
+        w.push(Bytes::copy_from_slice(c));
+    }
+    // At least `limit` bytes are kept, whole chunks dropped from the front.
+    assert_eq!(w.start(), 4);
+    assert_eq!(w.read(3, 100), None, "dropped bytes are not served");
+    assert_eq!(w.read(4, 100).unwrap(), Bytes::from_static(b"efgh"));
+    assert_eq!(w.read(6, 1).unwrap(), Bytes::from_static(b"g"));
+    assert_eq!(w.read(13, 100).unwrap(), Bytes::from_static(b"nop"));
+    assert_eq!(w.read(16, 100), None, "nothing past the end");
+    w.shrink(4);
+    assert_eq!(w.start(), 12);
+    assert_eq!(w.read(12, 100).unwrap(), Bytes::from_static(b"mnop"));
+}
+
+// --- paths and versions ---
+
+#[test]
+fn paths_resolve_against_the_workspace() {
+    assert_eq!(resolve("/home/user", "a/b.txt"), "/home/user/a/b.txt");
+    assert_eq!(resolve("/home/user", "./rel/../rel/x.txt"), "/home/user/rel/x.txt");
+    assert_eq!(resolve("/home/user", "~/x"), "/home/user/x");
+    assert_eq!(resolve("/home/user", "/etc/../tmp//f"), "/tmp/f");
+    assert_eq!(resolve("/home/user", "../../../.."), "/");
+    assert_eq!(resolve("/home/user", ""), "/home/user");
+}
+
+fn entry(size: i64, mtime: &str, meta: Option<&str>) -> EntryInfo {
+    let mut metadata = BTreeMap::new();
+    if let Some(m) = meta {
+        metadata.insert(crate::fs::VERSION_META.to_owned(), m.to_owned());
+    }
+    EntryInfo {
+        name: "a.txt".into(),
+        kind: FileType::File,
+        path: "/home/user/a.txt".into(),
+        size,
+        mode: 0o644,
+        permissions: "-rw-r--r--".into(),
+        owner: "user".into(),
+        group: "user".into(),
+        modified_time: Some(mtime.into()),
+        symlink_target: None,
+        metadata,
+        is_symlink: false,
+    }
+}
+
+#[test]
+fn versions_change_with_every_write_even_within_one_millisecond() {
+    let t = "2026-11-30T08:16:00.123Z";
+    assert_eq!(version_of(&entry(3, t, Some("v1"))), version_of(&entry(3, t, Some("v1"))), "same facts, same version");
+    assert_ne!(version_of(&entry(3, t, Some("v1"))), version_of(&entry(3, t, Some("v2"))), "a new write id");
+    assert_ne!(version_of(&entry(3, t, None)), version_of(&entry(4, t, None)), "a new size");
+    assert_ne!(version_of(&entry(3, t, None)), version_of(&entry(3, "2026-11-30T08:16:00.124Z", None)), "a new time");
+    let st = to_stat(&entry(3, t, None));
+    assert_eq!((st.kind, st.size, st.mode), (FileKind::File, 3, 0o644));
+    assert_eq!(st.modified_ms, 1_796_026_560_123);
+    let mut link = entry(0, t, None);
+    link.symlink_target = Some("/etc/passwd".into());
+    assert_eq!(to_stat(&link).kind, FileKind::Symlink);
+}
+
+// --- the wrapper ---
+
+/// Run the wrapper locally, as envd would, and return (status, stdout, stderr, dir).
+async fn run_wrapper(argv: &[&str], caps: [&str; 2], unset: &[&str]) -> (std::process::ExitStatus, Vec<u8>, Vec<u8>, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("tether-e2b-wrapper-{}", uuid::Uuid::new_v4().simple()));
+    let mut cmd = tokio::process::Command::new("/bin/bash");
+    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir);
+    cmd.arg("1").args(caps).arg(unset.len().to_string()).args(unset).args(argv);
+    cmd.env("TETHER_WRAPPER_TEST", "set");
+    let out = cmd.output().await.expect("run the wrapper");
+    (out.status, out.stdout, out.stderr, dir)
+}
+
+async fn wait_for(path: &std::path::Path) {
+    for _ in 0..200 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
+    if !std::path::Path::new("/bin/bash").exists() {
+        return;
+    }
+    let script = "printf 'out-1\\n'; printf 'err-1\\n' >&2; head -c 100000 /dev/zero | tr '\\0' a; printf \"%s|%s\" \"${TETHER_WRAPPER_TEST-unset}\" \"$(ps -o pgid= -p $$ | tr -d ' ')-$$\"; exit 7";
+    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["1000000", "1000000"], &["TETHER_WRAPPER_TEST"]).await;
+    assert_eq!(status.code(), Some(7), "the exec'd command's own status");
+    wait_for(&dir.join("out.done")).await;
+    wait_for(&dir.join("err.done")).await;
+    // The copies hold exactly what went to envd.
+    assert_eq!(std::fs::read(dir.join("out")).unwrap(), out);
+    assert_eq!(std::fs::read(dir.join("err")).unwrap(), err);
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("out-1\n"));
+    assert_eq!(err, b"err-1\n");
+    let tail = text.rsplit('a').next().unwrap();
+    let (var, group) = tail.split_once('|').unwrap();
+    assert_eq!(var, "unset", "a removed variable is removed");
+    let (pgid, pid) = group.split_once('-').unwrap();
+    assert_eq!(pgid, pid, "the command leads its own process group");
+    let _ = std::fs::remove_dir_all(&dir);
+    // The copies stop at the capture caps; envd still gets everything.
+    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["1000", "3"], &[]).await;
+    assert_eq!(status.code(), Some(7));
+    wait_for(&dir.join("out.done")).await;
+    wait_for(&dir.join("err.done")).await;
+    assert!(out.len() > 100_000);
+    assert_eq!(std::fs::read(dir.join("out")).unwrap(), out[..1000]);
+    assert_eq!(std::fs::read(dir.join("err")).unwrap(), err[..3]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn the_relay_signals_the_whole_group() {
+    if !std::path::Path::new("/bin/bash").exists() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tether-e2b-relay-{}", uuid::Uuid::new_v4().simple()));
+    let script = "trap 'echo got-usr1; exit 5' USR1; (trap '' USR1; sleep 30) & echo ready; while :; do sleep 0.02; done";
+    let mut cmd = tokio::process::Command::new("/bin/bash");
+    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir).args(["1", "64", "64", "0"]);
+    cmd.args(["/bin/bash", "-c", script]).stdout(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let pgid = child.id().expect("pid");
+    let fifo = dir.join("ctl");
+    wait_for(&fifo).await;
+    // Signal once the command has set its trap.
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line).await.unwrap();
+    assert_eq!(line, "ready\n");
+    // Signal the group the way a control command does: one line into the FIFO.
+    let send = tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg("printf 'SIG %s\\n' \"$2\" 1<>\"$1\"")
+        .arg("tether")
+        .arg(&fifo)
+        .arg("USR1")
+        .status()
+        .await
+        .unwrap();
+    assert!(send.success());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("the signal arrived").unwrap();
+    assert_eq!(status.code(), Some(5));
+    let mut next = String::new();
+    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut next).await.unwrap();
+    assert_eq!(next, "got-usr1\n");
+    // The relay leaves with the group's last process (the background sleep ignores USR1).
+    let _ = tokio::process::Command::new("/bin/sh").arg("-c").arg(format!("kill -KILL -{pgid}")).status().await;
+    for _ in 0..300 {
+        if !fifo.exists() {
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the relay outlived its group");
+}
