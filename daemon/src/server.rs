@@ -265,6 +265,13 @@ impl Daemon {
         let app = router(Arc::clone(&state));
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
+            // Streams (NDJSON, Connect server-streaming) write small frames: without
+            // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold each one ~40 ms.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "Cannot set TCP_NODELAY");
+                }
+            });
             let serve = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "The server stopped with an error");
