@@ -366,7 +366,10 @@ impl Config {
         if l.tool_output_bytes == 0 || l.read_file_max_bytes == 0 || l.fs_op_timeout_ms == 0 {
             return Err(ConfigError::Invalid("limits: byte limits and fs_op_timeout_ms must be positive".into()));
         }
-        if !self.providers.contains_key(&self.default_provider) && self.default_provider != "local" {
+        // `local` always exists; `e2b` may come from the E2B_* environment (checked when the
+        // providers are built).
+        let implicit = |name: &str| name == "local" || name == "e2b";
+        if !self.providers.contains_key(&self.default_provider) && !implicit(&self.default_provider) {
             return Err(ConfigError::Invalid(format!(
                 "default_provider {:?} is not a configured provider",
                 self.default_provider
@@ -374,7 +377,7 @@ impl Config {
         }
         if let Some(p) = &self.e2b_front.provider
             && !self.providers.contains_key(p)
-            && p != "local"
+            && !implicit(p)
         {
             return Err(ConfigError::Invalid(format!("e2b_front.provider {p:?} is not a configured provider")));
         }

@@ -42,6 +42,12 @@ impl ProviderRegistry {
             let pc = ProviderConfig::Local(tether_provider_local::LocalConfig::default());
             providers.insert("local".into(), build(&pc, &cfg.server.state_dir, "local")?);
         }
+        if !providers.contains_key(&cfg.default_provider) {
+            return Err(DaemonError::invalid(format!(
+                "default_provider {:?} is not available: configure [providers.{}] (or, for e2b, set E2B_API_KEY or E2B_API_URL)",
+                cfg.default_provider, cfg.default_provider
+            )));
+        }
         Ok(Self { providers, default: cfg.default_provider.clone() })
     }
 
@@ -129,5 +135,17 @@ mod e2b_env_tests {
         assert!(r.get("e2b").is_some() && r.get("other").is_some() && r.get("local").is_some());
         // A malformed URL in the environment is refused loudly.
         assert!(ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "not a url")])).is_err());
+    }
+
+    #[test]
+    fn e2b_as_default_provider_needs_a_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::from_toml_str("default_provider = \"e2b\"").unwrap();
+        cfg.server.state_dir = dir.path().to_owned();
+        let e = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[])).unwrap_err();
+        assert_eq!(e.code(), tether_protocol::ErrorCode::InvalidRequest);
+        let r = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        assert_eq!(r.default_name(), "e2b");
+        assert!(Config::from_toml_str("default_provider = \"nope\"").is_err());
     }
 }
