@@ -288,6 +288,21 @@ pub struct LeaseConfig {
     /// How often the reconciler compares the ledger with the providers, seconds. Default 60.
     #[serde(default = "d_reconcile")]
     pub reconcile_interval_s: u64,
+    /// How often the sandbox of every live session is renewed at its provider (where the
+    /// provider has a TTL of its own, e.g. E2B), seconds. Default 60.
+    #[serde(default = "d_renew_every")]
+    pub renew_interval_s: u64,
+    /// The TTL each renewal asks the provider for, seconds: how long a sandbox outlives a
+    /// daemon that stopped renewing it. Must exceed `renew_interval_s`. Default 300.
+    #[serde(default = "d_renew_ttl")]
+    pub renew_ttl_s: u64,
+}
+
+fn d_renew_every() -> u64 {
+    60
+}
+fn d_renew_ttl() -> u64 {
+    300
 }
 
 fn d_ttl() -> u64 {
@@ -299,7 +314,12 @@ fn d_reconcile() -> u64 {
 
 impl Default for LeaseConfig {
     fn default() -> Self {
-        Self { ttl_s: d_ttl(), reconcile_interval_s: d_reconcile() }
+        Self {
+            ttl_s: d_ttl(),
+            reconcile_interval_s: d_reconcile(),
+            renew_interval_s: d_renew_every(),
+            renew_ttl_s: d_renew_ttl(),
+        }
     }
 }
 
@@ -383,6 +403,12 @@ impl Config {
         }
         if self.e2b_front.default_timeout_s == 0 || self.e2b_front.max_timeout_s < self.e2b_front.default_timeout_s {
             return Err(ConfigError::Invalid("e2b_front: default_timeout_s must be positive and <= max_timeout_s".into()));
+        }
+        let le = &self.leases;
+        if le.renew_interval_s == 0 || le.renew_ttl_s <= le.renew_interval_s || le.reconcile_interval_s == 0 || le.ttl_s == 0 {
+            return Err(ConfigError::Invalid(
+                "leases: intervals and TTLs must be positive, and renew_ttl_s must exceed renew_interval_s".into(),
+            ));
         }
         self.pipeline.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         crate::invariants::Invariants::new(&self.invariants).map_err(|e| ConfigError::Invalid(e.to_string()))?;

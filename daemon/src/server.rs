@@ -288,6 +288,8 @@ fn spawn_housekeeping(state: &Arc<AppState>) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let reconcile_every = s.config.leases.reconcile_interval_s.max(1);
+        let renew_every = s.config.leases.renew_interval_s.max(1);
+        let renew_ttl = Duration::from_secs(s.config.leases.renew_ttl_s);
         let mut n: u64 = 0;
         loop {
             tokio::select! {
@@ -298,6 +300,9 @@ fn spawn_housekeeping(state: &Arc<AppState>) {
                 tracing::info!(session.id = %id, "Session expired; its sandbox was destroyed");
             }
             n += 1;
+            if n % renew_every == 0 {
+                s.sessions.renew_all(renew_ttl).await;
+            }
             if n % reconcile_every == 0 {
                 s.sessions.reconcile().await;
             }

@@ -652,6 +652,32 @@ impl SessionManager {
         destroyed
     }
 
+    /// Renew the sandbox of every live session at its provider (for providers with a TTL
+    /// of their own): the session's own activity keeps it alive (agent think-time counts,
+    /// since the session's idle expiry is what ends it), and a daemon that stops renewing
+    /// leaves its sandboxes to die within `ttl`. Returns how many renewals failed.
+    pub async fn renew_all(&self, ttl: Duration) -> usize {
+        let mut failed = 0;
+        for s in self.list(Scope::Any) {
+            if s.state() != SessionState::Active || !s.provider.capabilities().renew {
+                continue;
+            }
+            let Some(sid) = s.sandbox_id() else { continue };
+            let ctx = CallCtx::new(format!("renew-{}", s.id)).with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let span = tracing::info_span!("sandbox.renew", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
+            let started = tokio::time::Instant::now();
+            let r = s.provider.renew(&ctx, &sid, ttl).instrument(span.clone()).await;
+            let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
+            span.record("outcome", outcome);
+            self.metrics.remote_op("sandbox.renew", &s.provider_kind, outcome, started.elapsed());
+            if let Err(e) = r {
+                failed += 1;
+                tracing::warn!(session.id = %s.id, sandbox.id = %sid, code = %e.code(), error = %e, "Renewing a sandbox failed");
+            }
+        }
+        failed
+    }
+
     /// Close every expired session. Returns their ids.
     pub async fn expire(&self) -> Vec<String> {
         let now = now_ms();
