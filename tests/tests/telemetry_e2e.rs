@@ -67,6 +67,15 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     assert_eq!(st, 200, "{body}");
     let out = body["results"][0]["content"].as_str().unwrap().to_owned();
     assert_eq!(body["results"][0]["is_error"], false, "{body}");
+    // A call whose command outlives its deadline: the spans must name the clock that fired.
+    let (st, body) = post_traced(
+        &d,
+        &format!("/v1/sessions/{sid}/tool-calls"),
+        json!({"calls": [{"id": "slow", "name": "bash", "arguments": {"command": "echo begun; sleep 30", "timeout_ms": 400}}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body["results"][0]["error"]["code"], "DEADLINE_EXCEEDED", "{body}");
     d.stop().await;
     assert!(guard.shutdown().await, "telemetry flush failed; receiver log:\n{}", rx.log());
 
@@ -89,7 +98,7 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     // Both requests continue the caller's trace, as server spans whose parent is the caller.
     let requests: Vec<&Value> =
         spans_named(&spans, names::HTTP_REQUEST).into_iter().filter(|s| s["trace_id"] == TRACE).collect();
-    assert_eq!(requests.len(), 2, "{spans:#?}");
+    assert_eq!(requests.len(), 3, "{spans:#?}");
     for r in &requests {
         assert_eq!(r["parent_span_id"], CALLER_SPAN);
         assert_eq!(r["span_kind"], 2, "SPAN_KIND_SERVER");
@@ -105,7 +114,10 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     assert_eq!(create["attributes"]["provider.kind"], "local");
     assert_eq!(create["attributes"]["outcome"], "ok");
 
-    let call = span(&spans, names::TOOL_CALL).unwrap();
+    let call = spans
+        .iter()
+        .find(|s| s["name"] == names::TOOL_CALL && s["attributes"]["tool.call_id"] == "c1")
+        .expect("tool.call c1 exported");
     assert_eq!(call["trace_id"], TRACE);
     assert_eq!(call["attributes"]["tool.name"], "bash");
     assert_eq!(call["attributes"]["tool.call_id"], "c1");
@@ -120,6 +132,27 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     let start = span(&spans, names::PROCESS_START).unwrap();
     assert_eq!(start["trace_id"], TRACE);
     assert_eq!(start["attributes"]["outcome"], "ok");
+
+    // The timed-out call: tool.call and process.stream carry the code and the clock.
+    let spans = rx
+        .wait_for_spans(
+            |s| s.iter().any(|x| x["name"] == names::TOOL_CALL && x["attributes"]["tool.call_id"] == "slow"),
+            Duration::from_secs(20),
+        )
+        .await;
+    let slow = spans
+        .iter()
+        .find(|s| s["name"] == names::TOOL_CALL && s["attributes"]["tool.call_id"] == "slow")
+        .unwrap();
+    assert_eq!(slow["attributes"]["outcome"], "DEADLINE_EXCEEDED", "{slow:#}");
+    assert_eq!(slow["attributes"]["error.code"], "DEADLINE_EXCEEDED", "{slow:#}");
+    assert_eq!(slow["attributes"]["timeout.clock"], "total", "{slow:#}");
+    let stream = spans
+        .iter()
+        .find(|s| s["name"] == names::PROCESS_STREAM && s["attributes"]["timeout.clock"] == "total")
+        .unwrap_or_else(|| panic!("a process.stream span with timeout.clock=total: {spans:#?}"));
+    assert_eq!(stream["attributes"]["outcome"], "DEADLINE_EXCEEDED");
+    assert_eq!(stream["trace_id"], TRACE);
 
     // Metrics from the same run (the shutdown flush exported them).
     let points = rx
@@ -140,4 +173,7 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         metric_point(&points, "tether.remote_op.duration", &[("remote.op", "sandbox.create"), ("outcome", "ok")]);
     assert!(create_op.is_some(), "{points:#?}");
     assert!(metric_point(&points, "tether.sessions.live", &[]).is_some(), "{points:#?}");
+    let timeouts = metric_point(&points, "tether.timeouts", &[("timeout.clock", "total"), ("provider.kind", "local")])
+        .unwrap_or_else(|| panic!("timeouts by clock: {points:#?}"));
+    assert_eq!(timeouts["value"], 1, "{timeouts:#}");
 }
