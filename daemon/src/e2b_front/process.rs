@@ -190,9 +190,6 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             };
             let cmd = running(t, req.process.as_ref())?;
             ctx.run(cmd.handle.signal(ctx, signal)).await?;
-            if signal == Signal::Kill {
-                ensure_killed(t, cmd);
-            }
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::CloseStdin => {
@@ -213,41 +210,6 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             Err(RpcError::new(ConnectCode::Internal, "a streaming method was dispatched as unary"))
         }
     }
-}
-
-/// Times a SIGKILL is re-delivered to a command that is still running.
-const KILL_REDELIVERIES: u32 = 20;
-/// Wait between re-deliveries.
-const KILL_REDELIVERY_EVERY: Duration = Duration::from_millis(100);
-
-/// A SIGKILL must end the process, as it does in envd. A signal sent in the instant after
-/// the start can reach the process before the provider has it in the group it signals
-/// (the local provider moves it into its cgroup from inside), so the kill is re-delivered
-/// until the command is seen to end, and as a last resort the command is terminated
-/// through its pump. Runs in the background: `SendSignal` answers once the first signal
-/// was sent, like envd.
-fn ensure_killed(t: &Target, cmd: Arc<RunningCommand>) {
-    let span =
-        tracing::info_span!("e2b.process.ensure_killed", session.id = %t.session.id, command.id = %cmd.command_id);
-    t.session.tasks().spawn(
-        async move {
-            for _ in 0..KILL_REDELIVERIES {
-                if tokio::time::timeout(KILL_REDELIVERY_EVERY, cmd.wait()).await.is_ok() {
-                    return;
-                }
-                let ctx = CallCtx::new(format!("kill-{}", cmd.command_id))
-                    .with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
-                if let Err(e) = cmd.handle.signal(&ctx, Signal::Kill).await {
-                    tracing::debug!(error = %e, "Re-delivering SIGKILL failed");
-                }
-            }
-            if cmd.is_running() {
-                tracing::warn!(command.id = %cmd.command_id, "SIGKILL did not end the command; terminating it");
-                cmd.kill("killed by SendSignal");
-            }
-        }
-        .instrument(span),
-    );
 }
 
 // === selectors ===
