@@ -300,10 +300,10 @@ fn spawn_housekeeping(state: &Arc<AppState>) {
                 tracing::info!(session.id = %id, "Session expired; its sandbox was destroyed");
             }
             n += 1;
-            if n % renew_every == 0 {
+            if n.is_multiple_of(renew_every) {
                 s.sessions.renew_all(renew_ttl).await;
             }
-            if n % reconcile_every == 0 {
+            if n.is_multiple_of(reconcile_every) {
                 s.sessions.reconcile().await;
             }
         }

@@ -20,8 +20,7 @@ pub async fn test_session() -> (Arc<Session>, Arc<SessionManager>, TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut cfg = Config::default();
     cfg.server.state_dir = dir.path().to_owned();
-    let mut local = tether_provider_local::LocalConfig::default();
-    local.root = dir.path().join("sandboxes");
+    let local = tether_provider_local::LocalConfig { root: dir.path().join("sandboxes"), ..Default::default() };
     cfg.providers.insert("local".into(), ProviderConfig::Local(local));
     let providers = Arc::new(ProviderRegistry::from_config(&cfg).expect("providers"));
     let mgr = Arc::new(

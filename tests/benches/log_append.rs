@@ -8,6 +8,9 @@
 //! Run: `cargo bench -p tether-tests --bench log_append`. The log lives in a temporary
 //! directory (`TMPDIR`), so the figures are those of that file system.
 
+// A benchmark: a panic is how it reports a failed setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::error::Error;
 use std::sync::Arc;
 

@@ -4,6 +4,9 @@
 //!
 //! `cargo bench -p tether-tests --bench telemetry_overhead`
 
+// A benchmark: a panic is how it reports a failed setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::Stdio;
 use std::time::Duration;
 

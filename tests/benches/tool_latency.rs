@@ -3,6 +3,9 @@
 //!
 //! `cargo bench -p tether-tests --bench tool_latency`
 
+// A benchmark: a panic is how it reports a failed setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use futures_util::StreamExt;
@@ -21,16 +24,17 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     // Both sides use the same confinement trampoline binary.
     let helper = tether_tests::workspace_bin("tetherd");
-    let mut cfg = tether_provider_local::LocalConfig::default();
-    cfg.root = dir.path().join("direct");
-    cfg.confine_helper = Some(helper.clone());
+    let cfg = tether_provider_local::LocalConfig {
+        root: dir.path().join("direct"),
+        confine_helper: Some(helper.clone()),
+        ..Default::default()
+    };
     let provider = Arc::new(tether_provider_local::LocalProvider::new(cfg).unwrap());
     let ctx = CallCtx::new("bench");
     let sb = provider.create(&ctx, SandboxSpec::default()).await.unwrap();
 
     let d = TestDaemon::start_with(|c| {
-        let mut local = tether_provider_local::LocalConfig::default();
-        local.confine_helper = Some(helper.clone());
+        let local = tether_provider_local::LocalConfig { confine_helper: Some(helper.clone()), ..Default::default() };
         c.providers.insert("local".into(), tether_daemon::config::ProviderConfig::Local(local));
     })
     .await;

@@ -4,6 +4,9 @@
 //! Everything here runs real components: the daemon, the local provider, real files and
 //! processes. Nothing is mocked.
 
+// Test support: a panic is how a test (or a benchmark) reports failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -3,6 +3,9 @@
 //! the log must parse, every call must have exactly one result (real or repaired), and
 //! seq must be contiguous.
 
+// Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::Duration;

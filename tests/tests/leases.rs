@@ -4,6 +4,9 @@
 //! renewing leaves the sandbox to A's TTL, and on start B destroys sandboxes stamped with
 //! its id that no session owns.
 
+// Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -13,13 +16,14 @@ use tether_tests::{TestDaemon, wait_until};
 const KEY: &str = "lease-test-key";
 
 fn e2b_cfg(front: &str) -> tether_provider_e2b::E2bConfig {
-    let mut c = tether_provider_e2b::E2bConfig::default();
-    c.api_url = Some(front.to_owned());
-    c.sandbox_url = Some(front.to_owned());
-    c.api_key = Some(KEY.to_owned());
-    c.inherit_env = false;
-    c.ttl_ms = 3_000;
-    c
+    tether_provider_e2b::E2bConfig {
+        api_url: Some(front.to_owned()),
+        sandbox_url: Some(front.to_owned()),
+        api_key: Some(KEY.to_owned()),
+        inherit_env: false,
+        ttl_ms: 3_000,
+        ..Default::default()
+    }
 }
 
 async fn front_status(a: &TestDaemon, sandbox: &str) -> u16 {

@@ -2,6 +2,9 @@
 //! local provider, every endpoint, and bad input of every kind. Each refusal is checked
 //! for its status and stable code, and the session log is checked to be intact after.
 
+// Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -198,7 +201,7 @@ async fn tools_run_in_the_sandbox_and_results_are_logged_in_model_order() {
 async fn bash_deadline_returns_partial_output_and_the_clock() {
     let d = TestDaemon::start().await;
     let sid = d.new_session().await;
-    let t0 = std::time::Instant::now();
+    let t0 = tokio::time::Instant::now();
     let r = calls(
         &d,
         &sid,
@@ -325,7 +328,7 @@ async fn processes_stream_resume_stdin_signal_wait() {
     // Idle timeout: no output for longer than the limit ends the command with the clock.
     let (st, _) = d.post(&base, json!({"cmd": "echo x; sleep 30", "idle_timeout_ms": 300, "timeout_ms": 20000, "command_id": "idle"})).await;
     assert_eq!(st, 201);
-    let t0 = std::time::Instant::now();
+    let t0 = tokio::time::Instant::now();
     let (_, w) = d.post(&format!("{base}/idle/wait"), json!({})).await;
     assert!(t0.elapsed() < Duration::from_secs(10));
     assert_eq!(w["clock"], "output_idle", "{w}");
