@@ -233,7 +233,8 @@ impl E2bFs {
         });
     }
 
-    /// Upload `data` to `path` (streamed), returning its size and SHA-256. Stalls of the
+    /// Upload `data` to `path` (streamed), returning its size and SHA-256 (zeros unless
+    /// writes are verified). Stalls of the
     /// upload are bounded by the transport idle limit.
     async fn upload(&self, ctx: &CallCtx, path: &str, data: ByteStream, version_id: &str) -> Result<(u64, [u8; 32])> {
         let envd = &self.core.envd;
@@ -241,7 +242,10 @@ impl E2bFs {
         let (tx, rx) = tokio::sync::oneshot::channel::<(u64, [u8; 32])>();
         let multipart = !envd.version.octet_stream_upload();
         let boundary = format!("tether-{}", uuid::Uuid::new_v4().simple());
-        let body = hashing_body(data, progress.clone(), tx, multipart.then(|| (boundary.clone(), path.to_owned())));
+        // The digest is needed only to verify the write; hashing 64 MiB is CPU the upload
+        // shares with the connection otherwise.
+        let hash = self.core.cfg.verify_writes;
+        let body = hashing_body(data, progress.clone(), tx, multipart.then(|| (boundary.clone(), path.to_owned())), hash);
         let content_type =
             if multipart { format!("multipart/form-data; boundary={boundary}") } else { "application/octet-stream".to_owned() };
         let meta = [(VERSION_META.to_owned(), version_id.to_owned())];
@@ -431,10 +435,11 @@ fn hashing_body(
     progress: Arc<Progress>,
     done: tokio::sync::oneshot::Sender<(u64, [u8; 32])>,
     multipart: Option<(String, String)>,
+    hash: bool,
 ) -> BoxStream<'static, Result<Bytes>> {
     struct St {
         data: ByteStream,
-        hasher: Sha256,
+        hasher: Option<Sha256>,
         size: u64,
         progress: Arc<Progress>,
         done: Option<tokio::sync::oneshot::Sender<(u64, [u8; 32])>>,
@@ -453,7 +458,7 @@ fn hashing_body(
         }
         None => (None, None),
     };
-    let st = St { data, hasher: Sha256::new(), size: 0, progress, done: Some(done), head, tail };
+    let st = St { data, hasher: hash.then(Sha256::new), size: 0, progress, done: Some(done), head, tail };
     futures_util::stream::unfold(st, |mut st| async move {
         st.progress.started.store(true, Ordering::Release);
         st.progress.touch();
@@ -467,7 +472,9 @@ fn hashing_body(
             st.progress.touch();
             match next {
                 Some(Ok(chunk)) => {
-                    st.hasher.update(&chunk);
+                    if let Some(h) = st.hasher.as_mut() {
+                        h.update(&chunk);
+                    }
                     st.size += chunk.len() as u64;
                     return Some((Ok(chunk), st));
                 }
@@ -477,7 +484,7 @@ fn hashing_body(
                 }
                 None => {
                     if let Some(tx) = st.done.take() {
-                        let digest: [u8; 32] = std::mem::take(&mut st.hasher).finalize().into();
+                        let digest: [u8; 32] = st.hasher.take().map(|h| h.finalize().into()).unwrap_or_default();
                         let _ = tx.send((st.size, digest));
                     }
                 }

@@ -11,10 +11,12 @@
 //!   broken stream the output is read back from exactly the offset that was reached,
 //!   without loss or duplication, and the stream's tail that envd may drop when the
 //!   process exits is recovered the same way;
-//! - starts a signal relay ([`RELAY`]) in the command's own namespace, listening on a
-//!   FIFO in that directory. envd can only send SIGTERM and SIGKILL to one pid, and a
-//!   backend may confine each command in its own user namespace, where a `kill` from
-//!   another command is refused; the relay delivers any signal to the whole group;
+//! - forks a signal relay ([`RELAY`]) in the command's own namespace (in a process
+//!   group of its own, so group signals spare it), which makes and listens on a FIFO in
+//!   that directory. envd can only send SIGTERM and SIGKILL to one pid, and a backend may
+//!   confine each command in its own user namespace, where a `kill` from another
+//!   command is refused; the relay delivers any signal to the whole group. It makes its
+//!   FIFO off the command's path; a signal sent before that waits for it;
 //! - then `exec`s the command, so envd's pid and end event are the command's own (its
 //!   exit code, or the signal that killed it).
 //!
@@ -51,35 +53,56 @@ use crate::fs::{READ_BACK_CHUNK, open_read, resolve};
 use crate::sandbox::SandboxCore;
 
 /// The wrapper every command runs under (`bash -c WRAPPER tether RELAY DIR TEE OUT_CAP
-/// ERR_CAP N [names to unset...] argv...`). The copies hold at most the capture caps
-/// (`head -c`), so a chatty long-running command cannot fill the sandbox's disk; envd
-/// still gets everything.
+/// ERR_CAP N [names to unset...] argv...`). The copies hold at most the capture caps,
+/// so a chatty long-running command cannot fill the sandbox's disk; envd still gets
+/// everything.
+///
+/// It is on the path of every command, so it starts as few programs as it can: one
+/// `mkdir`, one `tee` per stream, and everything else as bash builtins. A cap that is a
+/// whole number of KiB is enforced by the copy's file size limit (`ulimit -f`; `tee`
+/// ignores `SIGXFSZ`, drops the copy at the limit and goes on feeding envd); any other
+/// cap is cut by `head -c`. The relay is a forked subshell in a process group of its own
+/// (`set -m`), which makes its FIFO itself, off the command's path.
 pub const WRAPPER: &str = r#"r=$1 d=$2 t=$3 co=$4 ce=$5 n=$6
 shift 6
 x=()
 while [ "$n" -gt 0 ]; do x+=(-u "$1"); shift; n=$((n-1)); done
 g=$$
+tc() {
+  if [ $(($1 % 1024)) = 0 ]; then
+    set +o posix
+    if ulimit -S -f $(($1 / 1024)) 2>/dev/null; then tee -p -- "$2" 2>/dev/null; return; fi
+  fi
+  { tee -p /dev/fd/4 | head -c "$1" >"$2"; } 4>&1
+}
 if [ -n "$d" ] && mkdir -p -- "$d" 2>/dev/null; then
-  if mkfifo -m 600 -- "$d/ctl" 2>/dev/null && exec 9<>"$d/ctl"; then
-    setsid bash -c "$r" tether-relay "$g" "$d/ctl" </dev/null >/dev/null 2>&1 &
-    exec 9>&-
+  if : 2>/dev/null >"$d/ctl.wait"; then
+    set -m
+    ( set -- "$g" "$d/ctl"; eval "$r" ) </dev/null >/dev/null 2>&1 &
+    set +m
   fi
   if [ "$t" = 1 ]; then
-    exec > >(trap '' HUP INT QUIT TERM USR1 USR2 PIPE; { tee -p /dev/fd/4 | head -c "$co" >"$d/out"; } 4>&1; : >"$d/out.done") \
-      2> >(exec >&2; trap '' HUP INT QUIT TERM USR1 USR2 PIPE; { tee -p /dev/fd/4 | head -c "$ce" >"$d/err"; } 4>&1; : >"$d/err.done")
+    exec > >(trap '' HUP INT QUIT TERM USR1 USR2 PIPE XFSZ; tc "$co" "$d/out"; : >"$d/out.done") \
+      2> >(exec >&2; trap '' HUP INT QUIT TERM USR1 USR2 PIPE XFSZ; tc "$ce" "$d/err"; : >"$d/err.done")
   fi
 fi
+unset -f tc
 if [ ${#x[@]} -gt 0 ]; then set -- env "${x[@]}" -- "$@"; fi
 p=
 read -r _ _ _ _ p _ </proc/$$/stat 2>/dev/null
 if [ "$p" = "$$" ] || ! command -v setsid >/dev/null 2>&1; then exec "$@"; fi
 exec setsid -- "$@""#;
 
-/// The signal relay: reads `SIG <name>` lines from the command's FIFO (inherited as fd 9
-/// so that nothing written before it runs is lost) and signals the group; ends when the
-/// group is gone.
+/// The signal relay (`RELAY GROUP FIFO`): makes its FIFO (opened before it takes its
+/// name, so that nothing written to it is lost), reads `SIG <name>` lines from it and
+/// signals the group; ends when the group is gone. `FIFO.wait` says that a relay is
+/// coming, `FIFO.failed` that it could not.
 pub const RELAY: &str = r#"g=$1 f=$2
 trap '' HUP INT QUIT TERM USR1 USR2 PIPE TSTP TTIN TTOU
+if ! { mkfifo -m 600 -- "$f.new" && exec 9<>"$f.new" && mv -f -- "$f.new" "$f"; } 2>/dev/null; then
+  : >"$f.failed"
+  exit 1
+fi
 while :; do
   if read -r -t 0.5 op s <&9; then
     if [ "$op" = SIG ]; then kill -s "$s" -- "-$g" 2>/dev/null || kill -s "$s" "$g" 2>/dev/null; fi
@@ -87,12 +110,21 @@ while :; do
     break
   fi
 done
-rm -f -- "$f""#;
+rm -f -- "$f" "$f.wait""#;
+
+/// Wait (up to about a second) for a relay that is still making its FIFO: `sh` function
+/// `relay FIFO`, true when the FIFO is there.
+pub(crate) const AWAIT_RELAY: &str = r#"relay() {
+  i=0
+  while [ ! -p "$1" ] && [ -e "$1.wait" ] && [ ! -e "$1.failed" ] && [ "$i" -lt 100 ]; do sleep 0.01; i=$((i+1)); done
+  [ -p "$1" ]
+}
+"#;
 
 /// Deliver one signal to a command's group (`sh -c SIGNAL tether FIFO PGID NAME`):
 /// through its relay, else directly. Exit 0 when handed over. (`kill -NAME -PGID`: the
 /// one spelling every `sh` accepts; dash has no `--` and no `-s` before a group.)
-const SIGNAL_SCRIPT: &str = r#"if [ -p "$1" ]; then printf 'SIG %s\n' "$3" 1<>"$1" && exit 0; fi
+pub(crate) const SIGNAL_SCRIPT: &str = r#"if relay "$1"; then printf 'SIG %s\n' "$3" 1<>"$1" && exit 0; fi
 kill -"$3" -"$2" 2>/dev/null && exit 0
 kill -"$3" "$2" 2>/dev/null && exit 0
 exit 3"#;
@@ -111,7 +143,7 @@ count() {
   done
 }
 send() {
-  if [ -p "$f" ]; then printf 'SIG %s\n' "$1" 1<>"$f"; fi
+  if relay "$f"; then printf 'SIG %s\n' "$1" 1<>"$f"; fi
   kill -"$1" -"$g" 2>/dev/null
   return 0
 }
@@ -758,7 +790,8 @@ impl E2bCommand {
         }
         let pid = self.pid.to_string();
         let fifo = self.fifo();
-        let out = self.sandbox.control(ctx, self.user(), SIGNAL_SCRIPT, &[&fifo, &pid, name]).await?;
+        let script = format!("{AWAIT_RELAY}{SIGNAL_SCRIPT}");
+        let out = self.sandbox.control(ctx, self.user(), &script, &[&fifo, &pid, name]).await?;
         Ok(out.status.code == Some(0))
     }
 
@@ -773,7 +806,8 @@ impl E2bCommand {
         let pid = self.pid.to_string();
         let fifo = self.fifo();
         let tctx = ctx.with_timeout(grace + KILL_VERIFY + self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED");
-        let out = self.sandbox.control(&tctx, self.user(), LADDER_SCRIPT, &[&fifo, &pid, &gs, &vs, &st]).await?;
+        let script = format!("{AWAIT_RELAY}{LADDER_SCRIPT}");
+        let out = self.sandbox.control(&tctx, self.user(), &script, &[&fifo, &pid, &gs, &vs, &st]).await?;
         let rc = out.status.code.unwrap_or(4);
         let survivors = if rc & 4 != 0 {
             String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(1)

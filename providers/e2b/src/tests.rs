@@ -353,6 +353,56 @@ async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
 }
 
 #[tokio::test]
+async fn caps_of_whole_kib_are_held_exactly_by_the_file_size_limit() {
+    if !std::path::Path::new("/bin/bash").exists() {
+        return;
+    }
+    // 2 KiB and 1 KiB take the file size limit branch (`ulimit -f`): the copies still hold
+    // exactly the first cap bytes, envd gets everything, and the cut copy says nothing.
+    let script = "printf 'err-1\\n' >&2; head -c 100000 /dev/zero | tr '\\0' b; head -c 3000 /dev/zero | tr '\\0' c >&2; exit 3";
+    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["2048", "1024"], &[]).await;
+    assert_eq!(status.code(), Some(3));
+    wait_for(&dir.join("out.done")).await;
+    wait_for(&dir.join("err.done")).await;
+    assert_eq!(out.len(), 100_000, "envd got all of stdout");
+    assert_eq!(err.len(), 3006, "envd got all of stderr, and no diagnostics of the copies");
+    assert_eq!(std::fs::read(dir.join("out")).unwrap(), out[..2048]);
+    assert_eq!(std::fs::read(dir.join("err")).unwrap(), err[..1024]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_signal_sent_while_the_relay_is_starting_waits_for_it() {
+    if !std::path::Path::new("/bin/bash").exists() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tether-e2b-early-{}", uuid::Uuid::new_v4().simple()));
+    let mut cmd = tokio::process::Command::new("/bin/bash");
+    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir).args(["1", "64", "64", "0"]);
+    cmd.args(["/bin/sleep", "30"]).stdout(std::process::Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let fifo = dir.join("ctl");
+    // As soon as the wrapper announced a relay (its FIFO may not exist yet), signal. The
+    // group id given is no group at all, so only the relay can deliver it.
+    wait_for(&dir.join("ctl.wait")).await;
+    let script = format!("{}{}", crate::process::AWAIT_RELAY, crate::process::SIGNAL_SCRIPT);
+    let send = tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .arg("tether")
+        .arg(&fifo)
+        .arg("999999999")
+        .arg("TERM")
+        .status()
+        .await
+        .unwrap();
+    assert!(send.success(), "handed to the relay");
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("the signal arrived").unwrap();
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(15));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn the_relay_signals_the_whole_group() {
     if !std::path::Path::new("/bin/bash").exists() {
         return;
