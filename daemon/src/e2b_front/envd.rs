@@ -156,6 +156,25 @@ fn locate(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
 
 /// The user an envd operation runs as: the one asked for (`user` or `root`), else the
 /// `/init` default, else `user`.
+/// What every Connect RPC checks before its method runs: the call options, the sandbox and
+/// its envd access token, and the envd user. A refusal is already a response in the
+/// method's framing (a streaming method's errors travel in an end-of-stream frame).
+pub(super) fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    streaming: bool,
+) -> Result<(super::connect::CallOpts, Target, String), Box<Response>> {
+    let refuse = |r: Response| Box::new(r);
+    let opts = super::connect::CallOpts::parse(headers, streaming).map_err(|e| refuse(e.into_response()))?;
+    let target = authorize(state, headers).map_err(|e| refuse(e.into_response()))?;
+    let user = auth::basic_user(headers).and_then(|u| effective_user(u, &target.extra)).map_err(|e| {
+        let e = super::connect::RpcError::new(tether_protocol::e2b::ConnectCode::Unauthenticated, e);
+        refuse(if streaming { super::connect::stream_error(&e) } else { e.into_response() })
+    })?;
+    target.session.touch();
+    Ok((opts, target, user))
+}
+
 pub(super) fn effective_user(asked: Option<String>, extra: &SandboxExtra) -> Result<String, String> {
     let user = asked.or_else(|| extra.init().default_user).unwrap_or_else(|| "user".to_owned());
     auth::check_user(&user)?;

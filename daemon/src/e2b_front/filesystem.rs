@@ -32,7 +32,7 @@ use tracing::Instrument;
 
 use super::connect::{self, CallOpts, RpcError, StreamOpts};
 use super::envd::{self, Target, log_fs_op};
-use super::{SandboxExtra, auth, resolve_path};
+use super::{SandboxExtra, resolve_path};
 use crate::server::RequestCtx;
 use crate::state::AppState;
 
@@ -120,20 +120,10 @@ async fn rpc(
         )
         .into_response();
     };
-    let streaming = m == Method::WatchDir;
-    let opts = match CallOpts::parse(&headers, streaming) {
-        Ok(o) => o,
-        Err(e) => return e.into_response(),
+    let (opts, target, _user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
+        Ok(x) => x,
+        Err(r) => return *r,
     };
-    let target = match envd::authorize(&state, &headers) {
-        Ok(t) => t,
-        Err(r) => return r.into_response(),
-    };
-    if let Err(e) = auth::basic_user(&headers).and_then(|u| envd::effective_user(u, &target.extra)) {
-        let e = RpcError::new(ConnectCode::Unauthenticated, e);
-        return if streaming { connect::stream_error(&e) } else { e.into_response() };
-    }
-    target.session.touch();
     let span = m.span(&target);
     // Every operation is bounded by the call's timeout and by the daemon's fs limit.
     let fs_limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);

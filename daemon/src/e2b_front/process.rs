@@ -37,7 +37,7 @@ use tracing::Instrument;
 
 use super::connect::{self, CallOpts, RpcError, StreamOpts};
 use super::envd::{self, Target};
-use super::{auth, resolve_path};
+use super::resolve_path;
 use crate::exec::{self, ExecLimits, RunningCommand};
 use crate::server::RequestCtx;
 use crate::state::AppState;
@@ -125,22 +125,10 @@ async fn rpc(
         )
         .into_response();
     };
-    let opts = match CallOpts::parse(&headers, m.streaming()) {
-        Ok(o) => o,
-        Err(e) => return e.into_response(),
+    let (opts, target, user) = match envd::admit(&state, &headers, m.streaming()) {
+        Ok(x) => x,
+        Err(r) => return *r,
     };
-    let target = match envd::authorize(&state, &headers) {
-        Ok(t) => t,
-        Err(r) => return r.into_response(),
-    };
-    let user = match auth::basic_user(&headers).and_then(|u| envd::effective_user(u, &target.extra)) {
-        Ok(u) => u,
-        Err(e) => {
-            let e = RpcError::new(ConnectCode::Unauthenticated, e);
-            return if m.streaming() { connect::stream_error(&e) } else { e.into_response() };
-        }
-    };
-    target.session.touch();
     let span = m.span(&target, &user);
     let resp = async {
         match m {
