@@ -207,6 +207,25 @@ async fn a_stream_cut_mid_output_resumes_byte_for_byte() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_reader_survives_a_cut_while_reading_the_output_copy() {
+    let d = TestDaemon::start().await;
+    let proxy = FaultProxy::start(addr_of(&d.base)).await;
+    // A small in-memory window: a reader from offset 0 after the fact must read the
+    // in-sandbox copy through /files, and that read is what the proxy cuts.
+    let p = via_proxy(&d, &proxy, |c| c.output_buffer_bytes = 64 * 1024);
+    let sb = new_sandbox(&p).await;
+    let h = sb.process().spawn(&ctx(), ProcessSpec::shell("seq 1 200000")).await.expect("spawn");
+    let first = drain(h.events(StreamOffsets::default()), StreamOffsets::default()).await;
+    let expected = seq(1, 200_000);
+    assert!(first.stdout == expected.as_bytes());
+    proxy.cut_after(100_000);
+    let late = drain(h.events(StreamOffsets::default()), StreamOffsets::default()).await;
+    assert_eq!(proxy.cuts(), 1, "the copy's download was cut");
+    assert!(late.error.is_none(), "a cut range read must be retried: {:?}", late.error);
+    assert!(late.stdout == expected.as_bytes(), "the late reader got something else");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_command_stream_reattaches_and_loses_nothing() {
     let d = TestDaemon::start().await;
     let proxy = FaultProxy::start(addr_of(&d.base)).await;

@@ -764,20 +764,35 @@ impl E2bCommand {
         };
         let path = format!("{dir}/{}", if s == OUT { "out" } else { "err" });
         let end = start.min(avail).min(pos + READ_BACK_CHUNK);
-        // The copy is written just after the bytes went to envd: allow it a moment.
+        // The copy is written just after the bytes went to envd: allow it a moment. A range
+        // read is idempotent, so a broken connection is retried too; bytes that arrived
+        // before a break are valid at `pos` and are returned as they are.
+        let mut last_err = None;
         for attempt in 0..20u32 {
             let ctx = self.call_ctx();
-            let mut body = open_read(&self.sandbox, &ctx, &ctx.cancel, &path, pos, Some(end)).await?;
             let mut buf = Vec::new();
-            while let Some(chunk) = body.next().await {
-                buf.extend_from_slice(&chunk?);
+            let read = async {
+                let mut body = open_read(&self.sandbox, &ctx, &ctx.cancel, &path, pos, Some(end)).await?;
+                while let Some(chunk) = body.next().await {
+                    buf.extend_from_slice(&chunk?);
+                }
+                Ok::<(), ProviderError>(())
             }
+            .await;
             if !buf.is_empty() {
                 return Ok(Bytes::from(buf));
             }
+            match read {
+                Ok(()) => {}
+                Err(e) if e.retryable() && !self.stop.is_cancelled() => {
+                    tracing::debug!(command.id = %self.id, error = %e, attempt, "Reading an output copy failed; retrying");
+                    last_err = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
             tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt + 1))).await;
         }
-        Err(malformed(format!("the output copy {path} is shorter than {end} bytes")))
+        Err(last_err.unwrap_or_else(|| malformed(format!("the output copy {path} is shorter than {end} bytes"))))
     }
 
     // --- control ---
