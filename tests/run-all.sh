@@ -9,7 +9,7 @@ bash tests/e2b_sdk/setup.sh
 bash tests/otlp/setup.sh
 
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast --config-file tests/nextest.toml "$@"
+  cargo nextest run --workspace --no-fail-fast "$@"
 else
   cargo test --workspace --no-fail-fast "$@"
 fi
