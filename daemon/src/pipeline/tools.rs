@@ -162,6 +162,11 @@ impl ToolOutput {
     }
 }
 
+/// The one path a file tool touches, when its arguments parse.
+fn one_path(path: Result<String, String>, access: Access) -> Vec<PathAccess> {
+    path.map(|path| vec![PathAccess { path, access }]).unwrap_or_default()
+}
+
 fn timeout_ms_of(e: &ProviderError) -> Option<u64> {
     use tether_provider::clock::CancelReason;
     match e {
@@ -628,14 +633,7 @@ impl Tool for ReadFile {
     }
 
     fn paths(&self, args: &Value) -> Vec<PathAccess> {
-        read_args(args)
-            .map(|a| {
-                vec![PathAccess {
-                    path: a.path,
-                    access: Access::Read,
-                }]
-            })
-            .unwrap_or_default()
+        one_path(read_args(args).map(|a| a.path), Access::Read)
     }
 
     async fn call(&self, ctx: &CallCtx, session: &Arc<Session>, args: &Value) -> ToolOutput {
@@ -715,14 +713,7 @@ impl Tool for WriteFile {
     }
 
     fn paths(&self, args: &Value) -> Vec<PathAccess> {
-        write_args(args)
-            .map(|a| {
-                vec![PathAccess {
-                    path: a.path,
-                    access: Access::Write,
-                }]
-            })
-            .unwrap_or_default()
+        one_path(write_args(args).map(|a| a.path), Access::Write)
     }
 
     async fn call(&self, ctx: &CallCtx, session: &Arc<Session>, args: &Value) -> ToolOutput {
@@ -819,14 +810,7 @@ impl Tool for EditFile {
     }
 
     fn paths(&self, args: &Value) -> Vec<PathAccess> {
-        edit_args(args)
-            .map(|a| {
-                vec![PathAccess {
-                    path: a.path,
-                    access: Access::Write,
-                }]
-            })
-            .unwrap_or_default()
+        one_path(edit_args(args).map(|a| a.path), Access::Write)
     }
 
     async fn call(&self, ctx: &CallCtx, session: &Arc<Session>, args: &Value) -> ToolOutput {
@@ -924,14 +908,7 @@ impl Tool for ListDir {
     }
 
     fn paths(&self, args: &Value) -> Vec<PathAccess> {
-        list_args(args)
-            .map(|a| {
-                vec![PathAccess {
-                    path: a.path,
-                    access: Access::Read,
-                }]
-            })
-            .unwrap_or_default()
+        one_path(list_args(args).map(|a| a.path), Access::Read)
     }
 
     async fn call(&self, ctx: &CallCtx, session: &Arc<Session>, args: &Value) -> ToolOutput {
