@@ -39,14 +39,35 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/v1/sessions/{id}", get(get_session).delete(delete_session))
         .route("/v1/sessions/{id}/tool-calls", post(tool_calls))
         .route("/v1/sessions/{id}/events", get(events))
-        .route("/v1/sessions/{id}/messages", post(post_message).get(get_messages))
+        .route(
+            "/v1/sessions/{id}/messages",
+            post(post_message).get(get_messages),
+        )
         .route("/v1/sessions/{id}/fork", post(fork))
-        .route("/v1/sessions/{id}/processes", post(start_process).get(list_processes))
-        .route("/v1/sessions/{id}/processes/{cid}/output", get(process_output))
-        .route("/v1/sessions/{id}/processes/{cid}/stdin", post(process_stdin))
-        .route("/v1/sessions/{id}/processes/{cid}/signal", post(process_signal))
+        .route(
+            "/v1/sessions/{id}/processes",
+            post(start_process).get(list_processes),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{cid}/output",
+            get(process_output),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{cid}/stdin",
+            post(process_stdin),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{cid}/signal",
+            post(process_signal),
+        )
         .route("/v1/sessions/{id}/processes/{cid}/wait", post(process_wait))
-        .route("/v1/sessions/{id}/files", get(get_file).put(put_file).delete(delete_file).head(head_file))
+        .route(
+            "/v1/sessions/{id}/files",
+            get(get_file)
+                .put(put_file)
+                .delete(delete_file)
+                .head(head_file),
+        )
         .route("/v1/sessions/{id}/dirs", get(list_dir).post(make_dir))
 }
 
@@ -65,7 +86,11 @@ async fn health(State(state): St) -> ApiJson<HealthResponse> {
     })
 }
 
-async fn create_session(State(state): St, RequestCtx(ctx): RequestCtx, ApiJson(req): ApiJson<CreateSessionRequest>) -> Result<Response> {
+async fn create_session(
+    State(state): St,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(req): ApiJson<CreateSessionRequest>,
+) -> Result<Response> {
     let ttl = Duration::from_secs(req.ttl_s.unwrap_or(state.config.leases.ttl_s));
     if ttl.is_zero() {
         return Err(DaemonError::invalid("ttl_s must be positive"));
@@ -81,13 +106,23 @@ async fn create_session(State(state): St, RequestCtx(ctx): RequestCtx, ApiJson(r
     };
     // Sandbox creation owns remote work: run it to completion even if the client leaves.
     let s2 = Arc::clone(&state);
-    let session = state.tasks.spawn(async move { s2.sessions.create(&ctx, new).await }.in_current_span()).await
+    let session = state
+        .tasks
+        .spawn(async move { s2.sessions.create(&ctx, new).await }.in_current_span())
+        .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok((StatusCode::CREATED, ApiJson(session.info())).into_response())
 }
 
 async fn list_sessions(State(state): St) -> ApiJson<ListSessionsResponse> {
-    ApiJson(ListSessionsResponse { sessions: state.sessions.list(Scope::Any).iter().map(|s| s.info()).collect() })
+    ApiJson(ListSessionsResponse {
+        sessions: state
+            .sessions
+            .list(Scope::Any)
+            .iter()
+            .map(|s| s.info())
+            .collect(),
+    })
 }
 
 async fn get_session(State(state): St, Path(id): Path<String>) -> Result<ApiJson<SessionInfo>> {
@@ -96,12 +131,27 @@ async fn get_session(State(state): St, Path(id): Path<String>) -> Result<ApiJson
 
 async fn delete_session(State(state): St, Path(id): Path<String>) -> Result<StatusCode> {
     let s2 = Arc::clone(&state);
-    state.tasks.spawn(async move { s2.sessions.close(&id, Scope::Any, "closed by the client").await }.in_current_span()).await
+    state
+        .tasks
+        .spawn(
+            async move {
+                s2.sessions
+                    .close(&id, Scope::Any, "closed by the client")
+                    .await
+            }
+            .in_current_span(),
+        )
+        .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn tool_calls(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, ApiJson(req): ApiJson<ToolCallsRequest>) -> Result<ApiJson<ToolCallsResponse>> {
+async fn tool_calls(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(req): ApiJson<ToolCallsRequest>,
+) -> Result<ApiJson<ToolCallsResponse>> {
     let session = session(&state, &id)?;
     // A closed or detached session has no sandbox: refuse before anything is logged.
     session.sandbox()?;
@@ -110,7 +160,9 @@ async fn tool_calls(State(state): St, Path(id): Path<String>, RequestCtx(ctx): R
     let s2 = Arc::clone(&state);
     let results = state
         .tasks
-        .spawn(async move { s2.pipeline.run_batch(&session, &ctx, req.calls).await }.in_current_span())
+        .spawn(
+            async move { s2.pipeline.run_batch(&session, &ctx, req.calls).await }.in_current_span(),
+        )
         .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok(ApiJson(ToolCallsResponse { results }))
@@ -134,28 +186,53 @@ where
         line.push(b'\n');
         Ok::<_, std::io::Error>(Bytes::from(line))
     });
-    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(body)).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response()
 }
 
-async fn events(State(state): St, Path(id): Path<String>, q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn events(
+    State(state): St,
+    Path(id): Path<String>,
+    q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
     let s = state.sessions.get(&id, Scope::Any)?;
     if q.follow {
         Ok(ndjson(s.log.follow(q.after)))
     } else {
-        Ok(ndjson(futures_util::stream::iter(s.log.events_after(q.after))))
+        Ok(ndjson(futures_util::stream::iter(
+            s.log.events_after(q.after),
+        )))
     }
 }
 
-async fn post_message(State(state): St, Path(id): Path<String>, ApiJson(req): ApiJson<PostMessageRequest>) -> Result<StatusCode> {
+async fn post_message(
+    State(state): St,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PostMessageRequest>,
+) -> Result<StatusCode> {
     let s = session(&state, &id)?;
     let body = match req.role.as_str() {
-        "user" => EventBody::UserMessage { content: req.content, source: Source::User },
-        "assistant" => EventBody::AssistantMessage { content: req.content },
-        other => return Err(DaemonError::invalid(format!("role must be user or assistant, not {other:?}"))),
+        "user" => EventBody::UserMessage {
+            content: req.content,
+            source: Source::User,
+        },
+        "assistant" => EventBody::AssistantMessage {
+            content: req.content,
+        },
+        other => {
+            return Err(DaemonError::invalid(format!(
+                "role must be user or assistant, not {other:?}"
+            )));
+        }
     };
     if s.log.open_turn().is_some() {
-        return Err(DaemonError::Conflict { message: "a tool-call batch is running in this session".into() });
+        return Err(DaemonError::Conflict {
+            message: "a tool-call batch is running in this session".into(),
+        });
     }
     let is_user = matches!(body, EventBody::UserMessage { .. });
     s.log.append(body).await?;
@@ -165,34 +242,67 @@ async fn post_message(State(state): St, Path(id): Path<String>, ApiJson(req): Ap
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn get_messages(State(state): St, Path(id): Path<String>) -> Result<ApiJson<MessagesResponse>> {
+async fn get_messages(
+    State(state): St,
+    Path(id): Path<String>,
+) -> Result<ApiJson<MessagesResponse>> {
     let s = state.sessions.get(&id, Scope::Any)?;
-    Ok(ApiJson(MessagesResponse { messages: s.log.derive_messages() }))
+    Ok(ApiJson(MessagesResponse {
+        messages: s.log.derive_messages(),
+    }))
 }
 
-async fn fork(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, body: Bytes) -> Result<Response> {
+async fn fork(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    body: Bytes,
+) -> Result<Response> {
     let req: ForkRequest = if body.is_empty() {
         ForkRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))?
+        serde_json::from_slice(&body)
+            .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))?
     };
     let s2 = Arc::clone(&state);
-    let child = state.tasks.spawn(async move { s2.sessions.fork(&ctx, &id, req.at_seq, Scope::Any).await }.in_current_span()).await
+    let child = state
+        .tasks
+        .spawn(
+            async move { s2.sessions.fork(&ctx, &id, req.at_seq, Scope::Any).await }
+                .in_current_span(),
+        )
+        .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok((StatusCode::CREATED, ApiJson(child.info())).into_response())
 }
 
-async fn start_process(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, ApiJson(req): ApiJson<StartProcessRequest>) -> Result<Response> {
+async fn start_process(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(req): ApiJson<StartProcessRequest>,
+) -> Result<Response> {
     let s = session(&state, &id)?;
     let command = match (req.cmd, req.argv) {
         (Some(c), None) => Command::Shell(c),
         (None, Some(a)) if !a.is_empty() => Command::Argv(a),
-        _ => return Err(DaemonError::invalid("exactly one of cmd and argv (non-empty) is required")),
+        _ => {
+            return Err(DaemonError::invalid(
+                "exactly one of cmd and argv (non-empty) is required",
+            ));
+        }
     };
     let limits = &state.config.limits;
     let total = match req.timeout_ms {
-        Some(ms) => Some(clamp_timeout(Some(ms as f64), limits.command_timeout_ms as f64, limits.command_timeout_max_ms as f64, "timeout_ms")
-            .map_err(|e| DaemonError::invalid(e.to_string()))?),
+        Some(ms) => Some(
+            clamp_timeout(
+                Some(ms as f64),
+                limits.command_timeout_ms as f64,
+                limits.command_timeout_max_ms as f64,
+                "timeout_ms",
+            )
+            .map_err(|e| DaemonError::invalid(e.to_string()))?,
+        ),
         None => None,
     };
     let idle = match req.idle_timeout_ms {
@@ -201,7 +311,11 @@ async fn start_process(State(state): St, Path(id): Path<String>, RequestCtx(ctx)
         None if limits.output_idle_ms > 0 && total.is_some() => Some(limits.output_idle_ms),
         None => None,
     };
-    let mut env: BTreeMap<String, Option<String>> = s.env.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
+    let mut env: BTreeMap<String, Option<String>> = s
+        .env
+        .iter()
+        .map(|(k, v)| (k.clone(), Some(v.clone())))
+        .collect();
     env.extend(req.env);
     let spec = ProcessSpec {
         command,
@@ -221,10 +335,20 @@ async fn start_process(State(state): St, Path(id): Path<String>, RequestCtx(ctx)
     };
     let sctx = ctx.with_timeout(Duration::from_secs(60), "DEADLINE_EXCEEDED");
     let cmd = exec::start(&s, &sctx, spec, limits).await?;
-    Ok((StatusCode::CREATED, ApiJson(StartProcessResponse { command_id: cmd.command_id.clone(), pid: cmd.pid })).into_response())
+    Ok((
+        StatusCode::CREATED,
+        ApiJson(StartProcessResponse {
+            command_id: cmd.command_id.clone(),
+            pid: cmd.pid,
+        }),
+    )
+        .into_response())
 }
 
-async fn list_processes(State(state): St, Path(id): Path<String>) -> Result<ApiJson<Vec<WaitResponse>>> {
+async fn list_processes(
+    State(state): St,
+    Path(id): Path<String>,
+) -> Result<ApiJson<Vec<WaitResponse>>> {
     let s = state.sessions.get(&id, Scope::Any)?;
     let mut v: Vec<WaitResponse> = s
         .commands()
@@ -233,7 +357,12 @@ async fn list_processes(State(state): St, Path(id): Path<String>) -> Result<ApiJ
             let o = c.outcome();
             WaitResponse {
                 command_id: c.command_id.clone(),
-                status: o.as_ref().and_then(|o| o.status).unwrap_or(tether_protocol::process::ExitStatus { code: None, signal: None }),
+                status: o.as_ref().and_then(|o| o.status).unwrap_or(
+                    tether_protocol::process::ExitStatus {
+                        code: None,
+                        signal: None,
+                    },
+                ),
                 stdout_bytes: o.as_ref().map_or(0, |o| o.stdout_bytes),
                 stderr_bytes: o.as_ref().map_or(0, |o| o.stderr_bytes),
                 clock: o.and_then(|o| o.clock.map(str::to_owned)),
@@ -255,31 +384,53 @@ struct OutputQuery {
     follow: bool,
 }
 
-async fn process_output(State(state): St, Path((id, cid)): Path<(String, String)>, q: Result<Query<OutputQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn process_output(
+    State(state): St,
+    Path((id, cid)): Path<(String, String)>,
+    q: Result<Query<OutputQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
     let s = state.sessions.get(&id, Scope::Any)?;
-    let cmd = s.command(&cid).ok_or(DaemonError::CommandNotFound { id: cid })?;
-    let from = StreamOffsets { stdout: q.offset, stderr: q.stderr_offset };
+    let cmd = s
+        .command(&cid)
+        .ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let from = StreamOffsets {
+        stdout: q.offset,
+        stderr: q.stderr_offset,
+    };
     if q.follow {
-        let stream = cmd.events(from).map(|r| r.unwrap_or_else(|e| tether_protocol::process::ProcessEvent::Output {
-            stream: StreamKind::Stderr,
-            offset: 0,
-            data: format!("tether: output stream failed: {}", e.code()).into_bytes(),
-        }));
+        let stream = cmd.events(from).map(|r| {
+            r.unwrap_or_else(|e| tether_protocol::process::ProcessEvent::Output {
+                stream: StreamKind::Stderr,
+                offset: 0,
+                data: format!("tether: output stream failed: {}", e.code()).into_bytes(),
+            })
+        });
         return Ok(ndjson(stream));
     }
     // Without follow: what is journaled now, then Exited if the command has ended.
-    let first = if cmd.spec.pty.is_some() { StreamKind::Pty } else { StreamKind::Stdout };
+    let first = if cmd.spec.pty.is_some() {
+        StreamKind::Pty
+    } else {
+        StreamKind::Stdout
+    };
     let mut out = Vec::new();
     for (kind, off) in [(first, from.stdout), (StreamKind::Stderr, from.stderr)] {
         let chunks: Vec<_> = cmd.journal.read(kind, off, false).try_collect().await?;
         for (offset, data) in chunks {
-            out.push(tether_protocol::process::ProcessEvent::Output { stream: kind, offset, data: data.to_vec() });
+            out.push(tether_protocol::process::ProcessEvent::Output {
+                stream: kind,
+                offset,
+                data: data.to_vec(),
+            });
         }
     }
     if let Some(o) = cmd.outcome() {
         out.push(tether_protocol::process::ProcessEvent::Exited {
-            status: o.status.unwrap_or(tether_protocol::process::ExitStatus { code: None, signal: None }),
+            status: o.status.unwrap_or(tether_protocol::process::ExitStatus {
+                code: None,
+                signal: None,
+            }),
             stdout_bytes: o.stdout_bytes,
             stderr_bytes: o.stderr_bytes,
         });
@@ -287,9 +438,16 @@ async fn process_output(State(state): St, Path((id, cid)): Path<(String, String)
     Ok(ndjson(futures_util::stream::iter(out)))
 }
 
-async fn process_stdin(State(state): St, Path((id, cid)): Path<(String, String)>, RequestCtx(ctx): RequestCtx, ApiJson(req): ApiJson<StdinRequest>) -> Result<StatusCode> {
+async fn process_stdin(
+    State(state): St,
+    Path((id, cid)): Path<(String, String)>,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(req): ApiJson<StdinRequest>,
+) -> Result<StatusCode> {
     let s = session(&state, &id)?;
-    let cmd = s.command(&cid).ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = s
+        .command(&cid)
+        .ok_or(DaemonError::CommandNotFound { id: cid })?;
     if !req.data.is_empty() {
         cmd.handle.write_stdin(&ctx, Bytes::from(req.data)).await?;
     }
@@ -299,21 +457,35 @@ async fn process_stdin(State(state): St, Path((id, cid)): Path<(String, String)>
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn process_signal(State(state): St, Path((id, cid)): Path<(String, String)>, RequestCtx(ctx): RequestCtx, ApiJson(req): ApiJson<SignalRequest>) -> Result<StatusCode> {
+async fn process_signal(
+    State(state): St,
+    Path((id, cid)): Path<(String, String)>,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(req): ApiJson<SignalRequest>,
+) -> Result<StatusCode> {
     let s = session(&state, &id)?;
-    let cmd = s.command(&cid).ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = s
+        .command(&cid)
+        .ok_or(DaemonError::CommandNotFound { id: cid })?;
     if req.signal.eq_ignore_ascii_case("terminate") {
         cmd.kill("terminate requested");
         return Ok(StatusCode::ACCEPTED);
     }
-    let sig = Signal::parse(&req.signal).ok_or_else(|| DaemonError::invalid(format!("unknown signal {:?}", req.signal)))?;
+    let sig = Signal::parse(&req.signal)
+        .ok_or_else(|| DaemonError::invalid(format!("unknown signal {:?}", req.signal)))?;
     cmd.handle.signal(&ctx, sig).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn process_wait(State(state): St, Path((id, cid)): Path<(String, String)>, RequestCtx(ctx): RequestCtx) -> Result<ApiJson<WaitResponse>> {
+async fn process_wait(
+    State(state): St,
+    Path((id, cid)): Path<(String, String)>,
+    RequestCtx(ctx): RequestCtx,
+) -> Result<ApiJson<WaitResponse>> {
     let s = session(&state, &id)?;
-    let cmd = s.command(&cid).ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = s
+        .command(&cid)
+        .ok_or(DaemonError::CommandNotFound { id: cid })?;
     let o = tokio::select! {
         o = cmd.wait() => o,
         _ = ctx.cancel.cancelled() => return Err(tether_provider::ProviderError::from_reason(
@@ -322,7 +494,10 @@ async fn process_wait(State(state): St, Path((id, cid)): Path<(String, String)>,
     };
     Ok(ApiJson(WaitResponse {
         command_id: cmd.command_id.clone(),
-        status: o.status.unwrap_or(tether_protocol::process::ExitStatus { code: None, signal: None }),
+        status: o.status.unwrap_or(tether_protocol::process::ExitStatus {
+            code: None,
+            signal: None,
+        }),
         stdout_bytes: o.stdout_bytes,
         stderr_bytes: o.stderr_bytes,
         clock: o.clock.map(str::to_owned),
@@ -343,58 +518,138 @@ struct PathQuery {
     recursive: bool,
 }
 
-fn path_query(q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<PathQuery> {
-    q.map(|Query(q)| q).map_err(|e| DaemonError::invalid(e.body_text()))
+fn path_query(
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<PathQuery> {
+    q.map(|Query(q)| q)
+        .map_err(|e| DaemonError::invalid(e.body_text()))
 }
 
 fn fs_ctx(state: &AppState, ctx: &CallCtx) -> CallCtx {
-    ctx.with_timeout(Duration::from_millis(state.config.limits.fs_op_timeout_ms), "DEADLINE_EXCEEDED")
+    ctx.with_timeout(
+        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
+        "DEADLINE_EXCEEDED",
+    )
 }
 
 fn etag(v: &tether_protocol::fs::Version) -> String {
     format!("\"{}\"", v.0)
 }
 
-async fn head_file(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn head_file(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let q = path_query(q)?;
     let s = session(&state, &id)?;
-    let st = s.sandbox()?.fs().stat(&fs_ctx(&state, &ctx), &q.path).instrument(tracing::info_span!("fs.stat", session.id = %id)).await?;
-    Ok(([(header::ETAG, etag(&st.version)), (header::CONTENT_LENGTH, st.size.to_string())], ()).into_response())
+    let st = s
+        .sandbox()?
+        .fs()
+        .stat(&fs_ctx(&state, &ctx), &q.path)
+        .instrument(tracing::info_span!("fs.stat", session.id = %id))
+        .await?;
+    Ok((
+        [
+            (header::ETAG, etag(&st.version)),
+            (header::CONTENT_LENGTH, st.size.to_string()),
+        ],
+        (),
+    )
+        .into_response())
 }
 
-async fn get_file(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, headers: HeaderMap, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn get_file(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let q = path_query(q)?;
     let s = session(&state, &id)?;
     let sandbox = s.sandbox()?;
     let fctx = fs_ctx(&state, &ctx);
     let span = tracing::info_span!("fs.read", session.id = %id, provider.kind = %s.provider_kind, bytes.out = tracing::field::Empty);
-    let st = sandbox.fs().stat(&fctx, &q.path).instrument(span.clone()).await?;
+    let st = sandbox
+        .fs()
+        .stat(&fctx, &q.path)
+        .instrument(span.clone())
+        .await?;
     if st.kind == tether_protocol::fs::FileKind::Dir {
-        return Err(tether_provider::ProviderError::fs(tether_protocol::ErrorCode::FsIsDirectory, q.path, "is a directory").into());
+        return Err(tether_provider::ProviderError::fs(
+            tether_protocol::ErrorCode::FsIsDirectory,
+            q.path,
+            "is a directory",
+        )
+        .into());
     }
     let tag = etag(&st.version);
-    if headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(tag.as_str()) {
+    if headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        == Some(tag.as_str())
+    {
         return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, tag)]).into_response());
     }
-    let range = ByteRange { offset: q.offset.unwrap_or(0), length: q.length };
+    let range = ByteRange {
+        offset: q.offset.unwrap_or(0),
+        length: q.length,
+    };
     // The body streams after this handler returns: bound it by the shutdown token, not the request deadline.
-    let stream = sandbox.fs().read(&CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child()), &q.path, range).instrument(span).await?;
-    let len = st.size.saturating_sub(range.offset).min(range.length.unwrap_or(u64::MAX));
+    let stream = sandbox
+        .fs()
+        .read(
+            &CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child()),
+            &q.path,
+            range,
+        )
+        .instrument(span)
+        .await?;
+    let len = st
+        .size
+        .saturating_sub(range.offset)
+        .min(range.length.unwrap_or(u64::MAX));
     Ok((
-        [(header::ETAG, tag), (header::CONTENT_TYPE, "application/octet-stream".into()), (header::CONTENT_LENGTH, len.to_string())],
+        [
+            (header::ETAG, tag),
+            (header::CONTENT_TYPE, "application/octet-stream".into()),
+            (header::CONTENT_LENGTH, len.to_string()),
+        ],
         Body::from_stream(stream.map_err(|e| std::io::Error::other(e.to_string()))),
     )
         .into_response())
 }
 
-async fn put_file(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, headers: HeaderMap, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>, body: Body) -> Result<Response> {
+async fn put_file(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    body: Body,
+) -> Result<Response> {
     let q = path_query(q)?;
     let s = session(&state, &id)?;
-    let guard = match (headers.get(header::IF_MATCH), headers.get(header::IF_NONE_MATCH)) {
-        (Some(_), Some(_)) => return Err(DaemonError::invalid("If-Match and If-None-Match are exclusive")),
+    let guard = match (
+        headers.get(header::IF_MATCH),
+        headers.get(header::IF_NONE_MATCH),
+    ) {
+        (Some(_), Some(_)) => {
+            return Err(DaemonError::invalid(
+                "If-Match and If-None-Match are exclusive",
+            ));
+        }
         (Some(v), None) => {
-            let v = v.to_str().map_err(|_| DaemonError::invalid("bad If-Match"))?.trim().trim_matches('"');
-            WriteGuard::ReplaceIfVersion { version: tether_protocol::fs::Version(v.to_owned()) }
+            let v = v
+                .to_str()
+                .map_err(|_| DaemonError::invalid("bad If-Match"))?
+                .trim()
+                .trim_matches('"');
+            WriteGuard::ReplaceIfVersion {
+                version: tether_protocol::fs::Version(v.to_owned()),
+            }
         }
         (None, Some(v)) if v.as_bytes() == b"*" => WriteGuard::CreateIfAbsent,
         (None, Some(_)) => return Err(DaemonError::invalid("If-None-Match supports only *")),
@@ -403,50 +658,124 @@ async fn put_file(State(state): St, Path(id): Path<String>, RequestCtx(ctx): Req
     let limit = state.config.server.max_file_bytes;
     let mut seen: u64 = 0;
     let stream = body.into_data_stream().map(move |chunk| {
-        let chunk = chunk.map_err(|e| tether_provider::ProviderError::InvalidRequest { message: format!("upload failed: {e}") })?;
+        let chunk = chunk.map_err(|e| tether_provider::ProviderError::InvalidRequest {
+            message: format!("upload failed: {e}"),
+        })?;
         seen += chunk.len() as u64;
         if seen > limit {
-            return Err(tether_provider::ProviderError::fs(tether_protocol::ErrorCode::FsTooLarge, "", format!("upload is larger than {limit} bytes")));
+            return Err(tether_provider::ProviderError::fs(
+                tether_protocol::ErrorCode::FsTooLarge,
+                "",
+                format!("upload is larger than {limit} bytes"),
+            ));
         }
         Ok(chunk)
     });
     let span = tracing::info_span!("fs.write", session.id = %id, provider.kind = %s.provider_kind, bytes.in = tracing::field::Empty, outcome = tracing::field::Empty);
-    let r = s.sandbox()?.fs().write(&ctx, &q.path, stream.boxed(), guard).instrument(span.clone()).await;
-    let outcome = r.as_ref().map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
+    let r = s
+        .sandbox()?
+        .fs()
+        .write(&ctx, &q.path, stream.boxed(), guard)
+        .instrument(span.clone())
+        .await;
+    let outcome = r
+        .as_ref()
+        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
     span.record("outcome", outcome.as_str());
-    let _ = s.log.append(EventBody::FsOp { op: "write".into(), path: q.path.clone(), outcome, bytes: r.as_ref().ok().map(|o| o.size) }).await;
+    let _ = s
+        .log
+        .append(EventBody::FsOp {
+            op: "write".into(),
+            path: q.path.clone(),
+            outcome,
+            bytes: r.as_ref().ok().map(|o| o.size),
+        })
+        .await;
     let out = r?;
     span.record("bytes.in", i64::try_from(out.size).unwrap_or(i64::MAX));
-    let status = if out.created { StatusCode::CREATED } else { StatusCode::OK };
+    let status = if out.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
     Ok((status, [(header::ETAG, etag(&out.version))], ApiJson(out)).into_response())
 }
 
-async fn delete_file(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<StatusCode> {
+async fn delete_file(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<StatusCode> {
     let q = path_query(q)?;
     let s = session(&state, &id)?;
-    let r = s.sandbox()?.fs().remove(&fs_ctx(&state, &ctx), &q.path, q.recursive).instrument(tracing::info_span!("fs.remove", session.id = %id)).await;
-    let outcome = r.as_ref().map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s.log.append(EventBody::FsOp { op: "remove".into(), path: q.path, outcome, bytes: None }).await;
+    let r = s
+        .sandbox()?
+        .fs()
+        .remove(&fs_ctx(&state, &ctx), &q.path, q.recursive)
+        .instrument(tracing::info_span!("fs.remove", session.id = %id))
+        .await;
+    let outcome = r
+        .as_ref()
+        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
+    let _ = s
+        .log
+        .append(EventBody::FsOp {
+            op: "remove".into(),
+            path: q.path,
+            outcome,
+            bytes: None,
+        })
+        .await;
     r?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn list_dir(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn list_dir(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let q = path_query(q)?;
     let depth = q.depth.unwrap_or(1);
     if depth == 0 || depth > 64 {
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
     }
     let s = session(&state, &id)?;
-    let entries = s.sandbox()?.fs().list(&fs_ctx(&state, &ctx), &q.path, depth).instrument(tracing::info_span!("fs.list", session.id = %id)).await?;
+    let entries = s
+        .sandbox()?
+        .fs()
+        .list(&fs_ctx(&state, &ctx), &q.path, depth)
+        .instrument(tracing::info_span!("fs.list", session.id = %id))
+        .await?;
     Ok(ApiJson(entries).into_response())
 }
 
-async fn make_dir(State(state): St, Path(id): Path<String>, RequestCtx(ctx): RequestCtx, q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>) -> Result<Response> {
+async fn make_dir(
+    State(state): St,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response> {
     let q = path_query(q)?;
     let s = session(&state, &id)?;
-    let r = s.sandbox()?.fs().mkdir(&fs_ctx(&state, &ctx), &q.path, true).await;
-    let outcome = r.as_ref().map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s.log.append(EventBody::FsOp { op: "mkdir".into(), path: q.path, outcome, bytes: None }).await;
+    let r = s
+        .sandbox()?
+        .fs()
+        .mkdir(&fs_ctx(&state, &ctx), &q.path, true)
+        .await;
+    let outcome = r
+        .as_ref()
+        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
+    let _ = s
+        .log
+        .append(EventBody::FsOp {
+            op: "mkdir".into(),
+            path: q.path,
+            outcome,
+            bytes: None,
+        })
+        .await;
     Ok((StatusCode::CREATED, ApiJson(r?)).into_response())
 }

@@ -18,10 +18,19 @@ use tokio::time::Instant;
 
 /// The tether CLI.
 #[derive(Debug, Parser)]
-#[command(name = "tether", version, about = "Client of tetherd, the remote-sandbox orchestration daemon")]
+#[command(
+    name = "tether",
+    version,
+    about = "Client of tetherd, the remote-sandbox orchestration daemon"
+)]
 pub struct Cli {
     /// The daemon's URL.
-    #[arg(long, env = "TETHER_URL", default_value = "http://127.0.0.1:7420", global = true)]
+    #[arg(
+        long,
+        env = "TETHER_URL",
+        default_value = "http://127.0.0.1:7420",
+        global = true
+    )]
     pub url: String,
     /// Bearer token for the native API.
     #[arg(long, env = "TETHER_TOKEN", global = true, hide_env_values = true)]
@@ -130,7 +139,10 @@ pub struct CliError {
 
 impl<E: std::fmt::Display> From<E> for CliError {
     fn from(e: E) -> Self {
-        Self { message: e.to_string(), code: 1 }
+        Self {
+            message: e.to_string(),
+            code: 1,
+        }
     }
 }
 
@@ -145,8 +157,14 @@ pub struct Client {
 impl Client {
     /// A client of the daemon at `base`.
     pub fn new(base: &str, token: Option<String>) -> Result<Self, CliError> {
-        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build()?;
-        Ok(Self { base: base.trim_end_matches('/').to_owned(), token, http })
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .build()?;
+        Ok(Self {
+            base: base.trim_end_matches('/').to_owned(),
+            token,
+            http,
+        })
     }
 
     fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
@@ -166,33 +184,62 @@ impl Client {
         let msg = serde_json::from_str::<tether_protocol::ErrorBody>(&text)
             .map(|b| format!("{}: {}", b.error.code, b.error.message))
             .unwrap_or_else(|_| format!("HTTP {status}: {text}"));
-        Err(CliError { message: msg, code: 1 })
+        Err(CliError {
+            message: msg,
+            code: 1,
+        })
     }
 
-    async fn json<T: serde::de::DeserializeOwned>(rb: reqwest::RequestBuilder) -> Result<T, CliError> {
+    async fn json<T: serde::de::DeserializeOwned>(
+        rb: reqwest::RequestBuilder,
+    ) -> Result<T, CliError> {
         Ok(Self::check(rb.send().await?).await?.json::<T>().await?)
     }
 
     /// Create a session.
-    pub async fn create_session(&self, req: &CreateSessionRequest) -> Result<SessionInfo, CliError> {
+    pub async fn create_session(
+        &self,
+        req: &CreateSessionRequest,
+    ) -> Result<SessionInfo, CliError> {
         Self::json(self.req(reqwest::Method::POST, "/v1/sessions").json(req)).await
     }
 
     /// Close a session.
     pub async fn delete_session(&self, id: &str) -> Result<(), CliError> {
-        Self::check(self.req(reqwest::Method::DELETE, &format!("/v1/sessions/{id}")).send().await?).await?;
+        Self::check(
+            self.req(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+                .send()
+                .await?,
+        )
+        .await?;
         Ok(())
     }
 
     /// Start a process.
-    pub async fn start_process(&self, id: &str, req: &StartProcessRequest) -> Result<StartProcessResponse, CliError> {
-        Self::json(self.req(reqwest::Method::POST, &format!("/v1/sessions/{id}/processes")).json(req)).await
+    pub async fn start_process(
+        &self,
+        id: &str,
+        req: &StartProcessRequest,
+    ) -> Result<StartProcessResponse, CliError> {
+        Self::json(
+            self.req(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{id}/processes"),
+            )
+            .json(req),
+        )
+        .await
     }
 
     /// Follow a process's output, writing it to stdout/stderr; returns the exit code.
     pub async fn stream_output(&self, id: &str, cid: &str) -> Result<Option<i32>, CliError> {
         let resp = Self::check(
-            self.req(reqwest::Method::GET, &format!("/v1/sessions/{id}/processes/{cid}/output?follow=true")).send().await?,
+            self.req(
+                reqwest::Method::GET,
+                &format!("/v1/sessions/{id}/processes/{cid}/output?follow=true"),
+            )
+            .send()
+            .await?,
         )
         .await?;
         let mut stdout = tokio::io::stdout();
@@ -201,7 +248,11 @@ impl Client {
         let mut lines = ndjson_lines(resp);
         while let Some(line) = lines.next().await {
             match serde_json::from_slice::<ProcessEvent>(&line?)? {
-                ProcessEvent::Output { stream: StreamKind::Stderr, data, .. } => {
+                ProcessEvent::Output {
+                    stream: StreamKind::Stderr,
+                    data,
+                    ..
+                } => {
                     stderr.write_all(&data).await?;
                     stderr.flush().await?;
                 }
@@ -209,7 +260,9 @@ impl Client {
                     stdout.write_all(&data).await?;
                     stdout.flush().await?;
                 }
-                ProcessEvent::Exited { status, .. } => code = status.code.or(status.signal.map(|s| 128 + s)),
+                ProcessEvent::Exited { status, .. } => {
+                    code = status.code.or(status.signal.map(|s| 128 + s))
+                }
                 ProcessEvent::Started { .. } => {}
             }
         }
@@ -217,32 +270,39 @@ impl Client {
     }
 }
 
-fn ndjson_lines(resp: reqwest::Response) -> futures_util::stream::BoxStream<'static, Result<Vec<u8>, CliError>> {
+fn ndjson_lines(
+    resp: reqwest::Response,
+) -> futures_util::stream::BoxStream<'static, Result<Vec<u8>, CliError>> {
     let body = resp.bytes_stream().boxed();
-    futures_util::stream::unfold((body, Vec::<u8>::new(), false), |(mut body, mut buf, mut done)| async move {
-        loop {
-            if let Some(pos) = buf.iter().position(|b| *b == b'\n') {
-                let mut line: Vec<u8> = buf.drain(..=pos).collect();
-                line.pop();
-                if line.is_empty() {
-                    continue;
+    futures_util::stream::unfold(
+        (body, Vec::<u8>::new(), false),
+        |(mut body, mut buf, mut done)| async move {
+            loop {
+                if let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+                    let mut line: Vec<u8> = buf.drain(..=pos).collect();
+                    line.pop();
+                    if line.is_empty() {
+                        continue;
+                    }
+                    return Some((Ok(line), (body, buf, done)));
                 }
-                return Some((Ok(line), (body, buf, done)));
-            }
-            if done {
-                if buf.is_empty() {
-                    return None;
+                if done {
+                    if buf.is_empty() {
+                        return None;
+                    }
+                    let line = std::mem::take(&mut buf);
+                    return Some((Ok(line), (body, buf, true)));
                 }
-                let line = std::mem::take(&mut buf);
-                return Some((Ok(line), (body, buf, true)));
+                match body.next().await {
+                    Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                    Some(Err(e)) => {
+                        return Some((Err(CliError::from(e)), (body, Vec::new(), true)));
+                    }
+                    None => done = true,
+                }
             }
-            match body.next().await {
-                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
-                Some(Err(e)) => return Some((Err(CliError::from(e)), (body, Vec::new(), true))),
-                None => done = true,
-            }
-        }
-    })
+        },
+    )
     .boxed()
 }
 
@@ -268,53 +328,113 @@ pub async fn run(cli: Cli) -> i32 {
 async fn dispatch(cli: Cli) -> Result<i32, CliError> {
     let client = Client::new(&cli.url, cli.token.clone())?;
     match cli.command {
-        Cmd::Run { remote, provider, argv } => run_main_job(&cli.url, cli.token, remote, provider, argv).await,
-        Cmd::Sessions { op: SessionsOp::New { provider, ttl } } => {
-            let s = client.create_session(&CreateSessionRequest { provider, ttl_s: ttl, ..Default::default() }).await?;
+        Cmd::Run {
+            remote,
+            provider,
+            argv,
+        } => run_main_job(&cli.url, cli.token, remote, provider, argv).await,
+        Cmd::Sessions {
+            op: SessionsOp::New { provider, ttl },
+        } => {
+            let s = client
+                .create_session(&CreateSessionRequest {
+                    provider,
+                    ttl_s: ttl,
+                    ..Default::default()
+                })
+                .await?;
             println!("{}", s.id);
             Ok(0)
         }
         Cmd::Sessions { op: SessionsOp::Ls } => {
-            let l: ListSessionsResponse = Client::json(client.req(reqwest::Method::GET, "/v1/sessions")).await?;
-            println!("{:<22} {:<10} {:<9} {:>7}  SANDBOX", "ID", "PROVIDER", "STATE", "EVENTS");
+            let l: ListSessionsResponse =
+                Client::json(client.req(reqwest::Method::GET, "/v1/sessions")).await?;
+            println!(
+                "{:<22} {:<10} {:<9} {:>7}  SANDBOX",
+                "ID", "PROVIDER", "STATE", "EVENTS"
+            );
             for s in l.sessions {
-                println!("{:<22} {:<10} {:<9} {:>7}  {}", s.id, s.provider, s.state, s.events, s.sandbox_id.unwrap_or_default());
+                println!(
+                    "{:<22} {:<10} {:<9} {:>7}  {}",
+                    s.id,
+                    s.provider,
+                    s.state,
+                    s.events,
+                    s.sandbox_id.unwrap_or_default()
+                );
             }
             Ok(0)
         }
-        Cmd::Sessions { op: SessionsOp::Rm { session } } => {
+        Cmd::Sessions {
+            op: SessionsOp::Rm { session },
+        } => {
             client.delete_session(&session).await?;
             Ok(0)
         }
-        Cmd::Exec { session, timeout_ms, argv } => {
+        Cmd::Exec {
+            session,
+            timeout_ms,
+            argv,
+        } => {
             let p = client
-                .start_process(&session, &StartProcessRequest {
-                    cmd: None,
-                    argv: Some(argv),
-                    cwd: None,
-                    env: Default::default(),
-                    stdin: Default::default(),
-                    timeout_ms,
-                    idle_timeout_ms: None,
-                    pty: None,
-                    command_id: None,
-                })
+                .start_process(
+                    &session,
+                    &StartProcessRequest {
+                        cmd: None,
+                        argv: Some(argv),
+                        cwd: None,
+                        env: Default::default(),
+                        stdin: Default::default(),
+                        timeout_ms,
+                        idle_timeout_ms: None,
+                        pty: None,
+                        command_id: None,
+                    },
+                )
                 .await?;
-            Ok(client.stream_output(&session, &p.command_id).await?.unwrap_or(1))
+            Ok(client
+                .stream_output(&session, &p.command_id)
+                .await?
+                .unwrap_or(1))
         }
-        Cmd::Call { session, tool, arguments } => {
+        Cmd::Call {
+            session,
+            tool,
+            arguments,
+        } => {
             let args: serde_json::Value = serde_json::from_str(&arguments)?;
             let req = ToolCallsRequest {
-                calls: vec![ToolCallRequest { id: format!("cli-{}", uuid::Uuid::new_v4().simple()), name: tool, arguments: args }],
+                calls: vec![ToolCallRequest {
+                    id: format!("cli-{}", uuid::Uuid::new_v4().simple()),
+                    name: tool,
+                    arguments: args,
+                }],
             };
-            let r: ToolCallsResponse =
-                Client::json(client.req(reqwest::Method::POST, &format!("/v1/sessions/{session}/tool-calls")).json(&req)).await?;
+            let r: ToolCallsResponse = Client::json(
+                client
+                    .req(
+                        reqwest::Method::POST,
+                        &format!("/v1/sessions/{session}/tool-calls"),
+                    )
+                    .json(&req),
+            )
+            .await?;
             println!("{}", serde_json::to_string_pretty(&r.results)?);
-            Ok(if r.results.iter().any(|r| r.is_error) { 1 } else { 0 })
+            Ok(if r.results.iter().any(|r| r.is_error) {
+                1
+            } else {
+                0
+            })
         }
         Cmd::Logs { session, follow } => {
             let resp = Client::check(
-                client.req(reqwest::Method::GET, &format!("/v1/sessions/{session}/events?follow={follow}")).send().await?,
+                client
+                    .req(
+                        reqwest::Method::GET,
+                        &format!("/v1/sessions/{session}/events?follow={follow}"),
+                    )
+                    .send()
+                    .await?,
             )
             .await?;
             let mut lines = ndjson_lines(resp);
@@ -326,7 +446,12 @@ async fn dispatch(cli: Cli) -> Result<i32, CliError> {
         }
         Cmd::Fork { session, at } => {
             let s: SessionInfo = Client::json(
-                client.req(reqwest::Method::POST, &format!("/v1/sessions/{session}/fork")).json(&ForkRequest { at_seq: at }),
+                client
+                    .req(
+                        reqwest::Method::POST,
+                        &format!("/v1/sessions/{session}/fork"),
+                    )
+                    .json(&ForkRequest { at_seq: at }),
             )
             .await?;
             println!("{}", s.id);
@@ -342,7 +467,9 @@ fn progress(len: u64, label: &str) -> indicatif::ProgressBar {
         return indicatif::ProgressBar::hidden();
     }
     let pb = indicatif::ProgressBar::new(len);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}") {
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    ) {
         pb.set_style(style);
     }
     pb.set_message(label.to_owned());
@@ -356,13 +483,21 @@ async fn copy(client: &Client, src: &str, dst: &str) -> Result<i32, CliError> {
             let len = file.metadata().await?.len();
             let pb = progress(len, "upload");
             let pb2 = pb.clone();
-            let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024).inspect(move |c| {
-                if let Ok(c) = c {
-                    pb2.inc(c.len() as u64);
-                }
-            });
+            let stream =
+                tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024).inspect(move |c| {
+                    if let Ok(c) = c {
+                        pb2.inc(c.len() as u64);
+                    }
+                });
             let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));
-            Client::check(client.req(reqwest::Method::PUT, &url).body(reqwest::Body::wrap_stream(stream)).send().await?).await?;
+            Client::check(
+                client
+                    .req(reqwest::Method::PUT, &url)
+                    .body(reqwest::Body::wrap_stream(stream))
+                    .send()
+                    .await?,
+            )
+            .await?;
             pb.finish_and_clear();
             eprintln!("uploaded {len} bytes to {sess}:{path}");
             Ok(0)
@@ -388,7 +523,10 @@ async fn copy(client: &Client, src: &str, dst: &str) -> Result<i32, CliError> {
             eprintln!("downloaded {n} bytes from {sess}:{path}");
             Ok(0)
         }
-        _ => Err(CliError { message: "exactly one of SRC and DST must be SESSION:PATH".into(), code: 2 }),
+        _ => Err(CliError {
+            message: "exactly one of SRC and DST must be SESSION:PATH".into(),
+            code: 2,
+        }),
     }
 }
 
@@ -404,7 +542,13 @@ fn urlencode(s: &str) -> String {
     out
 }
 
-async fn run_main_job(url: &str, token: Option<String>, remote: bool, provider: Option<String>, argv: Vec<String>) -> Result<i32, CliError> {
+async fn run_main_job(
+    url: &str,
+    token: Option<String>,
+    remote: bool,
+    provider: Option<String>,
+    argv: Vec<String>,
+) -> Result<i32, CliError> {
     let t0 = Instant::now();
     let mut embedded = None;
     let mut _state_dir = None;
@@ -416,7 +560,12 @@ async fn run_main_job(url: &str, token: Option<String>, remote: bool, provider: 
         cfg.server.state_dir = dir.path().to_owned();
         cfg.server.on_shutdown = crate::config::ShutdownPolicy::Release;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let d = crate::server::Daemon::start_on(cfg, listener).await.map_err(|e| CliError { message: e.to_string(), code: 1 })?;
+        let d = crate::server::Daemon::start_on(cfg, listener)
+            .await
+            .map_err(|e| CliError {
+                message: e.to_string(),
+                code: 1,
+            })?;
         let base = d.base_url();
         embedded = Some(d);
         _state_dir = Some(dir);
@@ -425,22 +574,35 @@ async fn run_main_job(url: &str, token: Option<String>, remote: bool, provider: 
     let t_daemon = t0.elapsed();
     let client = Client::new(&base, token)?;
     let t1 = Instant::now();
-    let s = client.create_session(&CreateSessionRequest { provider, ..Default::default() }).await?;
+    let s = client
+        .create_session(&CreateSessionRequest {
+            provider,
+            ..Default::default()
+        })
+        .await?;
     let t_create = t1.elapsed();
-    eprintln!("[tether] sandbox {} on provider {} (isolation: {})", s.sandbox_id.as_deref().unwrap_or("?"), s.provider, s.enforcement.as_deref().unwrap_or("?"));
+    eprintln!(
+        "[tether] sandbox {} on provider {} (isolation: {})",
+        s.sandbox_id.as_deref().unwrap_or("?"),
+        s.provider,
+        s.enforcement.as_deref().unwrap_or("?")
+    );
     let t2 = Instant::now();
     let p = client
-        .start_process(&s.id, &StartProcessRequest {
-            cmd: None,
-            argv: Some(argv),
-            cwd: None,
-            env: Default::default(),
-            stdin: Default::default(),
-            timeout_ms: Some(600_000),
-            idle_timeout_ms: None,
-            pty: None,
-            command_id: None,
-        })
+        .start_process(
+            &s.id,
+            &StartProcessRequest {
+                cmd: None,
+                argv: Some(argv),
+                cwd: None,
+                env: Default::default(),
+                stdin: Default::default(),
+                timeout_ms: Some(600_000),
+                idle_timeout_ms: None,
+                pty: None,
+                command_id: None,
+            },
+        )
         .await?;
     let code = client.stream_output(&s.id, &p.command_id).await?;
     let t_run = t2.elapsed();
@@ -451,7 +613,11 @@ async fn run_main_job(url: &str, token: Option<String>, remote: bool, provider: 
         d.shutdown().await;
     }
     let mut err = std::io::stderr();
-    let _ = writeln!(err, "[tether] exit code: {}", code.map_or("none".to_owned(), |c| c.to_string()));
+    let _ = writeln!(
+        err,
+        "[tether] exit code: {}",
+        code.map_or("none".to_owned(), |c| c.to_string())
+    );
     let _ = writeln!(
         err,
         "[tether] timings: daemon start {:.1} ms, sandbox create {:.1} ms, command {:.1} ms, sandbox destroy {:.1} ms, total {:.1} ms",

@@ -113,7 +113,9 @@ pub struct ServerConfig {
 }
 
 fn default_listen() -> SocketAddr {
-    DEFAULT_LISTEN.parse().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 7420)))
+    DEFAULT_LISTEN
+        .parse()
+        .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 7420)))
 }
 fn default_state_dir() -> PathBuf {
     PathBuf::from(DEFAULT_STATE_DIR)
@@ -353,7 +355,10 @@ impl Config {
 
     /// Read, parse and validate a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Self::from_toml_str(&s)
     }
 
@@ -367,15 +372,22 @@ impl Config {
             )));
         }
         if s.auth_tokens.iter().any(|t| t.len() < 16) {
-            return Err(ConfigError::Invalid("server.auth_tokens: every token must be at least 16 characters".into()));
+            return Err(ConfigError::Invalid(
+                "server.auth_tokens: every token must be at least 16 characters".into(),
+            ));
         }
-        if self.e2b_front.enabled && !s.listen.ip().is_loopback() && self.e2b_front.api_keys.is_empty() {
+        if self.e2b_front.enabled
+            && !s.listen.ip().is_loopback()
+            && self.e2b_front.api_keys.is_empty()
+        {
             return Err(ConfigError::Invalid(
                 "e2b_front is enabled on a non-loopback listener: e2b_front.api_keys must not be empty".into(),
             ));
         }
         if s.max_body_bytes == 0 || s.max_file_bytes == 0 {
-            return Err(ConfigError::Invalid("server.max_body_bytes and max_file_bytes must be positive".into()));
+            return Err(ConfigError::Invalid(
+                "server.max_body_bytes and max_file_bytes must be positive".into(),
+            ));
         }
         let l = &self.limits;
         if l.command_timeout_ms == 0 || l.command_timeout_max_ms < l.command_timeout_ms {
@@ -384,12 +396,15 @@ impl Config {
             ));
         }
         if l.tool_output_bytes == 0 || l.read_file_max_bytes == 0 || l.fs_op_timeout_ms == 0 {
-            return Err(ConfigError::Invalid("limits: byte limits and fs_op_timeout_ms must be positive".into()));
+            return Err(ConfigError::Invalid(
+                "limits: byte limits and fs_op_timeout_ms must be positive".into(),
+            ));
         }
         // `local` always exists; `e2b` may come from the E2B_* environment (checked when the
         // providers are built).
         let implicit = |name: &str| name == "local" || name == "e2b";
-        if !self.providers.contains_key(&self.default_provider) && !implicit(&self.default_provider) {
+        if !self.providers.contains_key(&self.default_provider) && !implicit(&self.default_provider)
+        {
             return Err(ConfigError::Invalid(format!(
                 "default_provider {:?} is not a configured provider",
                 self.default_provider
@@ -399,20 +414,35 @@ impl Config {
             && !self.providers.contains_key(p)
             && !implicit(p)
         {
-            return Err(ConfigError::Invalid(format!("e2b_front.provider {p:?} is not a configured provider")));
+            return Err(ConfigError::Invalid(format!(
+                "e2b_front.provider {p:?} is not a configured provider"
+            )));
         }
-        if self.e2b_front.default_timeout_s == 0 || self.e2b_front.max_timeout_s < self.e2b_front.default_timeout_s {
-            return Err(ConfigError::Invalid("e2b_front: default_timeout_s must be positive and <= max_timeout_s".into()));
+        if self.e2b_front.default_timeout_s == 0
+            || self.e2b_front.max_timeout_s < self.e2b_front.default_timeout_s
+        {
+            return Err(ConfigError::Invalid(
+                "e2b_front: default_timeout_s must be positive and <= max_timeout_s".into(),
+            ));
         }
         let le = &self.leases;
-        if le.renew_interval_s == 0 || le.renew_ttl_s <= le.renew_interval_s || le.reconcile_interval_s == 0 || le.ttl_s == 0 {
+        if le.renew_interval_s == 0
+            || le.renew_ttl_s <= le.renew_interval_s
+            || le.reconcile_interval_s == 0
+            || le.ttl_s == 0
+        {
             return Err(ConfigError::Invalid(
                 "leases: intervals and TTLs must be positive, and renew_ttl_s must exceed renew_interval_s".into(),
             ));
         }
-        self.pipeline.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        crate::invariants::Invariants::new(&self.invariants).map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        self.telemetry.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.pipeline
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        crate::invariants::Invariants::new(&self.invariants)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.telemetry
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(())
     }
 }
@@ -433,8 +463,14 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_refused() {
-        assert!(matches!(Config::from_toml_str("[server]\nlisten_addr = \"x\""), Err(ConfigError::Parse(_))));
-        assert!(matches!(Config::from_toml_str("bogus = 1"), Err(ConfigError::Parse(_))));
+        assert!(matches!(
+            Config::from_toml_str("[server]\nlisten_addr = \"x\""),
+            Err(ConfigError::Parse(_))
+        ));
+        assert!(matches!(
+            Config::from_toml_str("bogus = 1"),
+            Err(ConfigError::Parse(_))
+        ));
     }
 
     #[test]
@@ -449,6 +485,9 @@ mod tests {
 
     #[test]
     fn unknown_default_provider_is_refused() {
-        assert!(matches!(Config::from_toml_str("default_provider = \"nope\""), Err(ConfigError::Invalid(_))));
+        assert!(matches!(
+            Config::from_toml_str("default_provider = \"nope\""),
+            Err(ConfigError::Invalid(_))
+        ));
     }
 }

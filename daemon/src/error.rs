@@ -93,12 +93,16 @@ pub enum DaemonError {
 impl DaemonError {
     /// Shorthand for an invalid request.
     pub fn invalid(message: impl Into<String>) -> Self {
-        Self::InvalidRequest { message: message.into() }
+        Self::InvalidRequest {
+            message: message.into(),
+        }
     }
 
     /// Shorthand for an internal error.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::Internal { message: message.into() }
+        Self::Internal {
+            message: message.into(),
+        }
     }
 
     /// The stable code.
@@ -133,7 +137,9 @@ impl DaemonError {
     /// The message returned to the client: internal details stay in the daemon's log.
     pub fn public_message(&self) -> String {
         match self.code() {
-            ErrorCode::Internal => "internal error (see the daemon's log for the request id)".to_owned(),
+            ErrorCode::Internal => {
+                "internal error (see the daemon's log for the request id)".to_owned()
+            }
             _ => self.to_string(),
         }
     }
@@ -165,9 +171,11 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         C::InvalidRequest | C::UnknownTool => StatusCode::BAD_REQUEST,
         C::Unauthorized => StatusCode::UNAUTHORIZED,
         C::Forbidden | C::FsPermissionDenied | C::ToolDenied => StatusCode::FORBIDDEN,
-        C::NotFound | C::SessionNotFound | C::SandboxNotFound | C::CommandNotFound | C::FsNotFound => {
-            StatusCode::NOT_FOUND
-        }
+        C::NotFound
+        | C::SessionNotFound
+        | C::SandboxNotFound
+        | C::CommandNotFound
+        | C::FsNotFound => StatusCode::NOT_FOUND,
         C::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         C::PayloadTooLarge | C::FsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         C::Conflict
@@ -181,12 +189,16 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | C::FsAborted => StatusCode::CONFLICT,
         C::FsVersionMismatch => StatusCode::PRECONDITION_FAILED,
         C::FsNotText | C::SpawnFailed => StatusCode::UNPROCESSABLE_ENTITY,
-        C::ToolTimeout | C::IdleTimeout | C::ConnectTimeout | C::TransportIdleTimeout | C::DeadlineExceeded => {
-            StatusCode::GATEWAY_TIMEOUT
-        }
+        C::ToolTimeout
+        | C::IdleTimeout
+        | C::ConnectTimeout
+        | C::TransportIdleTimeout
+        | C::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         // 499: the de-facto status of a request its client abandoned.
         C::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         C::ProviderError => StatusCode::BAD_GATEWAY,
         C::Unsupported => StatusCode::NOT_IMPLEMENTED,
         C::RateLimited => StatusCode::TOO_MANY_REQUESTS,

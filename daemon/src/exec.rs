@@ -137,20 +137,40 @@ impl RunningCommand {
     /// The command's events from the journal, starting at `from`: output chunks (stdout
     /// and stderr, each in order), then `Exited` once the command has ended. Follows live
     /// output. Independent of the provider's stream, so it survives provider re-attach.
-    pub fn events(self: &Arc<Self>, from: StreamOffsets) -> BoxStream<'static, Result<ProcessEvent>> {
+    pub fn events(
+        self: &Arc<Self>,
+        from: StreamOffsets,
+    ) -> BoxStream<'static, Result<ProcessEvent>> {
         let pty = self.spec.pty.is_some();
-        let first = if pty { StreamKind::Pty } else { StreamKind::Stdout };
-        let out = self.journal.read(first, from.stdout, true).map(move |r| (first, r));
-        let err = self.journal.read(StreamKind::Stderr, from.stderr, true).map(|r| (StreamKind::Stderr, r));
+        let first = if pty {
+            StreamKind::Pty
+        } else {
+            StreamKind::Stdout
+        };
+        let out = self
+            .journal
+            .read(first, from.stdout, true)
+            .map(move |r| (first, r));
+        let err = self
+            .journal
+            .read(StreamKind::Stderr, from.stderr, true)
+            .map(|r| (StreamKind::Stderr, r));
         let merged = futures_util::stream::select(out, err).map(|(stream, r)| {
-            r.map(|(offset, data): (u64, Bytes)| ProcessEvent::Output { stream, offset, data: data.to_vec() })
-                .map_err(DaemonError::from)
+            r.map(|(offset, data): (u64, Bytes)| ProcessEvent::Output {
+                stream,
+                offset,
+                data: data.to_vec(),
+            })
+            .map_err(DaemonError::from)
         });
         let me = Arc::clone(self);
         let tail = futures_util::stream::once(async move {
             let o = me.wait().await;
             Ok(ProcessEvent::Exited {
-                status: o.status.unwrap_or(ExitStatus { code: None, signal: Some(9) }),
+                status: o.status.unwrap_or(ExitStatus {
+                    code: None,
+                    signal: Some(9),
+                }),
                 stdout_bytes: o.stdout_bytes,
                 stderr_bytes: o.stderr_bytes,
             })
@@ -160,7 +180,12 @@ impl RunningCommand {
 }
 
 /// Start a command in the session's sandbox and its pump. `ctx` bounds only the start.
-pub async fn start(session: &Arc<Session>, ctx: &CallCtx, mut spec: ProcessSpec, limits: ExecLimits) -> Result<Arc<RunningCommand>> {
+pub async fn start(
+    session: &Arc<Session>,
+    ctx: &CallCtx,
+    mut spec: ProcessSpec,
+    limits: ExecLimits,
+) -> Result<Arc<RunningCommand>> {
     let sandbox = session.sandbox()?;
     if spec.command_id.is_none() {
         spec.command_id = Some(uuid::Uuid::new_v4().simple().to_string());
@@ -168,7 +193,9 @@ pub async fn start(session: &Arc<Session>, ctx: &CallCtx, mut spec: ProcessSpec,
     if let Some(id) = &spec.command_id
         && session.command(id).is_some()
     {
-        return Err(DaemonError::Conflict { message: format!("command id {id} is already in use") });
+        return Err(DaemonError::Conflict {
+            message: format!("command id {id} is already in use"),
+        });
     }
     session.touch();
     let span = tracing::info_span!(
@@ -182,14 +209,27 @@ pub async fn start(session: &Arc<Session>, ctx: &CallCtx, mut spec: ProcessSpec,
     // The command joins the trace as a child of `process.start` when spans are exported,
     // else it carries the caller's context through unchanged.
     let span_trace = crate::telemetry::current_trace_context(&span);
-    let trace = if span_trace.traceparent.is_some() { &span_trace } else { &ctx.trace };
+    let trace = if span_trace.traceparent.is_some() {
+        &span_trace
+    } else {
+        &ctx.trace
+    };
     if let Some(tp) = &trace.traceparent {
-        spec.env.entry("TRACEPARENT".into()).or_insert_with(|| Some(tp.clone()));
+        spec.env
+            .entry("TRACEPARENT".into())
+            .or_insert_with(|| Some(tp.clone()));
         if let Some(ts) = &trace.tracestate {
-            spec.env.entry("TRACESTATE".into()).or_insert_with(|| Some(ts.clone()));
+            spec.env
+                .entry("TRACESTATE".into())
+                .or_insert_with(|| Some(ts.clone()));
         }
     }
-    let handle = match sandbox.process().spawn(ctx, spec.clone()).instrument(span.clone()).await {
+    let handle = match sandbox
+        .process()
+        .spawn(ctx, spec.clone())
+        .instrument(span.clone())
+        .await
+    {
         Ok(h) => {
             span.record("outcome", "ok");
             h
@@ -204,7 +244,11 @@ pub async fn start(session: &Arc<Session>, ctx: &CallCtx, mut spec: ProcessSpec,
     let journal = session.log.journal(&command_id).await?;
     session
         .log
-        .append(EventBody::ProcessStarted { command_id: command_id.clone(), pid: handle.pid(), spec: spec.clone() })
+        .append(EventBody::ProcessStarted {
+            command_id: command_id.clone(),
+            pid: handle.pid(),
+            spec: spec.clone(),
+        })
         .await?;
     let (tx, rx) = watch::channel(None);
     let kill = session.cancel.child();
@@ -283,13 +327,19 @@ async fn pump(
         Err(e) => return pump_error(journal, ErrorCode::InvalidRequest, e.to_string()),
     };
     let idle = match limits.output_idle {
-        Some(d) if !d.is_zero() => match IdleWatchdog::new(Some(total.token()), d.as_secs_f64() * 1000.0, "IDLE_TIMEOUT") {
+        Some(d) if !d.is_zero() => match IdleWatchdog::new(
+            Some(total.token()),
+            d.as_secs_f64() * 1000.0,
+            "IDLE_TIMEOUT",
+        ) {
             Ok(w) => Some(w),
             Err(e) => return pump_error(journal, ErrorCode::InvalidRequest, e.to_string()),
         },
         _ => None,
     };
-    let token = idle.as_ref().map_or_else(|| total.token().clone(), |w| w.token().clone());
+    let token = idle
+        .as_ref()
+        .map_or_else(|| total.token().clone(), |w| w.token().clone());
     let mut events = handle.events(StreamOffsets::default());
     let mut status = None;
     let mut error = None;
@@ -307,7 +357,11 @@ async fn pump(
             _ => demand.await,
         };
         match next {
-            Some(Some(Ok(ProcessEvent::Output { stream, offset, data }))) => {
+            Some(Some(Ok(ProcessEvent::Output {
+                stream,
+                offset,
+                data,
+            }))) => {
                 if let Err(e) = journal.append(stream, offset, &data).await {
                     error = Some((e.code(), e.to_string()));
                     fired.get_or_insert(CancelReason::Caller("journal failure"));
@@ -331,7 +385,11 @@ async fn pump(
                 let drain = async {
                     while let Some(ev) = events.next().await {
                         match ev {
-                            Ok(ProcessEvent::Output { stream, offset, data }) => {
+                            Ok(ProcessEvent::Output {
+                                stream,
+                                offset,
+                                data,
+                            }) => {
                                 let _ = journal.append(stream, offset, &data).await;
                             }
                             Ok(ProcessEvent::Exited { status: s, .. }) => return Some(s),
@@ -341,7 +399,10 @@ async fn pump(
                     }
                     None
                 };
-                status = tokio::time::timeout(grace + DRAIN_AFTER_TERMINATE, drain).await.ok().flatten();
+                status = tokio::time::timeout(grace + DRAIN_AFTER_TERMINATE, drain)
+                    .await
+                    .ok()
+                    .flatten();
                 break;
             }
         }
@@ -393,7 +454,12 @@ fn pump_error(journal: &OutputJournal, code: ErrorCode, message: String) -> Comm
 /// Start a command and wait for it under `ctx`: if `ctx` is cancelled (a tool's own
 /// deadline, the caller going away), the command is killed and its partial outcome
 /// returned once its group is gone; the caller classifies the cancellation.
-pub async fn run(session: &Arc<Session>, ctx: &CallCtx, spec: ProcessSpec, limits: ExecLimits) -> Result<(Arc<RunningCommand>, CommandOutcome)> {
+pub async fn run(
+    session: &Arc<Session>,
+    ctx: &CallCtx,
+    spec: ProcessSpec,
+    limits: ExecLimits,
+) -> Result<(Arc<RunningCommand>, CommandOutcome)> {
     let cmd = start(session, ctx, spec, limits).await?;
     let outcome = tokio::select! {
         o = cmd.wait() => o,

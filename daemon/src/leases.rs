@@ -74,8 +74,15 @@ impl LeaseLedger {
     pub async fn open(state_dir: &Path) -> std::io::Result<Self> {
         tokio::fs::create_dir_all(state_dir).await?;
         let path = state_dir.join("leases.jsonl");
-        let file = tokio::fs::OpenOptions::new().create(true).append(true).open(&path).await?;
-        Ok(Self { path, file: Mutex::new(Some(file)) })
+        let file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .await?;
+        Ok(Self {
+            path,
+            file: Mutex::new(Some(file)),
+        })
     }
 
     /// Append a record and sync it.
@@ -83,22 +90,41 @@ impl LeaseLedger {
         let mut line = serde_json::to_vec(rec).map_err(std::io::Error::other)?;
         line.push(b'\n');
         let mut guard = self.file.lock().await;
-        let f = guard.as_mut().ok_or_else(|| std::io::Error::other("ledger closed"))?;
+        let f = guard
+            .as_mut()
+            .ok_or_else(|| std::io::Error::other("ledger closed"))?;
         f.write_all(&line).await?;
         f.sync_data().await
     }
 
     /// Fold the ledger into the state of every lease. A torn last line is ignored.
     pub async fn load(&self) -> std::io::Result<BTreeMap<String, Lease>> {
-        let text = tokio::fs::read_to_string(&self.path).await.unwrap_or_default();
+        let text = tokio::fs::read_to_string(&self.path)
+            .await
+            .unwrap_or_default();
         let mut out: BTreeMap<String, Lease> = BTreeMap::new();
         for line in text.lines() {
-            let Ok(rec) = serde_json::from_str::<LeaseRecord>(line) else { continue };
+            let Ok(rec) = serde_json::from_str::<LeaseRecord>(line) else {
+                continue;
+            };
             match rec {
-                LeaseRecord::Intent { session, provider, .. } => {
-                    out.insert(session, Lease { provider, sandbox_id: None, released: false });
+                LeaseRecord::Intent {
+                    session, provider, ..
+                } => {
+                    out.insert(
+                        session,
+                        Lease {
+                            provider,
+                            sandbox_id: None,
+                            released: false,
+                        },
+                    );
                 }
-                LeaseRecord::Created { session, sandbox_id, .. } => {
+                LeaseRecord::Created {
+                    session,
+                    sandbox_id,
+                    ..
+                } => {
                     out.entry(session).or_default().sandbox_id = Some(sandbox_id);
                 }
                 LeaseRecord::Released { session, .. } => {
@@ -126,12 +152,50 @@ mod tests {
     async fn ledger_folds_records() {
         let dir = tempfile::tempdir().unwrap();
         let l = LeaseLedger::open(dir.path()).await.unwrap();
-        l.record(&LeaseRecord::Intent { session: "a".into(), provider: "local".into(), time: 1 }).await.unwrap();
-        l.record(&LeaseRecord::Created { session: "a".into(), sandbox_id: "sb".into(), time: 2 }).await.unwrap();
-        l.record(&LeaseRecord::Intent { session: "b".into(), provider: "local".into(), time: 3 }).await.unwrap();
-        l.record(&LeaseRecord::Released { session: "a".into(), reason: "closed".into(), time: 4 }).await.unwrap();
+        l.record(&LeaseRecord::Intent {
+            session: "a".into(),
+            provider: "local".into(),
+            time: 1,
+        })
+        .await
+        .unwrap();
+        l.record(&LeaseRecord::Created {
+            session: "a".into(),
+            sandbox_id: "sb".into(),
+            time: 2,
+        })
+        .await
+        .unwrap();
+        l.record(&LeaseRecord::Intent {
+            session: "b".into(),
+            provider: "local".into(),
+            time: 3,
+        })
+        .await
+        .unwrap();
+        l.record(&LeaseRecord::Released {
+            session: "a".into(),
+            reason: "closed".into(),
+            time: 4,
+        })
+        .await
+        .unwrap();
         let m = l.load().await.unwrap();
-        assert_eq!(m["a"], Lease { provider: "local".into(), sandbox_id: Some("sb".into()), released: true });
-        assert_eq!(m["b"], Lease { provider: "local".into(), sandbox_id: None, released: false });
+        assert_eq!(
+            m["a"],
+            Lease {
+                provider: "local".into(),
+                sandbox_id: Some("sb".into()),
+                released: true
+            }
+        );
+        assert_eq!(
+            m["b"],
+            Lease {
+                provider: "local".into(),
+                sandbox_id: None,
+                released: false
+            }
+        );
     }
 }

@@ -24,19 +24,29 @@ impl ProviderRegistry {
     }
 
     /// [`Self::from_config`] with the environment read through `env` (tests pass their own).
-    pub fn from_config_with_env(cfg: &Config, env: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    pub fn from_config_with_env(
+        cfg: &Config,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let mut providers: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
         for (name, pc) in &cfg.providers {
-            providers.insert(name.clone(), build_with_env(pc, &cfg.server.state_dir, name, env)?);
+            providers.insert(
+                name.clone(),
+                build_with_env(pc, &cfg.server.state_dir, name, env)?,
+            );
         }
         // === e2b from the environment ===
         // Like the E2B SDKs: an API key or an API URL in the environment names a backend.
         let named = |k: &str| env(k).is_some_and(|v| !v.trim().is_empty());
         if !providers.contains_key("e2b")
-            && (named(tether_provider_e2b::config::ENV_API_KEY) || named(tether_provider_e2b::config::ENV_API_URL))
+            && (named(tether_provider_e2b::config::ENV_API_KEY)
+                || named(tether_provider_e2b::config::ENV_API_URL))
         {
             let pc = ProviderConfig::E2b(tether_provider_e2b::E2bConfig::default());
-            providers.insert("e2b".into(), build_with_env(&pc, &cfg.server.state_dir, "e2b", env)?);
+            providers.insert(
+                "e2b".into(),
+                build_with_env(&pc, &cfg.server.state_dir, "e2b", env)?,
+            );
         }
         if !providers.contains_key("local") {
             let pc = ProviderConfig::Local(tether_provider_local::LocalConfig::default());
@@ -48,12 +58,18 @@ impl ProviderRegistry {
                 cfg.default_provider, cfg.default_provider
             )));
         }
-        Ok(Self { providers, default: cfg.default_provider.clone() })
+        Ok(Self {
+            providers,
+            default: cfg.default_provider.clone(),
+        })
     }
 
     /// A registry over given providers (tests, benches).
     pub fn from_providers(providers: BTreeMap<String, Arc<dyn Provider>>, default: &str) -> Self {
-        Self { providers, default: default.to_owned() }
+        Self {
+            providers,
+            default: default.to_owned(),
+        }
     }
 
     /// A provider by name.
@@ -112,7 +128,12 @@ mod e2b_env_tests {
     use super::*;
 
     fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned())
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned())
+        }
     }
 
     #[test]
@@ -120,21 +141,32 @@ mod e2b_env_tests {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config::default();
         cfg.server.state_dir = dir.path().to_owned();
-        let none = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_DOMAIN", "example.org")])).unwrap();
+        let none =
+            ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_DOMAIN", "example.org")]))
+                .unwrap();
         assert!(none.get("e2b").is_none());
-        let with_key = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        let with_key =
+            ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")]))
+                .unwrap();
         assert_eq!(with_key.get("e2b").map(|p| p.kind()), Some("e2b"));
-        let with_url =
-            ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "http://127.0.0.1:9")])).unwrap();
+        let with_url = ProviderRegistry::from_config_with_env(
+            &cfg,
+            &env_of(&[("E2B_API_URL", "http://127.0.0.1:9")]),
+        )
+        .unwrap();
         assert_eq!(with_url.get("e2b").map(|p| p.kind()), Some("e2b"));
         // A configured `e2b` section wins over the environment.
         let toml = "[providers.e2b]\nkind = \"e2b\"\napi_url = \"http://127.0.0.1:1\"\ninherit_env = false\n\n[providers.other]\nkind = \"e2b\"\napi_url = \"http://127.0.0.1:2\"\n";
         let mut cfg2 = Config::from_toml_str(toml).unwrap();
         cfg2.server.state_dir = dir.path().to_owned();
-        let r = ProviderRegistry::from_config_with_env(&cfg2, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        let r = ProviderRegistry::from_config_with_env(&cfg2, &env_of(&[("E2B_API_KEY", "e2b_x")]))
+            .unwrap();
         assert!(r.get("e2b").is_some() && r.get("other").is_some() && r.get("local").is_some());
         // A malformed URL in the environment is refused loudly.
-        assert!(ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "not a url")])).is_err());
+        assert!(
+            ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "not a url")]))
+                .is_err()
+        );
     }
 
     #[test]
@@ -144,7 +176,8 @@ mod e2b_env_tests {
         cfg.server.state_dir = dir.path().to_owned();
         let e = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[])).unwrap_err();
         assert_eq!(e.code(), tether_protocol::ErrorCode::InvalidRequest);
-        let r = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")])).unwrap();
+        let r = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_KEY", "e2b_x")]))
+            .unwrap();
         assert_eq!(r.default_name(), "e2b");
         assert!(Config::from_toml_str("default_provider = \"nope\"").is_err());
     }

@@ -66,16 +66,25 @@ where
     type Rejection = DaemonError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let limit = req.extensions().get::<BodyLimit>().map_or(crate::config::DEFAULT_MAX_BODY_BYTES, |l| l.0);
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(crate::config::DEFAULT_MAX_BODY_BYTES, |l| l.0);
         let bytes = match axum::body::Bytes::from_request(req, state).await {
             Ok(b) => b,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(DaemonError::PayloadTooLarge { limit }),
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                return Err(DaemonError::PayloadTooLarge { limit });
+            }
             Err(e) => return Err(DaemonError::invalid(format!("cannot read the body: {e}"))),
         };
         if bytes.is_empty() {
-            return Err(DaemonError::invalid("the body is empty; a JSON object is required"));
+            return Err(DaemonError::invalid(
+                "the body is empty; a JSON object is required",
+            ));
         }
-        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))
+        serde_json::from_slice(&bytes)
+            .map(ApiJson)
+            .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))
     }
 }
 
@@ -97,8 +106,15 @@ pub struct RequestCtx(pub CallCtx);
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RequestCtx {
     type Rejection = DaemonError;
 
-    async fn from_request_parts(parts: &mut http::request::Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<RequestCtx>().cloned().ok_or_else(|| DaemonError::internal("request context missing"))
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<RequestCtx>()
+            .cloned()
+            .ok_or_else(|| DaemonError::internal("request context missing"))
     }
 }
 
@@ -111,7 +127,11 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn request_layer(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+async fn request_layer(
+    State(state): State<Arc<AppState>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
     let rid = req
         .headers()
         .get("x-request-id")
@@ -132,7 +152,8 @@ async fn request_layer(State(state): State<Arc<AppState>>, mut req: Request, nex
     let _guard = CancelOnDrop(token.clone());
     let ctx = CallCtx::with_cancel(rid.clone(), token).with_trace(trace);
     req.extensions_mut().insert(RequestCtx(ctx));
-    req.extensions_mut().insert(BodyLimit(state.config.server.max_body_bytes));
+    req.extensions_mut()
+        .insert(BodyLimit(state.config.server.max_body_bytes));
     let fut = REQUEST_ID.scope(rid.clone(), next.run(req));
     let mut resp = fut.instrument(span.clone()).await;
     span.record("http.response.status_code", resp.status().as_u16());
@@ -144,7 +165,10 @@ async fn request_layer(State(state): State<Arc<AppState>>, mut req: Request, nex
 
 async fn auth_layer(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let tokens = &state.config.server.auth_tokens;
-    if !tokens.is_empty() && req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/health" {
+    if !tokens.is_empty()
+        && req.uri().path().starts_with("/v1/")
+        && req.uri().path() != "/v1/health"
+    {
         let given = req
             .headers()
             .get(http::header::AUTHORIZATION)
@@ -152,9 +176,15 @@ async fn auth_layer(State(state): State<Arc<AppState>>, req: Request, next: Next
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         // Compare every token fully so the time taken does not reveal a matching prefix.
-        let ok = tokens.iter().fold(false, |acc, t| acc | constant_time_eq(t.as_bytes(), given.as_bytes()));
+        let ok = tokens.iter().fold(false, |acc, t| {
+            acc | constant_time_eq(t.as_bytes(), given.as_bytes())
+        });
         if !ok {
-            return REQUEST_ID.scope(current_request_id().unwrap_or_default(), async { DaemonError::Unauthorized.into_response() }).await;
+            return REQUEST_ID
+                .scope(current_request_id().unwrap_or_default(), async {
+                    DaemonError::Unauthorized.into_response()
+                })
+                .await;
         }
     }
     next.run(req).await
@@ -183,8 +213,14 @@ pub fn router(state: Arc<AppState>) -> Router {
     }
     app.fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth_layer))
-        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), request_layer))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            auth_layer,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            request_layer,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(
             usize::try_from(state.config.server.max_body_bytes).unwrap_or(usize::MAX),
         ))
@@ -210,25 +246,31 @@ pub struct RunningDaemon {
 impl Daemon {
     /// Build everything from `config`, bind, recover sessions, and serve in the background.
     pub async fn start(config: Config) -> Result<RunningDaemon> {
-        config.validate().map_err(|e| DaemonError::invalid(e.to_string()))?;
-        let listener = TcpListener::bind(config.server.listen)
-            .await
-            .map_err(|e| DaemonError::internal(format!("cannot listen on {}: {e}", config.server.listen)))?;
+        config
+            .validate()
+            .map_err(|e| DaemonError::invalid(e.to_string()))?;
+        let listener = TcpListener::bind(config.server.listen).await.map_err(|e| {
+            DaemonError::internal(format!("cannot listen on {}: {e}", config.server.listen))
+        })?;
         Self::start_on(config, listener).await
     }
 
     /// As [`Daemon::start`], on an already bound listener.
     pub async fn start_on(mut config: Config, listener: TcpListener) -> Result<RunningDaemon> {
-        let addr = listener.local_addr().map_err(|e| DaemonError::internal(e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| DaemonError::internal(e.to_string()))?;
         config.server.listen = addr;
         let config = Arc::new(config);
         let shutdown = CancelToken::new();
         let tasks = TaskTracker::new();
         let metrics = Metrics::new();
-        let invariants = Invariants::new(&config.invariants).map_err(|e| DaemonError::invalid(e.to_string()))?;
+        let invariants =
+            Invariants::new(&config.invariants).map_err(|e| DaemonError::invalid(e.to_string()))?;
         let providers = Arc::new(ProviderRegistry::from_config(&config)?);
         for (name, p) in providers.iter() {
-            let ctx = CallCtx::new("healthcheck").with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::new("healthcheck")
+                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
             if let Err(e) = p.healthcheck(&ctx).await {
                 tracing::warn!(provider = %name, code = %e.code(), error = %e, "Provider healthcheck failed");
             }
@@ -272,12 +314,18 @@ impl Daemon {
                     tracing::debug!(error = %e, "Cannot set TCP_NODELAY");
                 }
             });
-            let serve = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+            let serve = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await });
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "The server stopped with an error");
             }
         });
-        Ok(RunningDaemon { addr, state, recovery, server })
+        Ok(RunningDaemon {
+            addr,
+            state,
+            recovery,
+            server,
+        })
     }
 }
 
@@ -324,7 +372,10 @@ impl RunningDaemon {
         let release = self.state.config.server.on_shutdown == ShutdownPolicy::Release;
         let _ = tokio::time::timeout(grace, self.state.sessions.shutdown(release)).await;
         self.state.tasks.close();
-        if tokio::time::timeout(grace, self.state.tasks.wait()).await.is_err() {
+        if tokio::time::timeout(grace, self.state.tasks.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!("Some tasks did not finish within the shutdown grace period");
         }
         let _ = tokio::time::timeout(grace, self.server).await;

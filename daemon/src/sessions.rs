@@ -121,7 +121,10 @@ pub struct Session {
 impl Session {
     /// The sandbox, or `SANDBOX_NOT_FOUND` when detached or closed.
     pub fn sandbox(&self) -> Result<Arc<dyn Sandbox>> {
-        let guard = self.sandbox.read().map_err(|_| DaemonError::internal("sandbox lock poisoned"))?;
+        let guard = self
+            .sandbox
+            .read()
+            .map_err(|_| DaemonError::internal("sandbox lock poisoned"))?;
         match guard.as_ref() {
             Some(s) => Ok(Arc::clone(s)),
             None => Err(DaemonError::Detached {
@@ -190,12 +193,18 @@ impl Session {
 
     /// A command by pid.
     pub fn command_by_pid(&self, pid: u32) -> Option<Arc<RunningCommand>> {
-        self.commands.read().ok().and_then(|m| m.values().find(|c| c.pid == pid).cloned())
+        self.commands
+            .read()
+            .ok()
+            .and_then(|m| m.values().find(|c| c.pid == pid).cloned())
     }
 
     /// All commands.
     pub fn commands(&self) -> Vec<Arc<RunningCommand>> {
-        self.commands.read().map(|m| m.values().cloned().collect()).unwrap_or_default()
+        self.commands
+            .read()
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     pub(crate) fn insert_command(&self, cmd: Arc<RunningCommand>) {
@@ -206,7 +215,10 @@ impl Session {
 
     /// The API view.
     pub fn info(&self) -> SessionInfo {
-        let enforcement = self.sandbox().ok().map(|s| s.info().enforcement.as_str().to_owned());
+        let enforcement = self
+            .sandbox()
+            .ok()
+            .map(|s| s.info().enforcement.as_str().to_owned());
         SessionInfo {
             id: self.id.clone(),
             provider: self.provider_name.clone(),
@@ -265,9 +277,9 @@ impl SessionManager {
             Ok(s) if !s.trim().is_empty() => s.trim().to_owned(),
             _ => {
                 let id = uuid::Uuid::new_v4().simple().to_string();
-                tokio::fs::write(&id_path, &id)
-                    .await
-                    .map_err(|e| DaemonError::internal(format!("cannot write the daemon id: {e}")))?;
+                tokio::fs::write(&id_path, &id).await.map_err(|e| {
+                    DaemonError::internal(format!("cannot write the daemon id: {e}"))
+                })?;
                 id
             }
         };
@@ -282,7 +294,10 @@ impl SessionManager {
             invariants: invariants.clone(),
             daemon_id,
             create_timeout,
-            log_config: LogConfig { invariants: invariants.clone(), ..LogConfig::default() },
+            log_config: LogConfig {
+                invariants: invariants.clone(),
+                ..LogConfig::default()
+            },
         })
     }
 
@@ -305,7 +320,10 @@ impl SessionManager {
         if self.shutdown.is_cancelled() {
             return Err(DaemonError::ShuttingDown);
         }
-        let provider_name = req.provider.clone().unwrap_or_else(|| self.providers.default_name().to_owned());
+        let provider_name = req
+            .provider
+            .clone()
+            .unwrap_or_else(|| self.providers.default_name().to_owned());
         let provider = self
             .providers
             .get(&provider_name)
@@ -327,8 +345,16 @@ impl SessionManager {
                 "network": req.network,
             }),
         };
-        let log = SessionLog::create(&self.session_dir(&id), header, self.log_config.clone()).await?;
-        let session = self.build_session(id.clone(), provider_name.clone(), Arc::clone(&provider), log, &req, created_ms);
+        let log =
+            SessionLog::create(&self.session_dir(&id), header, self.log_config.clone()).await?;
+        let session = self.build_session(
+            id.clone(),
+            provider_name.clone(),
+            Arc::clone(&provider),
+            log,
+            &req,
+            created_ms,
+        );
         self.lease(ctx, &session, &req).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
@@ -382,7 +408,11 @@ impl SessionManager {
     async fn lease(&self, ctx: &CallCtx, session: &Arc<Session>, req: &NewSession) -> Result<()> {
         let id = &session.id;
         self.ledger
-            .record(&LeaseRecord::Intent { session: id.clone(), provider: session.provider_name.clone(), time: now_ms() })
+            .record(&LeaseRecord::Intent {
+                session: id.clone(),
+                provider: session.provider_name.clone(),
+                time: now_ms(),
+            })
             .await
             .map_err(|e| DaemonError::internal(format!("lease ledger: {e}")))?;
         let mut metadata = req.metadata.clone();
@@ -405,21 +435,39 @@ impl SessionManager {
         );
         let started = tokio::time::Instant::now();
         let cctx = ctx.with_timeout(self.create_timeout, "DEADLINE_EXCEEDED");
-        let created = session.provider.create(&cctx, spec).instrument(span.clone()).await;
-        let outcome = created.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
-        self.metrics.remote_op("sandbox.create", &session.provider_kind, outcome, started.elapsed());
+        let created = session
+            .provider
+            .create(&cctx, spec)
+            .instrument(span.clone())
+            .await;
+        let outcome = created
+            .as_ref()
+            .map_or_else(|e| e.code().as_str(), |_| "ok");
+        self.metrics.remote_op(
+            "sandbox.create",
+            &session.provider_kind,
+            outcome,
+            started.elapsed(),
+        );
         span.record("outcome", outcome);
         match created {
             Ok(sandbox) => {
                 let sandbox_id = sandbox.info().id;
                 span.record("sandbox.id", sandbox_id.as_str());
                 self.ledger
-                    .record(&LeaseRecord::Created { session: id.clone(), sandbox_id: sandbox_id.clone(), time: now_ms() })
+                    .record(&LeaseRecord::Created {
+                        session: id.clone(),
+                        sandbox_id: sandbox_id.clone(),
+                        time: now_ms(),
+                    })
                     .await
                     .map_err(|e| DaemonError::internal(format!("lease ledger: {e}")))?;
                 session
                     .log
-                    .append(EventBody::SandboxLeased { provider: session.provider_name.clone(), sandbox_id: sandbox_id.clone() })
+                    .append(EventBody::SandboxLeased {
+                        provider: session.provider_name.clone(),
+                        sandbox_id: sandbox_id.clone(),
+                    })
                     .await?;
                 set(&session.sandbox, Some(sandbox));
                 set(&session.sandbox_id, Some(sandbox_id));
@@ -437,7 +485,12 @@ impl SessionManager {
                         time: now_ms(),
                     })
                     .await;
-                let _ = session.log.append(EventBody::SessionClosed { reason: format!("sandbox create failed: {}", e.code()) }).await;
+                let _ = session
+                    .log
+                    .append(EventBody::SessionClosed {
+                        reason: format!("sandbox create failed: {}", e.code()),
+                    })
+                    .await;
                 session.log.close().await;
                 Err(e.into())
             }
@@ -445,15 +498,30 @@ impl SessionManager {
     }
 
     fn insert(&self, s: Arc<Session>) -> Result<()> {
-        let mut m = self.sessions.write().map_err(|_| DaemonError::internal("sessions lock poisoned"))?;
+        let mut m = self
+            .sessions
+            .write()
+            .map_err(|_| DaemonError::internal("sessions lock poisoned"))?;
         // Invariant: a sandbox belongs to exactly one live session.
         if let Some(sid) = s.sandbox_id() {
-            let dup = m.values().any(|o| o.state() == SessionState::Active && o.sandbox_id().as_deref() == Some(sid.as_str()));
+            let dup = m.values().any(|o| {
+                o.state() == SessionState::Active && o.sandbox_id().as_deref() == Some(sid.as_str())
+            });
             self.invariants
                 .check("lease", "sandbox_owned_once", || {
-                    if dup { Err(format!("sandbox {sid} is already leased by another live session")) } else { Ok(()) }
+                    if dup {
+                        Err(format!(
+                            "sandbox {sid} is already leased by another live session"
+                        ))
+                    } else {
+                        Ok(())
+                    }
                 })
-                .map_err(|v| DaemonError::Invariant { module: v.module, check: v.check, message: v.message })?;
+                .map_err(|v| DaemonError::Invariant {
+                    module: v.module,
+                    check: v.check,
+                    message: v.message,
+                })?;
         }
         m.insert(s.id.clone(), s);
         Ok(())
@@ -462,7 +530,10 @@ impl SessionManager {
     /// A session by id, visible to `owner` (`None` sees only sessions without an owner,
     /// except for the native API which passes `Scope::Any`).
     pub fn get(&self, id: &str, scope: Scope<'_>) -> Result<Arc<Session>> {
-        let m = self.sessions.read().map_err(|_| DaemonError::internal("sessions lock poisoned"))?;
+        let m = self
+            .sessions
+            .read()
+            .map_err(|_| DaemonError::internal("sessions lock poisoned"))?;
         match m.get(id) {
             Some(s) if scope.sees(s) => Ok(Arc::clone(s)),
             _ => Err(DaemonError::SessionNotFound { id: id.to_owned() }),
@@ -476,7 +547,11 @@ impl SessionManager {
             .read()
             .map(|m| m.values().filter(|s| scope.sees(s)).cloned().collect())
             .unwrap_or_default();
-        v.sort_by(|a: &Arc<Session>, b| a.created_ms.cmp(&b.created_ms).then_with(|| a.id.cmp(&b.id)));
+        v.sort_by(|a: &Arc<Session>, b| {
+            a.created_ms
+                .cmp(&b.created_ms)
+                .then_with(|| a.id.cmp(&b.id))
+        });
         v
     }
 
@@ -499,24 +574,49 @@ impl SessionManager {
         if let (Some(sandbox), true) = (sandbox, destroy) {
             let sid = sandbox.info().id;
             let span = tracing::info_span!("sandbox.destroy", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
-            let ctx = CallCtx::new(format!("close-{}", s.id)).with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::new(format!("close-{}", s.id))
+                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
             let started = tokio::time::Instant::now();
-            let r = s.provider.destroy(&ctx, &sid).instrument(span.clone()).await;
+            let r = s
+                .provider
+                .destroy(&ctx, &sid)
+                .instrument(span.clone())
+                .await;
             let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
             span.record("outcome", outcome);
-            self.metrics.remote_op("sandbox.destroy", &s.provider_kind, outcome, started.elapsed());
+            self.metrics.remote_op(
+                "sandbox.destroy",
+                &s.provider_kind,
+                outcome,
+                started.elapsed(),
+            );
             self.metrics.sandboxes_live(-1, &s.provider_kind);
             if let Err(e) = r {
                 tracing::warn!(session.id = %s.id, error = %e, "Destroying the sandbox failed; the reconciler will retry");
             } else {
                 let _ = self
                     .ledger
-                    .record(&LeaseRecord::Released { session: s.id.clone(), reason: reason.to_owned(), time: now_ms() })
+                    .record(&LeaseRecord::Released {
+                        session: s.id.clone(),
+                        reason: reason.to_owned(),
+                        time: now_ms(),
+                    })
                     .await;
-                let _ = s.log.append(EventBody::SandboxReleased { sandbox_id: sid, reason: reason.to_owned() }).await;
+                let _ = s
+                    .log
+                    .append(EventBody::SandboxReleased {
+                        sandbox_id: sid,
+                        reason: reason.to_owned(),
+                    })
+                    .await;
             }
         }
-        let _ = s.log.append(EventBody::SessionClosed { reason: reason.to_owned() }).await;
+        let _ = s
+            .log
+            .append(EventBody::SessionClosed {
+                reason: reason.to_owned(),
+            })
+            .await;
         s.log.close().await;
         self.metrics.sessions_live(-1);
         Ok(())
@@ -524,10 +624,19 @@ impl SessionManager {
 
     /// Fork a session at a boundary: the new session gets a copy of the log prefix and a
     /// fresh sandbox from the same provider.
-    pub async fn fork(&self, ctx: &CallCtx, id: &str, at_seq: Option<u64>, scope: Scope<'_>) -> Result<Arc<Session>> {
+    pub async fn fork(
+        &self,
+        ctx: &CallCtx,
+        id: &str,
+        at_seq: Option<u64>,
+        scope: Scope<'_>,
+    ) -> Result<Arc<Session>> {
         let parent = self.get(id, scope)?;
         let new = new_id();
-        let log = parent.log.fork(&self.session_dir(&new), &new, at_seq).await?;
+        let log = parent
+            .log
+            .fork(&self.session_dir(&new), &new, at_seq)
+            .await?;
         let req = NewSession {
             provider: Some(parent.provider_name.clone()),
             template: parent.template.clone(),
@@ -538,7 +647,14 @@ impl SessionManager {
             expiry: Expiry::Never,
         };
         let provider = Arc::clone(&parent.provider);
-        let session = self.build_session(new, parent.provider_name.clone(), provider, log, &req, now_ms());
+        let session = self.build_session(
+            new,
+            parent.provider_name.clone(),
+            provider,
+            log,
+            &req,
+            now_ms(),
+        );
         self.lease(ctx, &session, &req).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
@@ -565,28 +681,60 @@ impl SessionManager {
                 report.repaired.push(id.clone());
             }
             let meta = &log.header().meta;
-            let provider_name = meta.get("provider").and_then(|v| v.as_str()).unwrap_or("local").to_owned();
-            let owner = meta.get("owner").and_then(|v| v.as_str()).map(str::to_owned);
-            let metadata: BTreeMap<String, String> =
-                meta.get("metadata").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
-            let template = meta.get("template").and_then(|v| v.as_str()).map(str::to_owned);
-            let closed = log.events_after(None).iter().any(|e| matches!(e.body, EventBody::SessionClosed { .. }));
+            let provider_name = meta
+                .get("provider")
+                .and_then(|v| v.as_str())
+                .unwrap_or("local")
+                .to_owned();
+            let owner = meta
+                .get("owner")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned);
+            let metadata: BTreeMap<String, String> = meta
+                .get("metadata")
+                .and_then(|v| serde_json::from_value(v.clone()).ok())
+                .unwrap_or_default();
+            let template = meta
+                .get("template")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned);
+            let closed = log
+                .events_after(None)
+                .iter()
+                .any(|e| matches!(e.body, EventBody::SessionClosed { .. }));
             let Some(provider) = self.providers.get(&provider_name) else {
                 report.failed.push(id);
                 continue;
             };
-            let req = NewSession { provider: Some(provider_name.clone()), template, owner, metadata, ..Default::default() };
-            let session = self.build_session(id.clone(), provider_name.clone(), Arc::clone(&provider), Arc::clone(&log), &req, log.header().created_ms);
+            let req = NewSession {
+                provider: Some(provider_name.clone()),
+                template,
+                owner,
+                metadata,
+                ..Default::default()
+            };
+            let session = self.build_session(
+                id.clone(),
+                provider_name.clone(),
+                Arc::clone(&provider),
+                Arc::clone(&log),
+                &req,
+                log.header().created_ms,
+            );
             if closed {
                 session.closed.store(true, Ordering::Release);
                 log.close().await;
                 self.insert(session)?;
                 continue;
             }
-            let sandbox_id = leases.get(&id).filter(|l| !l.released).and_then(|l| l.sandbox_id.clone());
+            let sandbox_id = leases
+                .get(&id)
+                .filter(|l| !l.released)
+                .and_then(|l| l.sandbox_id.clone());
             match sandbox_id {
                 Some(sid) => {
-                    let ctx = CallCtx::new(format!("recover-{id}")).with_timeout(self.create_timeout, "DEADLINE_EXCEEDED");
+                    let ctx = CallCtx::new(format!("recover-{id}"))
+                        .with_timeout(self.create_timeout, "DEADLINE_EXCEEDED");
                     match provider.connect(&ctx, &sid).await {
                         Ok(sb) => {
                             set(&session.sandbox, Some(sb));
@@ -597,7 +745,13 @@ impl SessionManager {
                         }
                         Err(e) => {
                             set(&session.sandbox_id, Some(sid));
-                            set(&session.detached_why, Some(format!("the sandbox could not be reconnected after a restart ({})", e.code())));
+                            set(
+                                &session.detached_why,
+                                Some(format!(
+                                    "the sandbox could not be reconnected after a restart ({})",
+                                    e.code()
+                                )),
+                            );
                             report.detached.push(id.clone());
                         }
                     }
@@ -618,34 +772,47 @@ impl SessionManager {
     pub async fn reconcile(&self) -> Vec<String> {
         let mut destroyed = Vec::new();
         for (name, provider) in self.providers.iter() {
-            let ctx = CallCtx::new("reconcile").with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::new("reconcile")
+                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
             let Ok(list) = provider.list(&ctx).await else {
                 tracing::warn!(provider = %name, "Reconcile: listing the provider's sandboxes failed");
                 continue;
             };
             for info in list {
-                if info.metadata.get(META_DAEMON).map(String::as_str) != Some(self.daemon_id.as_str()) {
+                if info.metadata.get(META_DAEMON).map(String::as_str)
+                    != Some(self.daemon_id.as_str())
+                {
                     continue;
                 }
                 let owner = info.metadata.get(META_SESSION).cloned().unwrap_or_default();
                 let owned = self
                     .get(&owner, Scope::Any)
-                    .map(|s| s.state() == SessionState::Active && s.sandbox_id().as_deref() == Some(info.id.as_str()))
+                    .map(|s| {
+                        s.state() == SessionState::Active
+                            && s.sandbox_id().as_deref() == Some(info.id.as_str())
+                    })
                     .unwrap_or(false);
                 if owned {
                     continue;
                 }
-                let ctx = CallCtx::new("reconcile").with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                let ctx = CallCtx::new("reconcile")
+                    .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
                 match provider.destroy(&ctx, &info.id).await {
                     Ok(()) => {
                         tracing::info!(provider = %name, sandbox.id = %info.id, session.id = %owner, "Destroyed an orphaned sandbox");
                         let _ = self
                             .ledger
-                            .record(&LeaseRecord::Released { session: owner, reason: "orphan".into(), time: now_ms() })
+                            .record(&LeaseRecord::Released {
+                                session: owner,
+                                reason: "orphan".into(),
+                                time: now_ms(),
+                            })
                             .await;
                         destroyed.push(info.id);
                     }
-                    Err(e) => tracing::warn!(sandbox.id = %info.id, error = %e, "Could not destroy an orphaned sandbox"),
+                    Err(e) => {
+                        tracing::warn!(sandbox.id = %info.id, error = %e, "Could not destroy an orphaned sandbox")
+                    }
                 }
             }
         }
@@ -663,13 +830,23 @@ impl SessionManager {
                 continue;
             }
             let Some(sid) = s.sandbox_id() else { continue };
-            let ctx = CallCtx::new(format!("renew-{}", s.id)).with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::new(format!("renew-{}", s.id))
+                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
             let span = tracing::info_span!("sandbox.renew", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
             let started = tokio::time::Instant::now();
-            let r = s.provider.renew(&ctx, &sid, ttl).instrument(span.clone()).await;
+            let r = s
+                .provider
+                .renew(&ctx, &sid, ttl)
+                .instrument(span.clone())
+                .await;
             let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
             span.record("outcome", outcome);
-            self.metrics.remote_op("sandbox.renew", &s.provider_kind, outcome, started.elapsed());
+            self.metrics.remote_op(
+                "sandbox.renew",
+                &s.provider_kind,
+                outcome,
+                started.elapsed(),
+            );
             if let Err(e) = r {
                 failed += 1;
                 tracing::warn!(session.id = %s.id, sandbox.id = %sid, code = %e.code(), error = %e, "Renewing a sandbox failed");
@@ -684,7 +861,9 @@ impl SessionManager {
         let expired: Vec<_> = self
             .list(Scope::Any)
             .into_iter()
-            .filter(|s| s.state() != SessionState::Closed && s.expires_ms() > 0 && s.expires_ms() <= now)
+            .filter(|s| {
+                s.state() != SessionState::Closed && s.expires_ms() > 0 && s.expires_ms() <= now
+            })
             .collect();
         let mut ids = Vec::new();
         for s in expired {

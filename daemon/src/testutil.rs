@@ -20,8 +20,12 @@ pub async fn test_session() -> (Arc<Session>, Arc<SessionManager>, TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut cfg = Config::default();
     cfg.server.state_dir = dir.path().to_owned();
-    let local = tether_provider_local::LocalConfig { root: dir.path().join("sandboxes"), ..Default::default() };
-    cfg.providers.insert("local".into(), ProviderConfig::Local(local));
+    let local = tether_provider_local::LocalConfig {
+        root: dir.path().join("sandboxes"),
+        ..Default::default()
+    };
+    cfg.providers
+        .insert("local".into(), ProviderConfig::Local(local));
     let providers = Arc::new(ProviderRegistry::from_config(&cfg).expect("providers"));
     let mgr = Arc::new(
         SessionManager::new(
@@ -36,6 +40,9 @@ pub async fn test_session() -> (Arc<Session>, Arc<SessionManager>, TempDir) {
         .await
         .expect("manager"),
     );
-    let s = mgr.create(&CallCtx::new("test"), NewSession::default()).await.expect("session");
+    let s = mgr
+        .create(&CallCtx::new("test"), NewSession::default())
+        .await
+        .expect("session");
     (s, mgr, dir)
 }

@@ -12,7 +12,9 @@ pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
 /// Deserialise a base64 string into bytes.
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
     let s = String::deserialize(d)?;
-    STANDARD.decode(s.as_bytes()).map_err(serde::de::Error::custom)
+    STANDARD
+        .decode(s.as_bytes())
+        .map_err(serde::de::Error::custom)
 }
 
 /// Encode bytes as standard base64.

@@ -74,7 +74,11 @@ pub struct SandboxResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alias: Option<String>,
     /// The token envd requests must carry in `X-Access-Token`.
-    #[serde(rename = "envdAccessToken", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "envdAccessToken",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub envd_access_token: Option<String>,
     /// Token for user-port traffic (not used: always null).
     #[serde(rename = "trafficAccessToken", default)]
@@ -152,10 +156,18 @@ pub struct SandboxDetail {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alias: Option<String>,
     /// envd access token.
-    #[serde(rename = "envdAccessToken", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "envdAccessToken",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub envd_access_token: Option<String>,
     /// Network access.
-    #[serde(rename = "allowInternetAccess", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "allowInternetAccess",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub allow_internet_access: Option<bool>,
     /// Base domain.
     #[serde(default)]
@@ -408,10 +420,18 @@ pub struct ProcessConfig {
     #[serde(default)]
     pub cmd: String,
     /// Its arguments.
-    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "null_default")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_default"
+    )]
     pub args: Vec<String>,
     /// Environment added for this process.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "null_default")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "null_default"
+    )]
     pub envs: BTreeMap<String, String>,
     /// Working directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -604,7 +624,12 @@ pub struct StartEvent {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndEvent {
     /// Exit code; -1 when ended by a signal. Omitted when 0 (proto3 default).
-    #[serde(rename = "exitCode", alias = "exit_code", default, skip_serializing_if = "is_zero_i32")]
+    #[serde(
+        rename = "exitCode",
+        alias = "exit_code",
+        default,
+        skip_serializing_if = "is_zero_i32"
+    )]
     pub exit_code: i32,
     /// Whether the process exited by itself (not by a signal).
     #[serde(default, skip_serializing_if = "is_false")]
@@ -699,10 +724,18 @@ pub struct EntryInfo {
     /// Group name.
     pub group: String,
     /// Modification time, RFC 3339.
-    #[serde(rename = "modifiedTime", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "modifiedTime",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub modified_time: Option<String>,
     /// Where a symlink points.
-    #[serde(rename = "symlinkTarget", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "symlinkTarget",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub symlink_target: Option<String>,
     /// User metadata of the file.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -887,7 +920,9 @@ impl<'de> Deserialize<'de> for EnumRepr {
                 Ok(EnumRepr::Number(v))
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<EnumRepr, E> {
-                i64::try_from(v).map(EnumRepr::Number).map_err(|_| E::custom("enum number out of range"))
+                i64::try_from(v)
+                    .map(EnumRepr::Number)
+                    .map_err(|_| E::custom("enum number out of range"))
             }
             fn visit_unit<E: de::Error>(self) -> Result<EnumRepr, E> {
                 Ok(EnumRepr::Null)
@@ -915,10 +950,16 @@ fn int_lenient<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
             i64::try_from(v).map_err(|_| E::custom("integer out of range"))
         }
         fn visit_f64<E: de::Error>(self, v: f64) -> Result<i64, E> {
-            if v.fract() == 0.0 && v.abs() < 9.0e15 { Ok(v as i64) } else { Err(E::custom("not an integer")) }
+            if v.fract() == 0.0 && v.abs() < 9.0e15 {
+                Ok(v as i64)
+            } else {
+                Err(E::custom("not an integer"))
+            }
         }
         fn visit_str<E: de::Error>(self, v: &str) -> Result<i64, E> {
-            v.trim().parse().map_err(|_| E::custom("not an integer string"))
+            v.trim()
+                .parse()
+                .map_err(|_| E::custom("not an integer string"))
         }
         fn visit_unit<E: de::Error>(self) -> Result<i64, E> {
             Ok(0)
@@ -984,44 +1025,95 @@ mod tests {
             r#"{"process":{"cmd":"/bin/bash","args":["-i","-l"]},"pty":{"size":{"cols":80,"rows":24}},"tag":"x"}"#,
         )
         .unwrap();
-        assert_eq!(pty.pty.unwrap().size, Some(PtySizeMsg { cols: 80, rows: 24 }));
+        assert_eq!(
+            pty.pty.unwrap().size,
+            Some(PtySizeMsg { cols: 80, rows: 24 })
+        );
         assert_eq!(pty.stdin, None);
     }
 
     #[test]
     fn oneofs_enums_and_bytes_follow_proto3_json() {
-        let s: SendSignalRequest = serde_json::from_str(r#"{"process":{"pid":7},"signal":"SIGNAL_SIGKILL"}"#).unwrap();
+        let s: SendSignalRequest =
+            serde_json::from_str(r#"{"process":{"pid":7},"signal":"SIGNAL_SIGKILL"}"#).unwrap();
         assert_eq!(s.process, Some(ProcessSelector::Pid(7)));
         assert_eq!(s.signal, SignalMsg::Sigkill);
-        let n: SendSignalRequest = serde_json::from_str(r#"{"process":{"pid":"7"},"signal":15}"#).unwrap();
-        assert_eq!((n.process, n.signal), (Some(ProcessSelector::Pid(7)), SignalMsg::Sigterm));
-        assert!(serde_json::from_str::<SendSignalRequest>(r#"{"signal":"SIGNAL_SIGHUP"}"#).is_err());
-        let i: SendInputRequest = serde_json::from_str(r#"{"process":{"tag":"t1"},"input":{"stdin":"aGkK"}}"#).unwrap();
+        let n: SendSignalRequest =
+            serde_json::from_str(r#"{"process":{"pid":"7"},"signal":15}"#).unwrap();
+        assert_eq!(
+            (n.process, n.signal),
+            (Some(ProcessSelector::Pid(7)), SignalMsg::Sigterm)
+        );
+        assert!(
+            serde_json::from_str::<SendSignalRequest>(r#"{"signal":"SIGNAL_SIGHUP"}"#).is_err()
+        );
+        let i: SendInputRequest =
+            serde_json::from_str(r#"{"process":{"tag":"t1"},"input":{"stdin":"aGkK"}}"#).unwrap();
         assert_eq!(i.input, Some(ProcessInput::Stdin(b"hi\n".to_vec())));
         let unpadded: ProcessInput = serde_json::from_str(r#"{"pty":"aGk"}"#).unwrap();
         assert_eq!(unpadded, ProcessInput::Pty(b"hi".to_vec()));
-        let first: StreamInputRequest = serde_json::from_str(r#"{"start":{"process":{"pid":3}}}"#).unwrap();
-        assert_eq!(first, StreamInputRequest::Start(SelectRequest { process: Some(ProcessSelector::Pid(3)) }));
+        let first: StreamInputRequest =
+            serde_json::from_str(r#"{"start":{"process":{"pid":3}}}"#).unwrap();
+        assert_eq!(
+            first,
+            StreamInputRequest::Start(SelectRequest {
+                process: Some(ProcessSelector::Pid(3))
+            })
+        );
     }
 
     #[test]
     fn events_serialise_as_envd_sends_them() {
-        let start = ProcessEventResponse { event: ProcessEventMsg::Start(StartEvent { pid: 42 }) };
-        assert_eq!(serde_json::to_value(&start).unwrap(), json!({"event":{"start":{"pid":42}}}));
-        let data = ProcessEventResponse { event: ProcessEventMsg::Data(DataEvent::Stdout(b"hi\n".to_vec())) };
-        assert_eq!(serde_json::to_value(&data).unwrap(), json!({"event":{"data":{"stdout":"aGkK"}}}));
-        let ok = EndEvent { exit_code: 0, exited: true, status: "exit status 0".into(), error: None };
-        assert_eq!(serde_json::to_value(&ok).unwrap(), json!({"exited":true,"status":"exit status 0"}));
-        let killed = EndEvent { exit_code: -1, exited: false, status: "signal: killed".into(), error: None };
-        assert_eq!(serde_json::to_value(&killed).unwrap(), json!({"exitCode":-1,"status":"signal: killed"}));
-        let ka = ProcessEventResponse { event: ProcessEventMsg::Keepalive(Empty {}) };
-        assert_eq!(serde_json::to_string(&ka).unwrap(), r#"{"event":{"keepalive":{}}}"#);
+        let start = ProcessEventResponse {
+            event: ProcessEventMsg::Start(StartEvent { pid: 42 }),
+        };
+        assert_eq!(
+            serde_json::to_value(&start).unwrap(),
+            json!({"event":{"start":{"pid":42}}})
+        );
+        let data = ProcessEventResponse {
+            event: ProcessEventMsg::Data(DataEvent::Stdout(b"hi\n".to_vec())),
+        };
+        assert_eq!(
+            serde_json::to_value(&data).unwrap(),
+            json!({"event":{"data":{"stdout":"aGkK"}}})
+        );
+        let ok = EndEvent {
+            exit_code: 0,
+            exited: true,
+            status: "exit status 0".into(),
+            error: None,
+        };
+        assert_eq!(
+            serde_json::to_value(&ok).unwrap(),
+            json!({"exited":true,"status":"exit status 0"})
+        );
+        let killed = EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "signal: killed".into(),
+            error: None,
+        };
+        assert_eq!(
+            serde_json::to_value(&killed).unwrap(),
+            json!({"exitCode":-1,"status":"signal: killed"})
+        );
+        let ka = ProcessEventResponse {
+            event: ProcessEventMsg::Keepalive(Empty {}),
+        };
+        assert_eq!(
+            serde_json::to_string(&ka).unwrap(),
+            r#"{"event":{"keepalive":{}}}"#
+        );
         let w = WatchDirResponse::Filesystem(Box::new(FilesystemEvent {
             name: "a".into(),
             kind: EventType::Create,
             entry: None,
         }));
-        assert_eq!(serde_json::to_value(&w).unwrap(), json!({"filesystem":{"name":"a","type":"EVENT_TYPE_CREATE"}}));
+        assert_eq!(
+            serde_json::to_value(&w).unwrap(),
+            json!({"filesystem":{"name":"a","type":"EVENT_TYPE_CREATE"}})
+        );
     }
 
     #[test]
@@ -1074,10 +1166,16 @@ mod tests {
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["clientID"], json!("tether"));
         assert!(v.get("trafficAccessToken").unwrap().is_null());
-        assert_eq!(serde_json::to_value(ConnectCode::InvalidArgument).unwrap(), json!("invalid_argument"));
+        assert_eq!(
+            serde_json::to_value(ConnectCode::InvalidArgument).unwrap(),
+            json!("invalid_argument")
+        );
         assert_eq!(
             serde_json::to_string(&EndOfStream {
-                error: Some(ConnectErrorBody { code: ConnectCode::NotFound, message: "x".into() })
+                error: Some(ConnectErrorBody {
+                    code: ConnectCode::NotFound,
+                    message: "x".into()
+                })
             })
             .unwrap(),
             r#"{"error":{"code":"not_found","message":"x"}}"#

@@ -265,23 +265,65 @@ mod tests {
     fn error_code_list_is_pinned() {
         let wire: Vec<String> = ErrorCode::ALL
             .iter()
-            .map(|c| serde_json::to_value(c).unwrap().as_str().unwrap().to_owned())
+            .map(|c| {
+                serde_json::to_value(c)
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect();
         let expected = [
-            "INVALID_REQUEST", "UNAUTHORIZED", "FORBIDDEN", "NOT_FOUND", "METHOD_NOT_ALLOWED",
-            "PAYLOAD_TOO_LARGE", "SESSION_NOT_FOUND", "SANDBOX_NOT_FOUND", "COMMAND_NOT_FOUND",
-            "CONFLICT", "FS_NOT_FOUND", "FS_NOT_DIRECTORY", "FS_IS_DIRECTORY", "FS_NOT_REGULAR_FILE",
-            "FS_NOT_TEXT", "FS_TOO_LARGE", "FS_PERMISSION_DENIED", "FS_ALREADY_EXISTS",
-            "FS_VERSION_MISMATCH", "FS_NOT_EMPTY", "FS_AMBIGUOUS_EDIT", "FS_EDIT_NOT_FOUND",
-            "FS_IO_ERROR", "FS_ABORTED", "TOOL_TIMEOUT", "TOOL_NOT_STARTED", "TOOL_OUTCOME_UNKNOWN",
-            "UNKNOWN_TOOL", "TOOL_DENIED", "IDLE_TIMEOUT", "CONNECT_TIMEOUT",
-            "TRANSPORT_IDLE_TIMEOUT", "DEADLINE_EXCEEDED", "CANCELLED", "PROVIDER_UNAVAILABLE",
-            "PROVIDER_ERROR", "ISOLATION_UNAVAILABLE", "SPAWN_FAILED", "UNSUPPORTED",
-            "RATE_LIMITED", "INVARIANT", "SHUTTING_DOWN", "INTERNAL",
+            "INVALID_REQUEST",
+            "UNAUTHORIZED",
+            "FORBIDDEN",
+            "NOT_FOUND",
+            "METHOD_NOT_ALLOWED",
+            "PAYLOAD_TOO_LARGE",
+            "SESSION_NOT_FOUND",
+            "SANDBOX_NOT_FOUND",
+            "COMMAND_NOT_FOUND",
+            "CONFLICT",
+            "FS_NOT_FOUND",
+            "FS_NOT_DIRECTORY",
+            "FS_IS_DIRECTORY",
+            "FS_NOT_REGULAR_FILE",
+            "FS_NOT_TEXT",
+            "FS_TOO_LARGE",
+            "FS_PERMISSION_DENIED",
+            "FS_ALREADY_EXISTS",
+            "FS_VERSION_MISMATCH",
+            "FS_NOT_EMPTY",
+            "FS_AMBIGUOUS_EDIT",
+            "FS_EDIT_NOT_FOUND",
+            "FS_IO_ERROR",
+            "FS_ABORTED",
+            "TOOL_TIMEOUT",
+            "TOOL_NOT_STARTED",
+            "TOOL_OUTCOME_UNKNOWN",
+            "UNKNOWN_TOOL",
+            "TOOL_DENIED",
+            "IDLE_TIMEOUT",
+            "CONNECT_TIMEOUT",
+            "TRANSPORT_IDLE_TIMEOUT",
+            "DEADLINE_EXCEEDED",
+            "CANCELLED",
+            "PROVIDER_UNAVAILABLE",
+            "PROVIDER_ERROR",
+            "ISOLATION_UNAVAILABLE",
+            "SPAWN_FAILED",
+            "UNSUPPORTED",
+            "RATE_LIMITED",
+            "INVARIANT",
+            "SHUTTING_DOWN",
+            "INTERNAL",
         ];
         assert_eq!(wire, expected);
         for c in ErrorCode::ALL {
-            assert_eq!(c.as_str(), serde_json::to_value(c).unwrap().as_str().unwrap());
+            assert_eq!(
+                c.as_str(),
+                serde_json::to_value(c).unwrap().as_str().unwrap()
+            );
             assert_eq!(ErrorCode::parse(c.as_str()), Some(*c));
         }
     }

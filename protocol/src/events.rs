@@ -311,7 +311,10 @@ mod tests {
                         timeout_ms: Some(100),
                     }),
                     additional_contexts: vec![AdditionalContext {
-                        source: Source::Plugin { plugin: "repeat-tool-reminder".into(), summary: None },
+                        source: Source::Plugin {
+                            plugin: "repeat-tool-reminder".into(),
+                            summary: None,
+                        },
                         content: "x".into(),
                     }],
                 },

@@ -210,18 +210,32 @@ mod tests {
         let mut s = ProcessSpec::argv(["ls", "-l"]);
         s.env.insert("A".into(), Some("1".into()));
         s.env.insert("B".into(), None);
-        s.stdin = StdinMode::Data { data: b"in".to_vec() };
+        s.stdin = StdinMode::Data {
+            data: b"in".to_vec(),
+        };
         let j = serde_json::to_string(&s).unwrap();
-        assert!(j.contains(r#""stdin":{"mode":"data","data":"aW4="}"#), "{j}");
+        assert!(
+            j.contains(r#""stdin":{"mode":"data","data":"aW4="}"#),
+            "{j}"
+        );
         assert_eq!(serde_json::from_str::<ProcessSpec>(&j).unwrap(), s);
-        assert!(serde_json::from_str::<ProcessSpec>(r#"{"command":{"shell":"x"},"bogus":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<ProcessSpec>(r#"{"command":{"shell":"x"},"bogus":1}"#).is_err()
+        );
     }
 
     #[test]
     fn output_event_carries_base64() {
-        let e = ProcessEvent::Output { stream: StreamKind::Stdout, offset: 5, data: b"hi".to_vec() };
+        let e = ProcessEvent::Output {
+            stream: StreamKind::Stdout,
+            offset: 5,
+            data: b"hi".to_vec(),
+        };
         let j = serde_json::to_string(&e).unwrap();
-        assert_eq!(j, r#"{"type":"output","stream":"stdout","offset":5,"data":"aGk="}"#);
+        assert_eq!(
+            j,
+            r#"{"type":"output","stream":"stdout","offset":5,"data":"aGk="}"#
+        );
         assert_eq!(serde_json::from_str::<ProcessEvent>(&j).unwrap(), e);
     }
 }

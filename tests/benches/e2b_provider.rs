@@ -67,12 +67,17 @@ fn throughput(v: Vec<Duration>) -> f64 {
 }
 
 fn payload() -> Bytes {
-    let block: Vec<u8> = (0..4096u64).map(|i| ((i * 2_654_435_761) >> 24) as u8).collect();
+    let block: Vec<u8> = (0..4096u64)
+        .map(|i| ((i * 2_654_435_761) >> 24) as u8)
+        .collect();
     Bytes::from(block.repeat(FILE_BYTES / 4096))
 }
 
 fn chunks(data: &Bytes) -> ByteStream {
-    let parts: Vec<_> = (0..data.len()).step_by(1 << 20).map(|i| Ok(data.slice(i..(i + (1 << 20)).min(data.len())))).collect();
+    let parts: Vec<_> = (0..data.len())
+        .step_by(1 << 20)
+        .map(|i| Ok(data.slice(i..(i + (1 << 20)).min(data.len()))))
+        .collect();
     futures_util::stream::iter(parts).boxed()
 }
 
@@ -80,7 +85,11 @@ fn chunks(data: &Bytes) -> ByteStream {
 async fn measure(sb: &dyn Sandbox) -> Row {
     let ctx = CallCtx::new("bench");
     let run_true = || async {
-        let h = sb.process().spawn(&ctx, ProcessSpec::shell("true")).await.expect("spawn");
+        let h = sb
+            .process()
+            .spawn(&ctx, ProcessSpec::shell("true"))
+            .await
+            .expect("spawn");
         let mut ev = h.events(StreamOffsets::default());
         while let Some(e) = ev.next().await {
             if matches!(e.expect("event"), ProcessEvent::Exited { .. }) {
@@ -99,10 +108,17 @@ async fn measure(sb: &dyn Sandbox) -> Row {
     let (mut w, mut r) = (Vec::new(), Vec::new());
     for _ in 0..FILE_ROUNDS {
         let t = Instant::now();
-        sb.fs().write(&ctx, "bench-rs.bin", chunks(&data), WriteGuard::None).await.expect("write");
+        sb.fs()
+            .write(&ctx, "bench-rs.bin", chunks(&data), WriteGuard::None)
+            .await
+            .expect("write");
         w.push(t.elapsed());
         let t = Instant::now();
-        let mut s = sb.fs().read(&ctx, "bench-rs.bin", ByteRange::default()).await.expect("read");
+        let mut s = sb
+            .fs()
+            .read(&ctx, "bench-rs.bin", ByteRange::default())
+            .await
+            .expect("read");
         let mut back = Vec::with_capacity(FILE_BYTES);
         while let Some(c) = s.next().await {
             back.extend_from_slice(&c.expect("chunk"));
@@ -110,15 +126,26 @@ async fn measure(sb: &dyn Sandbox) -> Row {
         r.push(t.elapsed());
         assert!(back == data, "read-back differs");
     }
-    Row { exec: Some(tether_tests::latency_ms(lat)), write_mib_s: Some(throughput(w)), read_mib_s: Some(throughput(r)) }
+    Row {
+        exec: Some(tether_tests::latency_ms(lat)),
+        write_mib_s: Some(throughput(w)),
+        read_mib_s: Some(throughput(r)),
+    }
 }
 
 fn python() -> Option<PathBuf> {
     let root = tether_tests::workspace_root();
     let py = root.join(".venv-e2b/bin/python");
-    let has_sdk = |py: &PathBuf| std::process::Command::new(py).args(["-c", "import e2b"]).output().is_ok_and(|o| o.status.success());
+    let has_sdk = |py: &PathBuf| {
+        std::process::Command::new(py)
+            .args(["-c", "import e2b"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
     if !has_sdk(&py) {
-        let _ = std::process::Command::new("bash").arg(root.join("tests/e2b_sdk/setup.sh")).status();
+        let _ = std::process::Command::new("bash")
+            .arg(root.join("tests/e2b_sdk/setup.sh"))
+            .status();
     }
     has_sdk(&py).then_some(py)
 }
@@ -129,7 +156,13 @@ async fn measure_python(base: &str) -> Row {
         return Row::default();
     };
     let out = tokio::process::Command::new(py)
-        .args(["-c", PY_BENCH, &EXEC_N.to_string(), &FILE_BYTES.to_string(), &FILE_ROUNDS.to_string()])
+        .args([
+            "-c",
+            PY_BENCH,
+            &EXEC_N.to_string(),
+            &FILE_BYTES.to_string(),
+            &FILE_ROUNDS.to_string(),
+        ])
         .env("E2B_API_URL", base)
         .env("E2B_SANDBOX_URL", base)
         .env("E2B_API_KEY", "e2b_tether_bench")
@@ -137,14 +170,33 @@ async fn measure_python(base: &str) -> Row {
         .await
         .expect("run python");
     if !out.status.success() {
-        eprintln!("the Python SDK run failed: {}", String::from_utf8_lossy(&out.stderr));
+        eprintln!(
+            "the Python SDK run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return Row::default();
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the Python SDK's results");
-    let list = |k: &str| v[k].as_array().map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect::<Vec<_>>()).unwrap_or_default();
-    let lat: Vec<Duration> = list("exec_s").into_iter().map(Duration::from_secs_f64).collect();
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("the Python SDK's results");
+    let list = |k: &str| {
+        v[k].as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let lat: Vec<Duration> = list("exec_s")
+        .into_iter()
+        .map(Duration::from_secs_f64)
+        .collect();
     let mib = |s: f64| FILE_BYTES as f64 / (1024.0 * 1024.0) / s;
-    Row { exec: Some(tether_tests::latency_ms(lat)), write_mib_s: Some(mib(secs(list("write_s")))), read_mib_s: Some(mib(secs(list("read_s")))) }
+    Row {
+        exec: Some(tether_tests::latency_ms(lat)),
+        write_mib_s: Some(mib(secs(list("write_s")))),
+        read_mib_s: Some(mib(secs(list("read_s")))),
+    }
 }
 
 fn cell(v: Option<f64>) -> String {
@@ -167,7 +219,10 @@ async fn main() {
     lc.confine_helper = Some(helper.clone());
     let local = Arc::new(tether_provider_local::LocalProvider::new(lc).expect("local provider"));
     let ctx = CallCtx::new("bench");
-    let lsb = local.create(&ctx, SandboxSpec::default()).await.expect("local sandbox");
+    let lsb = local
+        .create(&ctx, SandboxSpec::default())
+        .await
+        .expect("local sandbox");
     let floor = measure(lsb.as_ref()).await;
     local.destroy(&ctx, &lsb.info().id).await.expect("destroy");
 
@@ -175,8 +230,14 @@ async fn main() {
     // The daemon's own local provider confines through the same helper (a bench binary
     // is not one).
     let d = TestDaemon::start_with(|c| {
-        let local = tether_provider_local::LocalConfig { confine_helper: Some(helper.clone()), ..Default::default() };
-        c.providers.insert("local".into(), tether_daemon::config::ProviderConfig::Local(local));
+        let local = tether_provider_local::LocalConfig {
+            confine_helper: Some(helper.clone()),
+            ..Default::default()
+        };
+        c.providers.insert(
+            "local".into(),
+            tether_daemon::config::ProviderConfig::Local(local),
+        );
     })
     .await;
     let cfg = E2bConfig {
@@ -187,18 +248,36 @@ async fn main() {
         ..E2bConfig::default()
     };
     let e2b = E2bProvider::new(cfg).expect("e2b provider");
-    let esb = e2b.create(&ctx, SandboxSpec::default()).await.expect("e2b sandbox");
+    let esb = e2b
+        .create(&ctx, SandboxSpec::default())
+        .await
+        .expect("e2b sandbox");
     let ours = measure(esb.as_ref()).await;
     e2b.destroy(&ctx, &esb.info().id).await.expect("destroy");
     let sdk = measure_python(&d.base).await;
 
-    println!("E2B provider vs the official Python SDK, one run, same in-process tetherd E2B front (local provider behind it)");
-    println!("exec true: {EXEC_N} runs, ms (p50 / p95 / mean); files: {} MiB, median of {FILE_ROUNDS} rounds, MiB/s", FILE_BYTES >> 20);
+    println!(
+        "E2B provider vs the official Python SDK, one run, same in-process tetherd E2B front (local provider behind it)"
+    );
+    println!(
+        "exec true: {EXEC_N} runs, ms (p50 / p95 / mean); files: {} MiB, median of {FILE_ROUNDS} rounds, MiB/s",
+        FILE_BYTES >> 20
+    );
     println!(
         "{:<22} {:>28} {:>28} {:>28} {:>14} {:>14}",
-        "operation", "local provider (floor)", "tether E2B provider", "E2B Python SDK", "tether/floor", "SDK/tether"
+        "operation",
+        "local provider (floor)",
+        "tether E2B provider",
+        "E2B Python SDK",
+        "tether/floor",
+        "SDK/tether"
     );
-    let lat = |r: &Row| r.exec.map_or_else(|| "n/a".to_owned(), |(a, b, c)| format!("{a:.2} / {b:.2} / {c:.2}"));
+    let lat = |r: &Row| {
+        r.exec.map_or_else(
+            || "n/a".to_owned(),
+            |(a, b, c)| format!("{a:.2} / {b:.2} / {c:.2}"),
+        )
+    };
     let p50 = |r: &Row| r.exec.map(|e| e.0);
     println!(
         "{:<22} {:>28} {:>28} {:>28} {:>14} {:>14}",
@@ -209,7 +288,13 @@ async fn main() {
         ratio(p50(&ours), p50(&floor)),
         ratio(p50(&sdk), p50(&ours))
     );
-    for (name, get) in [("write 64 MiB (MiB/s)", (|r: &Row| r.write_mib_s) as fn(&Row) -> Option<f64>), ("read 64 MiB (MiB/s)", |r: &Row| r.read_mib_s)] {
+    for (name, get) in [
+        (
+            "write 64 MiB (MiB/s)",
+            (|r: &Row| r.write_mib_s) as fn(&Row) -> Option<f64>,
+        ),
+        ("read 64 MiB (MiB/s)", |r: &Row| r.read_mib_s),
+    ] {
         println!(
             "{:<22} {:>28} {:>28} {:>28} {:>14} {:>14}",
             name,

@@ -28,18 +28,23 @@ impl Drop for Child {
 
 fn spawn(bin: &std::path::Path, state: &std::path::Path, port: u16, otlp: Option<&str>) -> Child {
     let mut cmd = std::process::Command::new(bin);
-    cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
-        .arg(state)
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    cmd.args([
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--state-dir",
+    ])
+    .arg(state)
+    .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+    .env("RUST_LOG", "warn")
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
     if let Some(ep) = otlp {
-        cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", ep).env("OTEL_SERVICE_NAME", "tetherd-bench");
+        cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", ep)
+            .env("OTEL_SERVICE_NAME", "tetherd-bench");
     }
     Child(cmd.spawn().expect("spawn tetherd"))
 }
-
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -56,10 +61,24 @@ async fn main() {
         wait_until("tetherd health", Duration::from_secs(30), || {
             let http = http.clone();
             let url = format!("{base}/v1/health");
-            async move { http.get(url).send().await.map(|r| r.status().is_success()).unwrap_or(false) }
+            async move {
+                http.get(url)
+                    .send()
+                    .await
+                    .map(|r| r.status().is_success())
+                    .unwrap_or(false)
+            }
         })
         .await;
-        let s: Value = http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await.unwrap().json().await.unwrap();
+        let s: Value = http
+            .post(format!("{base}/v1/sessions"))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         let sid = s["id"].as_str().unwrap().to_owned();
         let url = format!("{base}/v1/sessions/{sid}/tool-calls");
         http.post(&url)
@@ -83,19 +102,47 @@ async fn main() {
                 let r = http.post(url).json(&body).send().await.unwrap();
                 assert!(r.status().is_success());
                 let _ = r.bytes().await.unwrap();
-                if k == 0 { on.push(t.elapsed()) } else { off.push(t.elapsed()) }
+                if k == 0 {
+                    on.push(t.elapsed())
+                } else {
+                    off.push(t.elapsed())
+                }
             }
         }
-        rows.push((label, tether_tests::latency_ms(on), tether_tests::latency_ms(off)));
+        rows.push((
+            label,
+            tether_tests::latency_ms(on),
+            tether_tests::latency_ms(off),
+        ));
     }
-    let spans = rx.wait_for_spans(|s| s.iter().any(|x| x["name"] == "tool.call"), Duration::from_secs(20)).await;
-    println!("tool-call latency with OTLP export on vs off, {N} calls each, alternating (ms; p50 / p95 / mean)");
-    println!("{:<16} {:>26} {:>26} {:>10}", "tool", "export on", "export off", "overhead");
+    let spans = rx
+        .wait_for_spans(
+            |s| s.iter().any(|x| x["name"] == "tool.call"),
+            Duration::from_secs(20),
+        )
+        .await;
+    println!(
+        "tool-call latency with OTLP export on vs off, {N} calls each, alternating (ms; p50 / p95 / mean)"
+    );
+    println!(
+        "{:<16} {:>26} {:>26} {:>10}",
+        "tool", "export on", "export off", "overhead"
+    );
     for (label, a, b) in rows {
         println!(
             "{:<16} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>+9.1}%",
-            label, a.0, a.1, a.2, b.0, b.1, b.2, (a.0 / b.0 - 1.0) * 100.0
+            label,
+            a.0,
+            a.1,
+            a.2,
+            b.0,
+            b.1,
+            b.2,
+            (a.0 / b.0 - 1.0) * 100.0
         );
     }
-    println!("spans received by the OTLP receiver during the run: {}", spans.len());
+    println!(
+        "spans received by the OTLP receiver during the run: {}",
+        spans.len()
+    );
 }

@@ -18,7 +18,6 @@ use tokio::time::Instant;
 
 const N: usize = 200;
 
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let dir = tempfile::tempdir().unwrap();
@@ -34,8 +33,14 @@ async fn main() {
     let sb = provider.create(&ctx, SandboxSpec::default()).await.unwrap();
 
     let d = TestDaemon::start_with(|c| {
-        let local = tether_provider_local::LocalConfig { confine_helper: Some(helper.clone()), ..Default::default() };
-        c.providers.insert("local".into(), tether_daemon::config::ProviderConfig::Local(local));
+        let local = tether_provider_local::LocalConfig {
+            confine_helper: Some(helper.clone()),
+            ..Default::default()
+        };
+        c.providers.insert(
+            "local".into(),
+            tether_daemon::config::ProviderConfig::Local(local),
+        );
     })
     .await;
     let sid = d.new_session().await;
@@ -47,7 +52,11 @@ async fn main() {
     let mut daemon = Vec::new();
     for i in 0..N {
         let t = Instant::now();
-        let h = sb.process().spawn(&ctx, ProcessSpec::shell("true")).await.unwrap();
+        let h = sb
+            .process()
+            .spawn(&ctx, ProcessSpec::shell("true"))
+            .await
+            .unwrap();
         let mut ev = h.events(StreamOffsets::default());
         while let Some(e) = ev.next().await {
             if matches!(e.unwrap(), ProcessEvent::Exited { .. }) {
@@ -61,7 +70,11 @@ async fn main() {
         let _ = r.bytes().await.unwrap();
         daemon.push(t.elapsed());
     }
-    rows.push(("bash true", tether_tests::latency_ms(direct), tether_tests::latency_ms(daemon)));
+    rows.push((
+        "bash true",
+        tether_tests::latency_ms(direct),
+        tether_tests::latency_ms(daemon),
+    ));
     // write_file / read_file of 4 KiB
     let payload = "x".repeat(4096);
     let mut direct_w = Vec::new();
@@ -70,10 +83,22 @@ async fn main() {
     let mut daemon_r = Vec::new();
     for i in 0..N {
         let t = Instant::now();
-        sb.fs().write(&ctx, "f.txt", util::once_bytes(payload.clone()), WriteGuard::None).await.unwrap();
+        sb.fs()
+            .write(
+                &ctx,
+                "f.txt",
+                util::once_bytes(payload.clone()),
+                WriteGuard::None,
+            )
+            .await
+            .unwrap();
         direct_w.push(t.elapsed());
         let t = Instant::now();
-        let s = sb.fs().read(&ctx, "f.txt", ByteRange::default()).await.unwrap();
+        let s = sb
+            .fs()
+            .read(&ctx, "f.txt", ByteRange::default())
+            .await
+            .unwrap();
         util::collect(&ctx, "f.txt", s, 1 << 20).await.unwrap();
         direct_r.push(t.elapsed());
         let t = Instant::now();
@@ -85,15 +110,33 @@ async fn main() {
         let _ = r.bytes().await.unwrap();
         daemon_r.push(t.elapsed());
     }
-    rows.push(("write_file 4 KiB", tether_tests::latency_ms(direct_w), tether_tests::latency_ms(daemon_w)));
-    rows.push(("read_file 4 KiB", tether_tests::latency_ms(direct_r), tether_tests::latency_ms(daemon_r)));
+    rows.push((
+        "write_file 4 KiB",
+        tether_tests::latency_ms(direct_w),
+        tether_tests::latency_ms(daemon_w),
+    ));
+    rows.push((
+        "read_file 4 KiB",
+        tether_tests::latency_ms(direct_r),
+        tether_tests::latency_ms(daemon_r),
+    ));
 
     println!("tool-call latency, {N} calls each (ms; p50 / p95 / mean)");
-    println!("{:<18} {:>26} {:>26} {:>12}", "operation", "provider direct", "through tetherd", "ratio p50");
+    println!(
+        "{:<18} {:>26} {:>26} {:>12}",
+        "operation", "provider direct", "through tetherd", "ratio p50"
+    );
     for (name, a, b) in rows {
         println!(
             "{:<18} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>11.2}x",
-            name, a.0, a.1, a.2, b.0, b.1, b.2, b.0 / a.0
+            name,
+            a.0,
+            a.1,
+            a.2,
+            b.0,
+            b.1,
+            b.2,
+            b.0 / a.0
         );
     }
     provider.destroy(&ctx, &sb.info().id).await.unwrap();

@@ -20,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -66,7 +66,9 @@ impl Drop for FaultProxy {
 impl FaultProxy {
     /// Start a proxy to `upstream` on an ephemeral port of 127.0.0.1.
     pub async fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the fault proxy");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the fault proxy");
         let addr = listener.local_addr().expect("proxy address");
         let state = Arc::new(State::default());
         let stop = CancellationToken::new();
@@ -81,7 +83,9 @@ impl FaultProxy {
                 st.accepted.fetch_add(1, Ordering::Relaxed);
                 let (st, token) = (st.clone(), token.clone());
                 tokio::spawn(async move {
-                    if st.mode.load(Ordering::Acquire) == BLACKHOLE || st.frozen.load(Ordering::Acquire) {
+                    if st.mode.load(Ordering::Acquire) == BLACKHOLE
+                        || st.frozen.load(Ordering::Acquire)
+                    {
                         blackhole(client, token).await;
                     } else {
                         st.forwarded.fetch_add(1, Ordering::Relaxed);
@@ -132,7 +136,9 @@ impl FaultProxy {
     }
 
     fn arm(&self, fault: u8, n: u64) {
-        self.state.budget.store(i64::try_from(n).unwrap_or(i64::MAX), Ordering::Release);
+        self.state
+            .budget
+            .store(i64::try_from(n).unwrap_or(i64::MAX), Ordering::Release);
         self.state.fault.store(fault, Ordering::Release);
     }
 
@@ -163,7 +169,10 @@ impl FaultProxy {
 
     /// Bytes forwarded so far (towards the client, towards the upstream).
     pub fn bytes(&self) -> (u64, u64) {
-        (self.state.down_bytes.load(Ordering::Relaxed), self.state.up_bytes.load(Ordering::Relaxed))
+        (
+            self.state.down_bytes.load(Ordering::Relaxed),
+            self.state.up_bytes.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -180,8 +189,15 @@ async fn blackhole(mut client: TcpStream, token: CancellationToken) {
     }
 }
 
-async fn forward(client: TcpStream, upstream: SocketAddr, st: Arc<State>, token: CancellationToken) {
-    let Ok(server) = TcpStream::connect(upstream).await else { return };
+async fn forward(
+    client: TcpStream,
+    upstream: SocketAddr,
+    st: Arc<State>,
+    token: CancellationToken,
+) {
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return;
+    };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (mut cr, mut cw) = client.into_split();
@@ -229,7 +245,16 @@ async fn forward(client: TcpStream, upstream: SocketAddr, st: Arc<State>, token:
                     if left < n as i64 {
                         // This connection carries the byte the fault was armed for.
                         send = usize::try_from(left.max(0)).unwrap_or(0);
-                        if st.fault.compare_exchange(fault, FAULT_NONE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                        if st
+                            .fault
+                            .compare_exchange(
+                                fault,
+                                FAULT_NONE,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            )
+                            .is_ok()
+                        {
                             fire = fault;
                         }
                     }

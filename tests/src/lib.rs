@@ -19,7 +19,10 @@ pub mod otlp;
 
 /// The workspace root (for scripts and fixtures).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 /// A daemon running in this process, with a temporary state dir.
@@ -53,11 +56,21 @@ impl TestDaemon {
         cfg.server.state_dir = dir.path().to_owned();
         cfg.server.shutdown_grace_ms = 5_000;
         f(&mut cfg);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let daemon = Daemon::start_on(cfg, listener).await.expect("daemon start");
         let base = daemon.base_url();
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().expect("client");
-        Self { daemon: Some(daemon), dir, base, http }
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .expect("client");
+        Self {
+            daemon: Some(daemon),
+            dir,
+            base,
+            http,
+        }
     }
 
     /// `base + path`.
@@ -67,7 +80,13 @@ impl TestDaemon {
 
     /// POST JSON, return (status, JSON body or Null).
     pub async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-        let r = self.http.post(self.url(path)).json(&body).send().await.expect("send");
+        let r = self
+            .http
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(serde_json::Value::Null))
     }
@@ -106,7 +125,10 @@ where
         if f().await {
             return;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -134,15 +156,21 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         .status()
         .expect("run cargo build");
     assert!(status.success(), "cargo build of {name} failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let path = target.join(if release { "release" } else { "debug" }).join(name);
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let path = target
+        .join(if release { "release" } else { "debug" })
+        .join(name);
     assert!(path.exists(), "{} missing", path.display());
     path
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for a child process).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
 }
 
 /// p50, p95 and mean of latency samples, in milliseconds (benchmarks).
@@ -153,5 +181,9 @@ pub fn latency_ms(mut samples: Vec<Duration>) -> (f64, f64, f64) {
         return (0.0, 0.0, 0.0);
     }
     let mean = samples.iter().map(|d| ms(*d)).sum::<f64>() / samples.len() as f64;
-    (ms(samples[samples.len() / 2]), ms(samples[samples.len() * 95 / 100]), mean)
+    (
+        ms(samples[samples.len() / 2]),
+        ms(samples[samples.len() * 95 / 100]),
+        mean,
+    )
 }

@@ -42,11 +42,19 @@ impl OtlpReceiver {
         let spans_path = dir.path().join("spans.jsonl");
         let metrics_path = dir.path().join("metrics.jsonl");
         let log_path = dir.path().join("receiver.log");
-        let log = std::fs::File::create(&log_path).unwrap_or_else(|e| panic!("create {}: {e}", log_path.display()));
+        let log = std::fs::File::create(&log_path)
+            .unwrap_or_else(|e| panic!("create {}: {e}", log_path.display()));
         let script = crate::workspace_root().join("tests/otlp/otlp_receiver.py");
         let mut child = Command::new(&python)
             .arg(&script)
-            .args(["--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+            ])
             .arg("--out")
             .arg(&spans_path)
             .arg("--metrics-out")
@@ -58,7 +66,10 @@ impl OtlpReceiver {
             .unwrap_or_else(|e| panic!("spawn {} {}: {e}", python.display(), script.display()));
 
         // Read the READY line on a thread so that a receiver that hangs cannot hang the test.
-        let stdout = child.stdout.take().unwrap_or_else(|| panic!("receiver stdout not piped"));
+        let stdout = child
+            .stdout
+            .take()
+            .unwrap_or_else(|| panic!("receiver stdout not piped"));
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
@@ -78,8 +89,17 @@ impl OtlpReceiver {
                 );
             }
         };
-        let (http, grpc) = parse_ready(&ready).unwrap_or_else(|| panic!("unexpected receiver banner: {ready:?}"));
-        Self { child, http, grpc, spans_path, metrics_path, log_path, _dir: dir }
+        let (http, grpc) =
+            parse_ready(&ready).unwrap_or_else(|| panic!("unexpected receiver banner: {ready:?}"));
+        Self {
+            child,
+            http,
+            grpc,
+            spans_path,
+            metrics_path,
+            log_path,
+            _dir: dir,
+        }
     }
 
     /// The OTLP/HTTP base URL, `http://127.0.0.1:PORT` (the signal paths `/v1/traces` and
@@ -110,13 +130,22 @@ impl OtlpReceiver {
 
     /// Wait until `pred` holds for the spans received, and return them. Panics with what
     /// was received if `timeout` passes first.
-    pub async fn wait_for_spans(&self, pred: impl Fn(&[Value]) -> bool, timeout: Duration) -> Vec<Value> {
+    pub async fn wait_for_spans(
+        &self,
+        pred: impl Fn(&[Value]) -> bool,
+        timeout: Duration,
+    ) -> Vec<Value> {
         self.wait_for("spans", || self.spans(), pred, timeout).await
     }
 
     /// Wait until `pred` holds for the metric data points received, and return them.
-    pub async fn wait_for_metrics(&self, pred: impl Fn(&[Value]) -> bool, timeout: Duration) -> Vec<Value> {
-        self.wait_for("metrics", || self.metrics(), pred, timeout).await
+    pub async fn wait_for_metrics(
+        &self,
+        pred: impl Fn(&[Value]) -> bool,
+        timeout: Duration,
+    ) -> Vec<Value> {
+        self.wait_for("metrics", || self.metrics(), pred, timeout)
+            .await
     }
 
     async fn wait_for(
@@ -160,8 +189,15 @@ pub fn span<'a>(spans: &'a [Value], name: &str) -> Option<&'a Value> {
 }
 
 /// Find a metric data point by name and attributes (every given attribute must match).
-pub fn metric_point<'a>(points: &'a [Value], name: &str, attrs: &[(&str, &str)]) -> Option<&'a Value> {
-    points.iter().rev().find(|p| p["name"] == name && attrs.iter().all(|(k, v)| p["attributes"][*k] == *v))
+pub fn metric_point<'a>(
+    points: &'a [Value],
+    name: &str,
+    attrs: &[(&str, &str)],
+) -> Option<&'a Value> {
+    points
+        .iter()
+        .rev()
+        .find(|p| p["name"] == name && attrs.iter().all(|(k, v)| p["attributes"][*k] == *v))
 }
 
 /// The interpreter of the receiver's venv, created (once per process, under a file lock

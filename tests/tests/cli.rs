@@ -16,7 +16,12 @@ async fn tether(d: &TestDaemon, args: &[&str]) -> Output {
     let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
     let base = d.base.clone();
     tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin).args(&args).env("TETHER_URL", base).env_remove("TETHER_TOKEN").output().unwrap()
+        std::process::Command::new(bin)
+            .args(&args)
+            .env("TETHER_URL", base)
+            .env_remove("TETHER_TOKEN")
+            .output()
+            .unwrap()
     })
     .await
     .unwrap()
@@ -37,7 +42,18 @@ async fn the_cli_drives_a_session_end_to_end() {
     assert!(text(&o).contains(&sid));
 
     // exec streams output and exits with the command's code.
-    let o = tether(&d, &["exec", &sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3"]).await;
+    let o = tether(
+        &d,
+        &[
+            "exec",
+            &sid,
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 3",
+        ],
+    )
+    .await;
     assert_eq!(o.status.code(), Some(3), "{o:?}");
     assert_eq!(text(&o), "out\n");
     assert_eq!(String::from_utf8_lossy(&o.stderr), "err\n");
@@ -45,7 +61,9 @@ async fn the_cli_drives_a_session_end_to_end() {
     // cp up and down, byte-exact, 20 MiB (large enough for the progress bar path).
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("big.bin");
-    let data: Vec<u8> = (0..20 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let data: Vec<u8> = (0..20 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
     std::fs::write(&src, &data).unwrap();
     let remote = format!("{sid}:/home/user/big.bin");
     let o = tether(&d, &["cp", src.to_str().unwrap(), &remote]).await;
@@ -53,21 +71,39 @@ async fn the_cli_drives_a_session_end_to_end() {
     let back = dir.path().join("back.bin");
     let o = tether(&d, &["cp", &remote, back.to_str().unwrap()]).await;
     assert!(o.status.success(), "{o:?}");
-    assert!(std::fs::read(&back).unwrap() == data, "the round trip must be byte-exact");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the round trip must be byte-exact"
+    );
     let o = tether(&d, &["cp", "a", "b"]).await;
-    assert_eq!(o.status.code(), Some(2), "two local paths are a usage error");
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "two local paths are a usage error"
+    );
 
     // call a tool; its result is printed and a failing result exits 1.
-    let o = tether(&d, &["call", &sid, "bash", r#"{"command":"wc -c < big.bin"}"#]).await;
+    let o = tether(
+        &d,
+        &["call", &sid, "bash", r#"{"command":"wc -c < big.bin"}"#],
+    )
+    .await;
     assert!(o.status.success(), "{o:?}");
     assert!(text(&o).contains("20971520"), "{}", text(&o));
-    let o = tether(&d, &["call", &sid, "read_file", r#"{"path":"missing.txt"}"#]).await;
+    let o = tether(
+        &d,
+        &["call", &sid, "read_file", r#"{"path":"missing.txt"}"#],
+    )
+    .await;
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("FS_NOT_FOUND"));
 
     // logs: one JSON event per line, contiguous seq.
     let o = tether(&d, &["logs", &sid]).await;
-    let events: Vec<Value> = text(&o).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let events: Vec<Value> = text(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert!(events.iter().enumerate().all(|(i, e)| e["seq"] == i as u64));
     assert!(events.iter().any(|e| e["type"] == "tool/result"));
 
@@ -89,7 +125,10 @@ async fn the_cli_drives_a_session_end_to_end() {
 async fn tether_run_embeds_a_daemon_and_reports_timings() {
     let bin = workspace_bin("tether");
     let o = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin).args(["run", "--", "sh", "-c", "echo hi from $(pwd); exit 7"]).output().unwrap()
+        std::process::Command::new(bin)
+            .args(["run", "--", "sh", "-c", "echo hi from $(pwd); exit 7"])
+            .output()
+            .unwrap()
     })
     .await
     .unwrap();
@@ -97,7 +136,10 @@ async fn tether_run_embeds_a_daemon_and_reports_timings() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "hi from /home/user\n");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("isolation: full"), "{err}");
-    assert!(err.contains("exit code: 7") && err.contains("sandbox create") && err.contains("total"), "{err}");
+    assert!(
+        err.contains("exit code: 7") && err.contains("sandbox create") && err.contains("total"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -112,33 +154,74 @@ async fn tetherd_refuses_bad_config_with_exit_64() {
     std::fs::write(&open, "[server]\nlisten = \"0.0.0.0:7420\"\n").unwrap();
     let run = |args: Vec<String>| {
         let bin = bin.clone();
-        tokio::task::spawn_blocking(move || std::process::Command::new(bin).args(args).output().unwrap())
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(bin).args(args).output().unwrap()
+        })
     };
     let arg = |p: &std::path::Path| p.to_str().unwrap().to_owned();
-    let o = run(vec!["validate-config".into(), "--config".into(), arg(&good)]).await.unwrap();
+    let o = run(vec![
+        "validate-config".into(),
+        "--config".into(),
+        arg(&good),
+    ])
+    .await
+    .unwrap();
     assert_eq!(o.status.code(), Some(0), "{o:?}");
-    let o = run(vec!["validate-config".into(), "--config".into(), arg(&bad)]).await.unwrap();
+    let o = run(vec!["validate-config".into(), "--config".into(), arg(&bad)])
+        .await
+        .unwrap();
     assert_eq!(o.status.code(), Some(64), "unknown field: {o:?}");
-    let o = run(vec!["validate-config".into(), "--config".into(), arg(&open)]).await.unwrap();
-    assert_eq!(o.status.code(), Some(64), "non-loopback without a token: {o:?}");
+    let o = run(vec![
+        "validate-config".into(),
+        "--config".into(),
+        arg(&open),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(64),
+        "non-loopback without a token: {o:?}"
+    );
     // serve refuses too, before listening.
-    let o = run(vec!["serve".into(), "--config".into(), arg(&open), "--state-dir".into(), arg(dir.path())]).await.unwrap();
+    let o = run(vec![
+        "serve".into(),
+        "--config".into(),
+        arg(&open),
+        "--state-dir".into(),
+        arg(dir.path()),
+    ])
+    .await
+    .unwrap();
     assert_eq!(o.status.code(), Some(64), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("auth_tokens"));
 }
 
 #[tokio::test]
 async fn release_on_shutdown_destroys_sandboxes_and_records_it() {
-    let d = TestDaemon::start_with(|c| c.server.on_shutdown = tether_daemon::config::ShutdownPolicy::Release).await;
+    let d = TestDaemon::start_with(|c| {
+        c.server.on_shutdown = tether_daemon::config::ShutdownPolicy::Release
+    })
+    .await;
     let sid = d.new_session().await;
     let sandboxes = d.dir.path().join("sandboxes").join("local");
     let before = std::fs::read_dir(&sandboxes).unwrap().count();
     assert!(before >= 1);
     let dir = d.stop().await;
-    let after = std::fs::read_dir(dir.path().join("sandboxes").join("local")).unwrap().filter_map(Result::ok).filter(|e| e.path().is_dir()).count();
+    let after = std::fs::read_dir(dir.path().join("sandboxes").join("local"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
+        .count();
     assert_eq!(after, 0, "release must destroy every sandbox");
     let ledger = std::fs::read_to_string(dir.path().join("leases.jsonl")).unwrap();
-    assert!(ledger.lines().any(|l| l.contains("\"released\"") && l.contains(&sid)), "{ledger}");
-    let log = std::fs::read_to_string(dir.path().join("sessions").join(&sid).join("events.jsonl")).unwrap();
+    assert!(
+        ledger
+            .lines()
+            .any(|l| l.contains("\"released\"") && l.contains(&sid)),
+        "{ledger}"
+    );
+    let log = std::fs::read_to_string(dir.path().join("sessions").join(&sid).join("events.jsonl"))
+        .unwrap();
     assert!(log.contains("sandbox/released") && log.contains("session/closed"));
 }

@@ -27,7 +27,12 @@ impl Drop for Child {
 
 fn spawn_tetherd(bin: &std::path::Path, state: &std::path::Path, port: u16) -> Child {
     let child = std::process::Command::new(bin)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--state-dir",
+        ])
         .arg(state)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -38,7 +43,11 @@ fn spawn_tetherd(bin: &std::path::Path, state: &std::path::Path, port: u16) -> C
 
 async fn wait_healthy(http: &reqwest::Client, base: &str) {
     wait_until("tetherd health", Duration::from_secs(30), || async {
-        http.get(format!("{base}/v1/health")).send().await.map(|r| r.status().is_success()).unwrap_or(false)
+        http.get(format!("{base}/v1/health"))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .unwrap_or(false)
     })
     .await;
 }
@@ -59,13 +68,24 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     let state = tempfile::tempdir().unwrap();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
     let mut child = spawn_tetherd(&bin, state.path(), port);
     wait_healthy(&http, &base).await;
 
     let mut ids = Vec::new();
     for _ in 0..SESSIONS {
-        let r: Value = http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await.unwrap().json().await.unwrap();
+        let r: Value = http
+            .post(format!("{base}/v1/sessions"))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         ids.push(r["id"].as_str().unwrap().to_owned());
     }
     // 200 requests in flight at once: each a one-call batch; batches of a session run in turn.
@@ -103,7 +123,11 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         async move { n >= total / 4 }
     })
     .await;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.0.id() as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     let _ = child.0.wait();
     let mut acked: Vec<(String, String, Value)> = Vec::new();
     while let Some(a) = rx.recv().await {
@@ -112,7 +136,10 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     for h in handles {
         let _ = h.await;
     }
-    assert!(acked.len() < total, "the kill must land mid-flight (all {total} were acknowledged)");
+    assert!(
+        acked.len() < total,
+        "the kill must land mid-flight (all {total} were acknowledged)"
+    );
     eprintln!("acknowledged before the kill: {} of {total}", acked.len());
 
     // Restart on the same state dir.
@@ -125,8 +152,18 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     let mut calls_logged: BTreeSet<String> = BTreeSet::new();
     let mut repaired = 0;
     for sid in &ids {
-        let text = http.get(format!("{base2}/v1/sessions/{sid}/events")).send().await.unwrap().text().await.unwrap();
-        let events: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("event parses")).collect();
+        let text = http
+            .get(format!("{base2}/v1/sessions/{sid}/events"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let events: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("event parses"))
+            .collect();
         for (i, e) in events.iter().enumerate() {
             assert_eq!(e["seq"].as_u64(), Some(i as u64), "seq contiguous in {sid}");
         }
@@ -134,23 +171,37 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         for e in &events {
             match e["type"].as_str().unwrap() {
                 "tool/call" => {
-                    assert!(calls_logged.insert(e["data"]["call_id"].as_str().unwrap().to_owned()), "a call logged twice");
+                    assert!(
+                        calls_logged.insert(e["data"]["call_id"].as_str().unwrap().to_owned()),
+                        "a call logged twice"
+                    );
                 }
                 "tool/result" => {
                     let cid = e["data"]["call_id"].as_str().unwrap().to_owned();
-                    if matches!(e["data"]["error"]["code"].as_str(), Some("TOOL_OUTCOME_UNKNOWN" | "TOOL_NOT_STARTED")) {
+                    if matches!(
+                        e["data"]["error"]["code"].as_str(),
+                        Some("TOOL_OUTCOME_UNKNOWN" | "TOOL_NOT_STARTED")
+                    ) {
                         repaired += 1;
                     }
-                    results_by_call.entry(cid).or_default().push(e["data"].clone());
+                    results_by_call
+                        .entry(cid)
+                        .or_default()
+                        .push(e["data"].clone());
                 }
                 "turn/start" => open_turn = true,
                 "turn/end" => open_turn = false,
                 _ => {}
             }
         }
-        assert!(!open_turn, "an interrupted turn must be closed by repair in {sid}");
+        assert!(
+            !open_turn,
+            "an interrupted turn must be closed by repair in {sid}"
+        );
         // The file on disk parses line by line too.
-        let disk = std::fs::read_to_string(state.path().join("sessions").join(sid).join("events.jsonl")).unwrap();
+        let disk =
+            std::fs::read_to_string(state.path().join("sessions").join(sid).join("events.jsonl"))
+                .unwrap();
         assert!(disk.ends_with('\n'));
         for l in disk.lines() {
             serde_json::from_str::<Value>(l).expect("disk line parses");
@@ -158,16 +209,28 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     }
     // Every logged call has exactly one result.
     for c in &calls_logged {
-        assert_eq!(results_by_call.get(c).map_or(0, Vec::len), 1, "call {c} must have exactly one result");
+        assert_eq!(
+            results_by_call.get(c).map_or(0, Vec::len),
+            1,
+            "call {c} must have exactly one result"
+        );
     }
     for (c, r) in &results_by_call {
         assert_eq!(r.len(), 1, "call {c} has {} results", r.len());
     }
     // Every acknowledged result is present, identical.
     for (_, cid, res) in &acked {
-        let logged = &results_by_call.get(cid).unwrap_or_else(|| panic!("acknowledged call {cid} missing"))[0];
-        assert_eq!(logged["content"], res["content"], "acknowledged result of {cid} differs");
+        let logged = &results_by_call
+            .get(cid)
+            .unwrap_or_else(|| panic!("acknowledged call {cid} missing"))[0];
+        assert_eq!(
+            logged["content"], res["content"],
+            "acknowledged result of {cid} differs"
+        );
         assert_eq!(logged["is_error"], res["is_error"]);
     }
-    eprintln!("calls logged: {}, repaired results: {repaired}", calls_logged.len());
+    eprintln!(
+        "calls logged: {}, repaired results: {repaired}",
+        calls_logged.len()
+    );
 }

@@ -20,7 +20,10 @@ use tether_protocol::ErrorCode;
 use tether_protocol::fs::{ByteRange, WriteGuard};
 use tether_protocol::process::{ProcessEvent, ProcessSpec, StreamKind};
 use tether_provider::testkit::{ConformanceOptions, Fixture};
-use tether_provider::{CallCtx, EventStream, ProcessSelector, Provider, ProviderError, Sandbox, SandboxSpec, StreamOffsets};
+use tether_provider::{
+    CallCtx, EventStream, ProcessSelector, Provider, ProviderError, Sandbox, SandboxSpec,
+    StreamOffsets,
+};
 use tether_provider_e2b::{E2bConfig, E2bProvider, RetryConfig};
 use tether_tests::TestDaemon;
 use tether_tests::fault_proxy::FaultProxy;
@@ -40,7 +43,9 @@ fn client_config(base: &str) -> E2bConfig {
 }
 
 fn addr_of(base: &str) -> SocketAddr {
-    base.trim_start_matches("http://").parse().expect("daemon address")
+    base.trim_start_matches("http://")
+        .parse()
+        .expect("daemon address")
 }
 
 fn ctx() -> CallCtx {
@@ -52,8 +57,12 @@ mod conformance {
 
     async fn fixture() -> Fixture {
         let d = TestDaemon::start().await;
-        let provider: Arc<dyn Provider> = Arc::new(E2bProvider::new(client_config(&d.base)).expect("provider"));
-        let options = ConformanceOptions { fs_confined_to_workspace: false, ..ConformanceOptions::default() };
+        let provider: Arc<dyn Provider> =
+            Arc::new(E2bProvider::new(client_config(&d.base)).expect("provider"));
+        let options = ConformanceOptions {
+            fs_confined_to_workspace: false,
+            ..ConformanceOptions::default()
+        };
         Fixture::new(provider).with_options(options).keep(d)
     }
 
@@ -73,15 +82,27 @@ async fn drain(mut events: EventStream, from: StreamOffsets) -> Seen {
     let mut seen = Seen::default();
     while let Some(ev) = events.next().await {
         match ev {
-            Ok(ProcessEvent::Output { stream, offset, data }) => {
+            Ok(ProcessEvent::Output {
+                stream,
+                offset,
+                data,
+            }) => {
                 let (buf, base) = match stream {
                     StreamKind::Stderr => (&mut seen.stderr, from.stderr),
                     _ => (&mut seen.stdout, from.stdout),
                 };
-                assert_eq!(offset, base + buf.len() as u64, "{stream:?} chunk at a wrong offset");
+                assert_eq!(
+                    offset,
+                    base + buf.len() as u64,
+                    "{stream:?} chunk at a wrong offset"
+                );
                 buf.extend_from_slice(&data);
             }
-            Ok(ProcessEvent::Exited { status, stdout_bytes, .. }) => seen.exited = Some((status.code, stdout_bytes)),
+            Ok(ProcessEvent::Exited {
+                status,
+                stdout_bytes,
+                ..
+            }) => seen.exited = Some((status.code, stdout_bytes)),
             Ok(ProcessEvent::Started { .. }) => {}
             Err(e) => {
                 seen.error = Some(e);
@@ -98,7 +119,11 @@ fn seq(from: u64, to: u64) -> String {
 
 /// A provider whose control plane is reached directly and whose envd traffic goes
 /// through `proxy` (so the proxy sees only what a command's streams and reads do).
-fn via_proxy(d: &TestDaemon, proxy: &FaultProxy, tweak: impl FnOnce(&mut E2bConfig)) -> E2bProvider {
+fn via_proxy(
+    d: &TestDaemon,
+    proxy: &FaultProxy,
+    tweak: impl FnOnce(&mut E2bConfig),
+) -> E2bProvider {
     let mut cfg = client_config(&d.base);
     cfg.sandbox_url = Some(proxy.url());
     tweak(&mut cfg);
@@ -106,7 +131,9 @@ fn via_proxy(d: &TestDaemon, proxy: &FaultProxy, tweak: impl FnOnce(&mut E2bConf
 }
 
 async fn new_sandbox(p: &E2bProvider) -> Arc<dyn Sandbox> {
-    p.create(&ctx(), SandboxSpec::default()).await.expect("create")
+    p.create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("create")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,7 +143,11 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
     proxy.blackhole();
     let mut cfg = client_config(&proxy.url());
     cfg.connect_timeout_ms = 300;
-    cfg.retry = RetryConfig { max_times: 2, min_delay_ms: 50, max_delay_ms: 100 };
+    cfg.retry = RetryConfig {
+        max_times: 2,
+        min_delay_ms: 50,
+        max_delay_ms: 100,
+    };
     let p = E2bProvider::new(cfg).expect("provider");
     // Three attempts of 300 ms and two backoffs of at most 100 ms.
     let limit = Duration::from_millis(3 * 300 + 2 * 100);
@@ -126,15 +157,29 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
         let e = match op {
             "healthcheck" => p.healthcheck(&ctx()).await.expect_err("healthcheck"),
             "list" => p.list(&ctx()).await.expect_err("list"),
-            "create" => p.create(&ctx(), SandboxSpec::default()).await.map(|_| ()).expect_err("create"),
-            "connect" => p.connect(&ctx(), "isomesandbox").await.map(|_| ()).expect_err("connect"),
-            _ => p.destroy(&ctx(), "isomesandbox").await.expect_err("destroy"),
+            "create" => p
+                .create(&ctx(), SandboxSpec::default())
+                .await
+                .map(|_| ())
+                .expect_err("create"),
+            "connect" => p
+                .connect(&ctx(), "isomesandbox")
+                .await
+                .map(|_| ())
+                .expect_err("connect"),
+            _ => p
+                .destroy(&ctx(), "isomesandbox")
+                .await
+                .expect_err("destroy"),
         };
         let took = t.elapsed();
         assert_eq!(e.code(), ErrorCode::ConnectTimeout, "{op}: {e}");
         assert_eq!(e.clock(), Some("connect"), "{op}");
         assert!(e.retryable(), "{op}");
-        assert!(took >= Duration::from_millis(300), "{op} gave up before its connect limit: {took:?}");
+        assert!(
+            took >= Duration::from_millis(300),
+            "{op} gave up before its connect limit: {took:?}"
+        );
         assert!(took < limit + margin, "{op} took {took:?}");
     }
     // A total deadline shorter than the retries ends the call at the deadline.
@@ -143,7 +188,11 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
     let e = p.list(&short).await.expect_err("list under a deadline");
     assert_eq!(e.code(), ErrorCode::DeadlineExceeded, "{e}");
     assert_eq!(e.clock(), Some("total"));
-    assert!(t.elapsed() < Duration::from_millis(450) + margin, "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(450) + margin,
+        "took {:?}",
+        t.elapsed()
+    );
     assert!(proxy.accepted() >= 3 * 5, "every attempt reached the proxy");
     assert_eq!(proxy.forwarded(), 0);
 }
@@ -157,13 +206,27 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
         c.transport_idle_ms = 1500;
     });
     let sb = new_sandbox(&p).await;
-    let data: Vec<u8> = (0..8u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
-    let body = futures_util::stream::iter(data.chunks(1 << 20).map(|c| Ok(Bytes::copy_from_slice(c))).collect::<Vec<_>>()).boxed();
-    sb.fs().write(&ctx(), "big.bin", body, WriteGuard::None).await.expect("write");
+    let data: Vec<u8> = (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let body = futures_util::stream::iter(
+        data.chunks(1 << 20)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect::<Vec<_>>(),
+    )
+    .boxed();
+    sb.fs()
+        .write(&ctx(), "big.bin", body, WriteGuard::None)
+        .await
+        .expect("write");
 
     proxy.stall_after(1 << 20);
     let t = Instant::now();
-    let mut stream = sb.fs().read(&ctx(), "big.bin", ByteRange::default()).await.expect("read");
+    let mut stream = sb
+        .fs()
+        .read(&ctx(), "big.bin", ByteRange::default())
+        .await
+        .expect("read");
     let mut got = Vec::new();
     let err = loop {
         match stream.next().await {
@@ -175,9 +238,19 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
     let took = t.elapsed();
     assert_eq!(err.code(), ErrorCode::TransportIdleTimeout, "{err}");
     assert_eq!(err.clock(), Some("transport_idle"));
-    assert!(took >= Duration::from_millis(1500) && took < Duration::from_millis(1500 + 1000), "took {took:?}");
-    assert!(!got.is_empty() && got.len() < data.len(), "partial data: {} bytes", got.len());
-    assert!(got[..] == data[..got.len()], "the partial data is a prefix of the file");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_millis(1500 + 1000),
+        "took {took:?}"
+    );
+    assert!(
+        !got.is_empty() && got.len() < data.len(),
+        "partial data: {} bytes",
+        got.len()
+    );
+    assert!(
+        got[..] == data[..got.len()],
+        "the partial data is a prefix of the file"
+    );
     assert_eq!(proxy.stalls(), 1);
 }
 
@@ -187,22 +260,44 @@ async fn a_stream_cut_mid_output_resumes_byte_for_byte() {
     let proxy = FaultProxy::start(addr_of(&d.base)).await;
     let p = via_proxy(&d, &proxy, |_| {});
     let sb = new_sandbox(&p).await;
-    let h = sb.process().spawn(&ctx(), ProcessSpec::shell("seq 1 200000; sleep 0.5; seq 200001 300000")).await.expect("spawn");
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("seq 1 200000; sleep 0.5; seq 200001 300000"),
+        )
+        .await
+        .expect("spawn");
     // A reader from the start, attached before the cut.
-    let early = tokio::spawn(drain(h.events(StreamOffsets::default()), StreamOffsets::default()));
+    let early = tokio::spawn(drain(
+        h.events(StreamOffsets::default()),
+        StreamOffsets::default(),
+    ));
     proxy.cut_after(300_000);
-    let seen = tokio::time::timeout(Duration::from_secs(30), early).await.expect("the command's output ended").expect("reader");
+    let seen = tokio::time::timeout(Duration::from_secs(30), early)
+        .await
+        .expect("the command's output ended")
+        .expect("reader");
     assert!(seen.error.is_none(), "{:?}", seen.error);
     let expected = seq(1, 300_000);
     assert_eq!(proxy.cuts(), 1, "the stream was cut");
     assert_eq!(seen.stdout.len(), expected.len());
-    assert!(seen.stdout == expected.as_bytes(), "the resumed output differs from the command's real output");
+    assert!(
+        seen.stdout == expected.as_bytes(),
+        "the resumed output differs from the command's real output"
+    );
     assert_eq!(seen.exited, Some((Some(0), expected.len() as u64)));
     // Readers after the fact, from the start and from offsets inside the cut region.
     for k in [0u64, 1, 299_999, 300_000, 1_000_003, expected.len() as u64] {
-        let from = StreamOffsets { stdout: k, stderr: 0 };
+        let from = StreamOffsets {
+            stdout: k,
+            stderr: 0,
+        };
         let s = drain(h.events(from), from).await;
-        assert!(s.stdout == expected.as_bytes()[k as usize..], "a reader from {k} got something else");
+        assert!(
+            s.stdout == expected.as_bytes()[k as usize..],
+            "a reader from {k} got something else"
+        );
     }
 }
 
@@ -214,15 +309,26 @@ async fn a_late_reader_survives_a_cut_while_reading_the_output_copy() {
     // in-sandbox copy through /files, and that read is what the proxy cuts.
     let p = via_proxy(&d, &proxy, |c| c.output_buffer_bytes = 64 * 1024);
     let sb = new_sandbox(&p).await;
-    let h = sb.process().spawn(&ctx(), ProcessSpec::shell("seq 1 200000")).await.expect("spawn");
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("seq 1 200000"))
+        .await
+        .expect("spawn");
     let first = drain(h.events(StreamOffsets::default()), StreamOffsets::default()).await;
     let expected = seq(1, 200_000);
     assert!(first.stdout == expected.as_bytes());
     proxy.cut_after(100_000);
     let late = drain(h.events(StreamOffsets::default()), StreamOffsets::default()).await;
     assert_eq!(proxy.cuts(), 1, "the copy's download was cut");
-    assert!(late.error.is_none(), "a cut range read must be retried: {:?}", late.error);
-    assert!(late.stdout == expected.as_bytes(), "the late reader got something else");
+    assert!(
+        late.error.is_none(),
+        "a cut range read must be retried: {:?}",
+        late.error
+    );
+    assert!(
+        late.stdout == expected.as_bytes(),
+        "the late reader got something else"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -234,17 +340,34 @@ async fn a_stalled_command_stream_reattaches_and_loses_nothing() {
         c.transport_idle_ms = 1500;
     });
     let sb = new_sandbox(&p).await;
-    let h = sb.process().spawn(&ctx(), ProcessSpec::shell("seq 1 50000; sleep 2; seq 50001 60000")).await.expect("spawn");
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("seq 1 50000; sleep 2; seq 50001 60000"),
+        )
+        .await
+        .expect("spawn");
     proxy.stall_after(100_000);
     let t = Instant::now();
-    let seen = tokio::time::timeout(Duration::from_secs(30), drain(h.events(StreamOffsets::default()), StreamOffsets::default()))
-        .await
-        .expect("the command's output ended");
+    let seen = tokio::time::timeout(
+        Duration::from_secs(30),
+        drain(h.events(StreamOffsets::default()), StreamOffsets::default()),
+    )
+    .await
+    .expect("the command's output ended");
     assert!(seen.error.is_none(), "{:?}", seen.error);
     assert_eq!(proxy.stalls(), 1, "the stream stalled");
-    assert!(seen.stdout == seq(1, 60_000).as_bytes(), "output lost or duplicated across the stall");
+    assert!(
+        seen.stdout == seq(1, 60_000).as_bytes(),
+        "output lost or duplicated across the stall"
+    );
     assert_eq!(seen.exited.map(|e| e.0), Some(Some(0)));
-    assert!(t.elapsed() < Duration::from_secs(2) + Duration::from_millis(1500) + Duration::from_secs(2), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(2) + Duration::from_millis(1500) + Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,25 +395,46 @@ async fn a_stalled_command_stream_with_no_way_back_fails_with_transport_idle_tim
     }
     proxy.freeze();
     let t = Instant::now();
-    let rest = drain(events, StreamOffsets { stdout: got.len() as u64, stderr: 0 }).await;
+    let rest = drain(
+        events,
+        StreamOffsets {
+            stdout: got.len() as u64,
+            stderr: 0,
+        },
+    )
+    .await;
     let took = t.elapsed();
     let err = rest.error.expect("the stream must fail");
     assert_eq!(err.code(), ErrorCode::TransportIdleTimeout, "{err}");
     assert_eq!(err.clock(), Some("transport_idle"));
     // Transport idle, then two re-attach attempts of at most 300 ms and one backoff.
-    assert!(took < Duration::from_millis(1500 + 2 * 300 + 100 + 1000), "took {took:?}");
+    assert!(
+        took < Duration::from_millis(1500 + 2 * 300 + 100 + 1000),
+        "took {took:?}"
+    );
     assert!(rest.exited.is_none());
     // Once the backend is reachable again, the command is found by its id and its
     // output read again from the start.
     proxy.pass();
-    let again = sb.process().attach(&ctx(), ProcessSelector::CommandId(id.clone())).await.expect("attach by id");
+    let again = sb
+        .process()
+        .attach(&ctx(), ProcessSelector::CommandId(id.clone()))
+        .await
+        .expect("attach by id");
     assert_eq!(again.pid(), h.pid());
     let report = again.terminate(&ctx()).await.expect("terminate");
     assert_eq!(report.survivors, 0);
-    let seen = drain(again.events(StreamOffsets::default()), StreamOffsets::default()).await;
+    let seen = drain(
+        again.events(StreamOffsets::default()),
+        StreamOffsets::default(),
+    )
+    .await;
     assert!(seen.error.is_none(), "{:?}", seen.error);
     let out = String::from_utf8(seen.stdout).expect("utf-8");
-    assert!(out.len() > got.len() && out.starts_with(&String::from_utf8_lossy(&got).to_string()), "re-read output: {out:?}");
+    assert!(
+        out.len() > got.len() && out.starts_with(&String::from_utf8_lossy(&got).to_string()),
+        "re-read output: {out:?}"
+    );
     assert!(out.split_terminator('\n').all(|l| l == "tick"));
 }
 
@@ -305,7 +449,11 @@ async fn keepalives_keep_a_quiet_command_transport_alive_but_not_its_output() {
         c.connect_timeout_ms = 300;
     });
     let sb = new_sandbox(&p).await;
-    let h = sb.process().spawn(&ctx(), ProcessSpec::shell("echo start; sleep 3; echo done")).await.expect("spawn");
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("echo start; sleep 3; echo done"))
+        .await
+        .expect("spawn");
     // From here on no new connection gets through: a broken stream could not be re-attached.
     proxy.blackhole();
     let t = Instant::now();
@@ -318,11 +466,17 @@ async fn keepalives_keep_a_quiet_command_transport_alive_but_not_its_output() {
     assert!(took < Duration::from_millis(600 + 700), "took {took:?}");
     // The command itself runs on: twice the transport idle limit without output, kept
     // alive by keepalives alone, on the one connection it started with.
-    let st = tokio::time::timeout(Duration::from_secs(10), h.wait(&ctx())).await.expect("wait").expect("status");
+    let st = tokio::time::timeout(Duration::from_secs(10), h.wait(&ctx()))
+        .await
+        .expect("wait")
+        .expect("status");
     assert_eq!(st.code, Some(0));
     assert_eq!(proxy.forwarded(), 1, "the stream was never re-opened");
     proxy.pass();
-    let from = StreamOffsets { stdout: 6, stderr: 0 };
+    let from = StreamOffsets {
+        stdout: 6,
+        stderr: 0,
+    };
     let tail = drain(h.events(from), from).await;
     assert_eq!(tail.stdout, b"done\n");
 }
@@ -335,24 +489,58 @@ async fn a_backend_without_pause_says_unsupported_at_once() {
     let p = E2bProvider::new(client_config(&proxy.url())).expect("provider");
     let sb = new_sandbox(&p).await;
     let id = sb.info().id;
-    assert!(p.capabilities().pause, "pause is assumed until the backend says otherwise");
+    assert!(
+        p.capabilities().pause,
+        "pause is assumed until the backend says otherwise"
+    );
     let t = Instant::now();
-    let e = p.pause(&ctx(), &id).await.expect_err("the local provider cannot pause");
+    let e = p
+        .pause(&ctx(), &id)
+        .await
+        .expect_err("the local provider cannot pause");
     assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
-    assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
     assert!(!p.capabilities().pause, "the probe is remembered");
     // Now without touching the network at all.
     proxy.freeze();
     let before = (proxy.accepted(), proxy.bytes());
     let t = Instant::now();
-    assert_eq!(p.pause(&ctx(), &id).await.expect_err("pause").code(), ErrorCode::Unsupported);
-    assert_eq!(p.resume(&ctx(), &id).await.map(|_| ()).expect_err("resume").code(), ErrorCode::Unsupported);
-    assert!(t.elapsed() < Duration::from_millis(50), "took {:?}", t.elapsed());
-    assert_eq!((proxy.accepted(), proxy.bytes()), before, "no request was made");
+    assert_eq!(
+        p.pause(&ctx(), &id).await.expect_err("pause").code(),
+        ErrorCode::Unsupported
+    );
+    assert_eq!(
+        p.resume(&ctx(), &id)
+            .await
+            .map(|_| ())
+            .expect_err("resume")
+            .code(),
+        ErrorCode::Unsupported
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(50),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        (proxy.accepted(), proxy.bytes()),
+        before,
+        "no request was made"
+    );
     // A sandbox that does not exist is still told apart from a missing route.
     proxy.pass();
     let p2 = E2bProvider::new(client_config(&d.base)).expect("provider");
-    assert_eq!(p2.pause(&ctx(), "inosuchsandbox").await.expect_err("pause").code(), ErrorCode::SandboxNotFound);
+    assert_eq!(
+        p2.pause(&ctx(), "inosuchsandbox")
+            .await
+            .expect_err("pause")
+            .code(),
+        ErrorCode::SandboxNotFound
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,14 +564,29 @@ async fn a_stalled_upload_ends_with_transport_idle_timeout() {
             Ok(Bytes::from(vec![i as u8; 1 << 20]))
         })
         .boxed();
-    let e = sb.fs().write(&ctx(), "upload.bin", body, WriteGuard::None).await.expect_err("the upload must fail");
+    let e = sb
+        .fs()
+        .write(&ctx(), "upload.bin", body, WriteGuard::None)
+        .await
+        .expect_err("the upload must fail");
     let since = frozen_at.get().expect("the freeze happened").elapsed();
     assert_eq!(e.code(), ErrorCode::TransportIdleTimeout, "{e}");
     assert_eq!(e.clock(), Some("transport_idle"));
-    assert!(since >= Duration::from_millis(1500) && since < Duration::from_millis(1500 + 1500), "took {since:?} after the freeze");
+    assert!(
+        since >= Duration::from_millis(1500) && since < Duration::from_millis(1500 + 1500),
+        "took {since:?} after the freeze"
+    );
     // Nothing was published: the target does not exist.
     proxy.pass();
     let p2 = E2bProvider::new(client_config(&d.base)).expect("provider");
     let again = p2.connect(&ctx(), &sb.info().id).await.expect("connect");
-    assert_eq!(again.fs().stat(&ctx(), "upload.bin").await.expect_err("stat").code(), ErrorCode::FsNotFound);
+    assert_eq!(
+        again
+            .fs()
+            .stat(&ctx(), "upload.bin")
+            .await
+            .expect_err("stat")
+            .code(),
+        ErrorCode::FsNotFound
+    );
 }

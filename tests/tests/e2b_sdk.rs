@@ -33,10 +33,23 @@ fn sdk_dir() -> PathBuf {
 /// Fail with the fix when the suites' dependencies are not installed.
 fn require_setup(which: &str) {
     let (path, what) = match which {
-        "python" => (workspace_root().join(".venv-e2b").join("bin").join("python"), "the Python venv .venv-e2b"),
-        _ => (sdk_dir().join("js").join("node_modules").join("e2b"), "tests/e2b_sdk/js/node_modules"),
+        "python" => (
+            workspace_root()
+                .join(".venv-e2b")
+                .join("bin")
+                .join("python"),
+            "the Python venv .venv-e2b",
+        ),
+        _ => (
+            sdk_dir().join("js").join("node_modules").join("e2b"),
+            "tests/e2b_sdk/js/node_modules",
+        ),
     };
-    assert!(path.exists(), "{what} is missing ({}): run tests/e2b_sdk/setup.sh first", path.display());
+    assert!(
+        path.exists(),
+        "{what} is missing ({}): run tests/e2b_sdk/setup.sh first",
+        path.display()
+    );
 }
 
 fn key(prefix: &str) -> String {
@@ -47,8 +60,14 @@ async fn run_suite(which: &str) {
     require_setup(which);
     let (main_key, other_key) = (key("main"), key("other"));
     let keys = vec![
-        ApiKey { key: main_key.clone(), tenant: Some(MAIN_TENANT.into()) },
-        ApiKey { key: other_key.clone(), tenant: Some(OTHER_TENANT.into()) },
+        ApiKey {
+            key: main_key.clone(),
+            tenant: Some(MAIN_TENANT.into()),
+        },
+        ApiKey {
+            key: other_key.clone(),
+            tenant: Some(OTHER_TENANT.into()),
+        },
     ];
     let d = TestDaemon::start_with(|cfg| {
         cfg.default_provider = "local".into();
@@ -102,34 +121,86 @@ async fn run_suite(which: &str) {
     };
     let lines = stdout_task.await.expect("stdout reader");
     let _ = stderr_task.await;
-    let summary = lines.iter().rev().find(|l| l.contains("passed,") && l.contains("failed")).cloned();
-    assert!(status.success(), "the {which} SDK suite failed ({status}); summary: {summary:?}");
-    assert!(summary.as_deref().is_some_and(|s| s.contains(" 0 failed")), "no clean summary line: {summary:?}");
+    let summary = lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("passed,") && l.contains("failed"))
+        .cloned();
+    assert!(
+        status.success(),
+        "the {which} SDK suite failed ({status}); summary: {summary:?}"
+    );
+    assert!(
+        summary.as_deref().is_some_and(|s| s.contains(" 0 failed")),
+        "no clean summary line: {summary:?}"
+    );
 
     // What the suite did is in the session logs.
     let state = &d.daemon.as_ref().expect("daemon").state;
     let sessions = state.sessions.list(tether_daemon::sessions::Scope::Any);
     let e2b: Vec<_> = sessions.iter().filter(|s| s.owner.is_some()).collect();
-    assert!(e2b.len() >= 5, "only {} E2B sandboxes were created", e2b.len());
+    assert!(
+        e2b.len() >= 5,
+        "only {} E2B sandboxes were created",
+        e2b.len()
+    );
     assert!(e2b.iter().any(|s| s.owner.as_deref() == Some(MAIN_TENANT)));
-    assert!(e2b.iter().any(|s| s.owner.as_deref() == Some(OTHER_TENANT)), "the tenant test used the other key");
+    assert!(
+        e2b.iter().any(|s| s.owner.as_deref() == Some(OTHER_TENANT)),
+        "the tenant test used the other key"
+    );
     let (mut processes, mut writes) = (0, 0);
     for s in &e2b {
         // The suites kill what they create; a kill is synchronous, expiry takes a second.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         while s.state() != tether_daemon::sessions::SessionState::Closed || !s.log.is_closed() {
-            assert!(tokio::time::Instant::now() < deadline, "sandbox {} was left running", s.id);
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "sandbox {} was left running",
+                s.id
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let events: Vec<EventBody> = s.log.events_after(None).into_iter().map(|e| e.body).collect();
-        assert!(matches!(events.first(), Some(EventBody::SandboxLeased { .. })), "{}: {:?}", s.id, events.first());
-        assert!(matches!(events.last(), Some(EventBody::SessionClosed { .. })), "{}: {:?}", s.id, events.last());
-        processes += events.iter().filter(|e| matches!(e, EventBody::ProcessStarted { .. })).count();
-        writes += events.iter().filter(|e| matches!(e, EventBody::FsOp { op, .. } if op == "write")).count();
+        let events: Vec<EventBody> = s
+            .log
+            .events_after(None)
+            .into_iter()
+            .map(|e| e.body)
+            .collect();
+        assert!(
+            matches!(events.first(), Some(EventBody::SandboxLeased { .. })),
+            "{}: {:?}",
+            s.id,
+            events.first()
+        );
+        assert!(
+            matches!(events.last(), Some(EventBody::SessionClosed { .. })),
+            "{}: {:?}",
+            s.id,
+            events.last()
+        );
+        processes += events
+            .iter()
+            .filter(|e| matches!(e, EventBody::ProcessStarted { .. }))
+            .count();
+        writes += events
+            .iter()
+            .filter(|e| matches!(e, EventBody::FsOp { op, .. } if op == "write"))
+            .count();
         // Every started command has its end logged.
-        let started = events.iter().filter(|e| matches!(e, EventBody::ProcessStarted { .. })).count();
-        let exited = events.iter().filter(|e| matches!(e, EventBody::ProcessExited { .. })).count();
-        assert_eq!(started, exited, "{}: a command's end is missing from the log", s.id);
+        let started = events
+            .iter()
+            .filter(|e| matches!(e, EventBody::ProcessStarted { .. }))
+            .count();
+        let exited = events
+            .iter()
+            .filter(|e| matches!(e, EventBody::ProcessExited { .. }))
+            .count();
+        assert_eq!(
+            started, exited,
+            "{}: a command's end is missing from the log",
+            s.id
+        );
     }
     assert!(processes >= 10, "only {processes} commands logged");
     assert!(writes >= 5, "only {writes} file writes logged");

@@ -27,7 +27,14 @@ fn e2b_cfg(front: &str) -> tether_provider_e2b::E2bConfig {
 }
 
 async fn front_status(a: &TestDaemon, sandbox: &str) -> u16 {
-    a.http.get(a.url(&format!("/sandboxes/{sandbox}"))).header("x-api-key", KEY).send().await.unwrap().status().as_u16()
+    a.http
+        .get(a.url(&format!("/sandboxes/{sandbox}")))
+        .header("x-api-key", KEY)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,7 +42,8 @@ async fn renewal_keeps_an_idle_session_alive_and_stops_with_the_daemon() {
     let a = TestDaemon::start().await;
     let front = a.base.clone();
     let b = TestDaemon::start_with(|c| {
-        c.providers.insert("e2b".into(), ProviderConfig::E2b(e2b_cfg(&front)));
+        c.providers
+            .insert("e2b".into(), ProviderConfig::E2b(e2b_cfg(&front)));
         c.leases.renew_interval_s = 1;
         c.leases.renew_ttl_s = 3;
     })
@@ -47,20 +55,38 @@ async fn renewal_keeps_an_idle_session_alive_and_stops_with_the_daemon() {
     assert_eq!(front_status(&a, &sandbox).await, 200);
     // Think time: no call for twice the backend TTL. Renewals keep the sandbox.
     tokio::time::sleep(Duration::from_secs(7)).await;
-    assert_eq!(front_status(&a, &sandbox).await, 200, "renewal must keep the sandbox alive");
+    assert_eq!(
+        front_status(&a, &sandbox).await,
+        200,
+        "renewal must keep the sandbox alive"
+    );
     let (st, r) = b
         .post(&format!("/v1/sessions/{sid}/tool-calls"), json!({"calls": [{"id": "c1", "name": "bash", "arguments": {"command": "echo alive"}}]}))
         .await;
     assert_eq!(st, 200);
-    assert!(r["results"][0]["content"].as_str().unwrap().contains("alive"), "{r}");
+    assert!(
+        r["results"][0]["content"]
+            .as_str()
+            .unwrap()
+            .contains("alive"),
+        "{r}"
+    );
     // B stops without releasing (as a crash would): nothing renews, A's TTL ends it.
     b.stop().await;
-    assert_eq!(front_status(&a, &sandbox).await, 200, "keep-on-shutdown leaves the sandbox");
-    wait_until("the unrenewed sandbox to expire", Duration::from_secs(15), || {
-        let a = &a;
-        let sandbox = sandbox.clone();
-        async move { front_status(a, &sandbox).await == 404 }
-    })
+    assert_eq!(
+        front_status(&a, &sandbox).await,
+        200,
+        "keep-on-shutdown leaves the sandbox"
+    );
+    wait_until(
+        "the unrenewed sandbox to expire",
+        Duration::from_secs(15),
+        || {
+            let a = &a;
+            let sandbox = sandbox.clone();
+            async move { front_status(a, &sandbox).await == 404 }
+        },
+    )
     .await;
     a.stop().await;
 }
@@ -70,7 +96,8 @@ async fn orphans_stamped_with_this_daemon_are_destroyed_at_start() {
     let a = TestDaemon::start().await;
     let front = a.base.clone();
     let cfg = |c: &mut tether_daemon::config::Config| {
-        c.providers.insert("e2b".into(), ProviderConfig::E2b(e2b_cfg(&front)));
+        c.providers
+            .insert("e2b".into(), ProviderConfig::E2b(e2b_cfg(&front)));
     };
     let b = TestDaemon::start_with(cfg).await;
     let daemon_id = std::fs::read_to_string(b.dir.path().join("daemon-id")).unwrap();
@@ -105,11 +132,28 @@ async fn orphans_stamped_with_this_daemon_are_destroyed_at_start() {
     let b = TestDaemon::start_in(dir, cfg).await;
     let report = &b.daemon.as_ref().unwrap().recovery;
     assert!(report.orphans_destroyed.contains(&orphan), "{report:?}");
-    assert_eq!(front_status(&a, &orphan).await, 404, "the orphan must be destroyed");
-    assert_eq!(front_status(&a, &owned_sandbox).await, 200, "an owned sandbox must survive the restart");
-    assert_eq!(front_status(&a, &foreign).await, 200, "another daemon's sandbox must be left alone");
-    let (_, info) = b.get(&format!("/v1/sessions/{}", owned["id"].as_str().unwrap())).await;
-    assert_eq!(info["state"], "active", "the owned session reconnects: {info}");
+    assert_eq!(
+        front_status(&a, &orphan).await,
+        404,
+        "the orphan must be destroyed"
+    );
+    assert_eq!(
+        front_status(&a, &owned_sandbox).await,
+        200,
+        "an owned sandbox must survive the restart"
+    );
+    assert_eq!(
+        front_status(&a, &foreign).await,
+        200,
+        "another daemon's sandbox must be left alone"
+    );
+    let (_, info) = b
+        .get(&format!("/v1/sessions/{}", owned["id"].as_str().unwrap()))
+        .await;
+    assert_eq!(
+        info["state"], "active",
+        "the owned session reconnects: {info}"
+    );
     b.stop().await;
     a.stop().await;
 }

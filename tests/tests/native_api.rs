@@ -16,20 +16,34 @@ use tether_tests::{TestDaemon, code, wait_until};
 fn assert_log_intact(d: &TestDaemon, id: &str) -> Vec<Value> {
     let path = d.dir.path().join("sessions").join(id).join("events.jsonl");
     let text = std::fs::read_to_string(&path).expect("events.jsonl");
-    assert!(text.ends_with('\n'), "the log must end with a complete line");
+    assert!(
+        text.ends_with('\n'),
+        "the log must end with a complete line"
+    );
     let mut lines = text.lines();
     let header: Value = serde_json::from_str(lines.next().expect("header")).expect("header parses");
     assert_eq!(header["type"], "session");
     assert_eq!(header["id"], id);
-    let events: Vec<Value> = lines.map(|l| serde_json::from_str(l).expect("event line parses")).collect();
+    let events: Vec<Value> = lines
+        .map(|l| serde_json::from_str(l).expect("event line parses"))
+        .collect();
     for (i, e) in events.iter().enumerate() {
-        assert_eq!(e["seq"].as_u64(), Some(i as u64), "seq must be contiguous from 0");
+        assert_eq!(
+            e["seq"].as_u64(),
+            Some(i as u64),
+            "seq must be contiguous from 0"
+        );
     }
     events
 }
 
 async fn calls(d: &TestDaemon, sid: &str, calls: Value) -> Vec<Value> {
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/tool-calls"), json!({ "calls": calls })).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({ "calls": calls }),
+        )
+        .await;
     assert_eq!(st, 200, "tool-calls: {body}");
     body["results"].as_array().expect("results").clone()
 }
@@ -40,18 +54,38 @@ async fn health_and_session_lifecycle() {
     let (st, h) = d.get("/v1/health").await;
     assert_eq!(st, 200);
     assert_eq!(h["status"], "ok");
-    assert!(h["providers"].as_array().unwrap().iter().any(|p| p == "local"));
+    assert!(
+        h["providers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p == "local")
+    );
 
     let sid = d.new_session().await;
     let (st, info) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!(st, 200);
     assert_eq!(info["state"], "active");
     assert_eq!(info["provider"], "local");
-    assert_eq!(info["enforcement"], "full", "the local provider must report full isolation here");
+    assert_eq!(
+        info["enforcement"], "full",
+        "the local provider must report full isolation here"
+    );
     let (_, list) = d.get("/v1/sessions").await;
-    assert!(list["sessions"].as_array().unwrap().iter().any(|s| s["id"] == sid.as_str()));
+    assert!(
+        list["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["id"] == sid.as_str())
+    );
 
-    let r = d.http.delete(d.url(&format!("/v1/sessions/{sid}"))).send().await.unwrap();
+    let r = d
+        .http
+        .delete(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 204);
     let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!(info["state"], "closed");
@@ -61,7 +95,12 @@ async fn health_and_session_lifecycle() {
     assert!(types.contains(&"sandbox/released"));
     assert_eq!(types.last(), Some(&"session/closed"));
     // A closed session's sandbox is gone: tool calls are refused with a stable code.
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/tool-calls"), json!({"calls": []})).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": []}),
+        )
+        .await;
     assert_eq!((st, code(&body)), (404, "SANDBOX_NOT_FOUND"), "{body}");
     d.stop().await;
 }
@@ -73,27 +112,48 @@ async fn bad_input_gets_stable_codes_and_leaves_the_log_intact() {
     let tc = d.url(&format!("/v1/sessions/{sid}/tool-calls"));
 
     // Malformed JSON.
-    let r = d.http.post(&tc).header("content-type", "application/json").body("{\"calls\": [").send().await.unwrap();
+    let r = d
+        .http
+        .post(&tc)
+        .header("content-type", "application/json")
+        .body("{\"calls\": [")
+        .send()
+        .await
+        .unwrap();
     let st = r.status().as_u16();
     let body: Value = r.json().await.unwrap();
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     assert!(body["error"]["request_id"].is_string());
     // Unknown field.
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/tool-calls"), json!({"calls": [], "extra": 1})).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [], "extra": 1}),
+        )
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
-    let (st, body) = d.post("/v1/sessions", json!({"provider": "local", "bogus": true})).await;
+    let (st, body) = d
+        .post("/v1/sessions", json!({"provider": "local", "bogus": true}))
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     // Unknown provider.
     let (st, body) = d.post("/v1/sessions", json!({"provider": "nope"})).await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     // Unknown session.
-    let (st, body) = d.post("/v1/sessions/inope/tool-calls", json!({"calls": []})).await;
+    let (st, body) = d
+        .post("/v1/sessions/inope/tool-calls", json!({"calls": []}))
+        .await;
     assert_eq!((st, code(&body)), (404, "SESSION_NOT_FOUND"));
     let (st, body) = d.get("/v1/sessions/inope/events").await;
     assert_eq!((st, code(&body)), (404, "SESSION_NOT_FOUND"));
     // Oversized body.
     let big = "x".repeat(200 * 1024);
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/messages"), json!({"role": "user", "content": big})).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/messages"),
+            json!({"role": "user", "content": big}),
+        )
+        .await;
     assert_eq!((st, code(&body)), (413, "PAYLOAD_TOO_LARGE"), "{body}");
     // Unknown route and wrong method.
     let (st, body) = d.get("/v1/nothing-here").await;
@@ -103,17 +163,32 @@ async fn bad_input_gets_stable_codes_and_leaves_the_log_intact() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(code(&body), "METHOD_NOT_ALLOWED");
     // Bad query.
-    let (st, body) = d.get(&format!("/v1/sessions/{sid}/events?after=notanumber")).await;
+    let (st, body) = d
+        .get(&format!("/v1/sessions/{sid}/events?after=notanumber"))
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     // Path escapes through the files API.
-    for p in ["../../etc/passwd", "/etc/passwd", "/home/user/../../etc/passwd"] {
-        let r = d.http.get(d.url(&format!("/v1/sessions/{sid}/files"))).query(&[("path", p)]).send().await.unwrap();
+    for p in [
+        "../../etc/passwd",
+        "/etc/passwd",
+        "/home/user/../../etc/passwd",
+    ] {
+        let r = d
+            .http
+            .get(d.url(&format!("/v1/sessions/{sid}/files")))
+            .query(&[("path", p)])
+            .send()
+            .await
+            .unwrap();
         let st = r.status().as_u16();
         let text = r.text().await.unwrap();
         assert!(!text.contains("root:x:0:0"), "host content leaked for {p}");
         let body: Value = serde_json::from_str(&text).unwrap();
         assert!(
-            matches!((st, code(&body)), (403, "FS_PERMISSION_DENIED") | (400, "INVALID_REQUEST") | (404, "FS_NOT_FOUND")),
+            matches!(
+                (st, code(&body)),
+                (403, "FS_PERMISSION_DENIED") | (400, "INVALID_REQUEST") | (404, "FS_NOT_FOUND")
+            ),
             "{p}: {st} {body}"
         );
     }
@@ -126,9 +201,18 @@ async fn bad_input_gets_stable_codes_and_leaves_the_log_intact() {
         )
         .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
-    assert_eq!(assert_log_intact(&d, &sid).len(), before, "a refused batch must log nothing");
+    assert_eq!(
+        assert_log_intact(&d, &sid).len(),
+        before,
+        "a refused batch must log nothing"
+    );
     // The daemon keeps serving, and the log is intact.
-    let r = calls(&d, &sid, json!([{"id": "ok1", "name": "bash", "arguments": {"command": "echo still-here"}}])).await;
+    let r = calls(
+        &d,
+        &sid,
+        json!([{"id": "ok1", "name": "bash", "arguments": {"command": "echo still-here"}}]),
+    )
+    .await;
     assert!(r[0]["content"].as_str().unwrap().contains("still-here"));
     assert_log_intact(&d, &sid);
     d.stop().await;
@@ -140,9 +224,21 @@ async fn a_token_is_required_when_configured() {
     let d = TestDaemon::start_with(|c| c.server.auth_tokens = vec![token.into()]).await;
     let (st, body) = d.get("/v1/sessions").await;
     assert_eq!((st, code(&body)), (401, "UNAUTHORIZED"));
-    let r = d.http.get(d.url("/v1/sessions")).bearer_auth("wrong-token-0123456789").send().await.unwrap();
+    let r = d
+        .http
+        .get(d.url("/v1/sessions"))
+        .bearer_auth("wrong-token-0123456789")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 401);
-    let r = d.http.get(d.url("/v1/sessions")).bearer_auth(token).send().await.unwrap();
+    let r = d
+        .http
+        .get(d.url("/v1/sessions"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     // Health stays open for probes.
     assert_eq!(d.get("/v1/health").await.0, 200);
@@ -171,14 +267,35 @@ async fn tools_run_in_the_sandbox_and_results_are_logged_in_model_order() {
     let ids: Vec<&str> = r.iter().map(|x| x["call_id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8"]);
     assert_eq!(r[0]["is_error"], false, "{}", r[0]);
-    assert!(r[1]["content"].as_str().unwrap().contains("beta"), "{}", r[1]);
+    assert!(
+        r[1]["content"].as_str().unwrap().contains("beta"),
+        "{}",
+        r[1]
+    );
     assert_eq!(r[2]["is_error"], false, "{}", r[2]);
     let bash = r[3]["content"].as_str().unwrap();
-    assert!(bash.contains("gamma") && bash.contains("/home/user") && bash.contains("err") && bash.contains('3'), "{bash}");
-    assert!(r[4]["content"].as_str().unwrap().contains("a.txt"), "{}", r[4]);
+    assert!(
+        bash.contains("gamma")
+            && bash.contains("/home/user")
+            && bash.contains("err")
+            && bash.contains('3'),
+        "{bash}"
+    );
+    assert!(
+        r[4]["content"].as_str().unwrap().contains("a.txt"),
+        "{}",
+        r[4]
+    );
     assert_eq!(r[5]["error"]["code"], "UNKNOWN_TOOL");
     assert_eq!(r[6]["is_error"], true);
-    assert!(matches!(r[6]["error"]["code"].as_str(), Some("FS_PERMISSION_DENIED" | "INVALID_REQUEST")), "{}", r[6]);
+    assert!(
+        matches!(
+            r[6]["error"]["code"].as_str(),
+            Some("FS_PERMISSION_DENIED" | "INVALID_REQUEST")
+        ),
+        "{}",
+        r[6]
+    );
     assert_eq!(r[7]["error"]["code"], "FS_EDIT_NOT_FOUND");
 
     // Logged: one tool/call and one tool/result per call; results in model order.
@@ -191,7 +308,12 @@ async fn tools_run_in_the_sandbox_and_results_are_logged_in_model_order() {
     assert_eq!(results, ids);
     // The derived history equals what was returned.
     let (_, msgs) = d.get(&format!("/v1/sessions/{sid}/messages")).await;
-    let tool_msgs: Vec<&Value> = msgs["messages"].as_array().unwrap().iter().filter(|m| m["role"] == "tool").collect();
+    let tool_msgs: Vec<&Value> = msgs["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .collect();
     assert_eq!(tool_msgs.len(), 8);
     assert_eq!(tool_msgs[3]["content"], r[3]["content"]);
     d.stop().await;
@@ -208,11 +330,23 @@ async fn bash_deadline_returns_partial_output_and_the_clock() {
         json!([{"id": "slow", "name": "bash", "arguments": {"command": "echo started; sleep 30; echo never", "timeout_ms": 800}}]),
     )
     .await;
-    assert!(t0.elapsed() < Duration::from_secs(10), "the deadline must end the call");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the deadline must end the call"
+    );
     let res = &r[0];
     assert_eq!(res["is_error"], true);
-    assert!(matches!(res["error"]["code"].as_str(), Some("DEADLINE_EXCEEDED" | "TOOL_TIMEOUT")), "{res}");
-    assert!(res["content"].as_str().unwrap().contains("started"), "partial output must be kept: {res}");
+    assert!(
+        matches!(
+            res["error"]["code"].as_str(),
+            Some("DEADLINE_EXCEEDED" | "TOOL_TIMEOUT")
+        ),
+        "{res}"
+    );
+    assert!(
+        res["content"].as_str().unwrap().contains("started"),
+        "partial output must be kept: {res}"
+    );
     assert!(!res["content"].as_str().unwrap().contains("never"));
     d.stop().await;
 }
@@ -221,24 +355,54 @@ async fn bash_deadline_returns_partial_output_and_the_clock() {
 async fn events_after_and_follow() {
     let d = TestDaemon::start().await;
     let sid = d.new_session().await;
-    let (st, _) = d.post(&format!("/v1/sessions/{sid}/messages"), json!({"role": "user", "content": "hello"})).await;
+    let (st, _) = d
+        .post(
+            &format!("/v1/sessions/{sid}/messages"),
+            json!({"role": "user", "content": "hello"}),
+        )
+        .await;
     assert_eq!(st, 204);
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/messages"), json!({"role": "robot", "content": "x"})).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/messages"),
+            json!({"role": "robot", "content": "x"}),
+        )
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
-    let text = d.http.get(d.url(&format!("/v1/sessions/{sid}/events?after=0"))).send().await.unwrap().text().await.unwrap();
-    let evs: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/events?after=0")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let evs: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert!(evs.iter().all(|e| e["seq"].as_u64().unwrap() > 0));
     assert!(evs.iter().any(|e| e["type"] == "user/message"));
 
     // Follow: a live append arrives on the open stream.
-    let resp = d.http.get(d.url(&format!("/v1/sessions/{sid}/events?follow=true"))).send().await.unwrap();
+    let resp = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/events?follow=true")))
+        .send()
+        .await
+        .unwrap();
     let mut body = resp.bytes_stream();
     let poster = {
         let http = d.http.clone();
         let url = d.url(&format!("/v1/sessions/{sid}/messages"));
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            http.post(url).json(&json!({"role": "assistant", "content": "live!"})).send().await.unwrap();
+            http.post(url)
+                .json(&json!({"role": "assistant", "content": "live!"}))
+                .send()
+                .await
+                .unwrap();
         })
     };
     let mut buf = String::new();
@@ -253,7 +417,10 @@ async fn events_after_and_follow() {
     })
     .await
     .unwrap_or(false);
-    assert!(found, "the followed stream must deliver the live event: {buf}");
+    assert!(
+        found,
+        "the followed stream must deliver the live event: {buf}"
+    );
     poster.await.unwrap();
     let (_, msgs) = d.get(&format!("/v1/sessions/{sid}/messages")).await;
     let m = msgs["messages"].as_array().unwrap();
@@ -267,7 +434,12 @@ async fn events_after_and_follow() {
 async fn fork_copies_the_prefix_and_gets_its_own_sandbox() {
     let d = TestDaemon::start().await;
     let sid = d.new_session().await;
-    calls(&d, &sid, json!([{"id": "f1", "name": "bash", "arguments": {"command": "echo one"}}])).await;
+    calls(
+        &d,
+        &sid,
+        json!([{"id": "f1", "name": "bash", "arguments": {"command": "echo one"}}]),
+    )
+    .await;
     let (st, child) = d.post(&format!("/v1/sessions/{sid}/fork"), json!({})).await;
     assert_eq!(st, 201, "{child}");
     let cid = child["id"].as_str().unwrap();
@@ -276,12 +448,27 @@ async fn fork_copies_the_prefix_and_gets_its_own_sandbox() {
     assert_ne!(child["sandbox_id"], Value::Null);
     let events = assert_log_intact(&d, cid);
     assert!(events.iter().any(|e| e["type"] == "session/end-seed"));
-    assert!(events.iter().any(|e| e["type"] == "tool/result" && e["data"]["call_id"] == "f1"));
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "tool/result" && e["data"]["call_id"] == "f1")
+    );
     let (_, msgs) = d.get(&format!("/v1/sessions/{cid}/messages")).await;
     assert_eq!(msgs["messages"].as_array().unwrap().len(), 1);
     // A boundary beyond the end is refused.
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/fork"), json!({"at_seq": 100000})).await;
-    assert!(matches!((st, code(&body)), (400, "INVALID_REQUEST") | (409, "CONFLICT")), "{st} {body}");
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/fork"),
+            json!({"at_seq": 100000}),
+        )
+        .await;
+    assert!(
+        matches!(
+            (st, code(&body)),
+            (400, "INVALID_REQUEST") | (409, "CONFLICT")
+        ),
+        "{st} {body}"
+    );
     d.stop().await;
 }
 
@@ -303,24 +490,42 @@ async fn processes_stream_resume_stdin_signal_wait() {
     let tail = output_bytes(&d, &sid, "loop", 12).await;
     assert_eq!(tail, &all[12..]);
     // Same id again: conflict.
-    let (st, body) = d.post(&base, json!({"cmd": "true", "command_id": "loop"})).await;
+    let (st, body) = d
+        .post(&base, json!({"cmd": "true", "command_id": "loop"}))
+        .await;
     assert_eq!((st, code(&body)), (409, "CONFLICT"));
 
     // stdin pipe.
-    let (st, _) = d.post(&base, json!({"argv": ["cat"], "stdin": {"mode": "pipe"}, "command_id": "cat"})).await;
+    let (st, _) = d
+        .post(
+            &base,
+            json!({"argv": ["cat"], "stdin": {"mode": "pipe"}, "command_id": "cat"}),
+        )
+        .await;
     assert_eq!(st, 201);
-    let (st, _) = d.post(&format!("{base}/cat/stdin"), json!({"data": "aGVsbG8K", "eof": true})).await;
+    let (st, _) = d
+        .post(
+            &format!("{base}/cat/stdin"),
+            json!({"data": "aGVsbG8K", "eof": true}),
+        )
+        .await;
     assert_eq!(st, 204);
     let (_, w) = d.post(&format!("{base}/cat/wait"), json!({})).await;
     assert_eq!(w["status"]["code"], 0);
     assert_eq!(output_bytes(&d, &sid, "cat", 0).await, b"hello\n");
 
     // Signal: terminate a sleeper; the wait reports it did not exit 0.
-    let (st, _) = d.post(&base, json!({"cmd": "sleep 60", "command_id": "sl"})).await;
+    let (st, _) = d
+        .post(&base, json!({"cmd": "sleep 60", "command_id": "sl"}))
+        .await;
     assert_eq!(st, 201);
-    let (st, body) = d.post(&format!("{base}/sl/signal"), json!({"signal": "BOGUS"})).await;
+    let (st, body) = d
+        .post(&format!("{base}/sl/signal"), json!({"signal": "BOGUS"}))
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
-    let (st, _) = d.post(&format!("{base}/sl/signal"), json!({"signal": "TERM"})).await;
+    let (st, _) = d
+        .post(&format!("{base}/sl/signal"), json!({"signal": "TERM"}))
+        .await;
     assert_eq!(st, 204);
     let (_, w) = d.post(&format!("{base}/sl/wait"), json!({})).await;
     assert_ne!(w["status"]["code"], 0, "{w}");
@@ -342,7 +547,10 @@ async fn processes_stream_resume_stdin_signal_wait() {
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     // The log records starts and exits.
     let events = assert_log_intact(&d, &sid);
-    let exits = events.iter().filter(|e| e["type"] == "process/exited").count();
+    let exits = events
+        .iter()
+        .filter(|e| e["type"] == "process/exited")
+        .count();
     assert_eq!(exits, 4);
     d.stop().await;
 }
@@ -350,7 +558,9 @@ async fn processes_stream_resume_stdin_signal_wait() {
 async fn output_bytes(d: &TestDaemon, sid: &str, cid: &str, offset: u64) -> Vec<u8> {
     let text = d
         .http
-        .get(d.url(&format!("/v1/sessions/{sid}/processes/{cid}/output?offset={offset}")))
+        .get(d.url(&format!(
+            "/v1/sessions/{sid}/processes/{cid}/output?offset={offset}"
+        )))
         .send()
         .await
         .unwrap()
@@ -362,7 +572,11 @@ async fn output_bytes(d: &TestDaemon, sid: &str, cid: &str, offset: u64) -> Vec<
     for line in text.lines() {
         let e: Value = serde_json::from_str(line).unwrap();
         if e["type"] == "output" && e["stream"] == "stdout" {
-            assert_eq!(e["offset"].as_u64().unwrap(), expect, "offsets must be contiguous");
+            assert_eq!(
+                e["offset"].as_u64().unwrap(),
+                expect,
+                "offsets must be contiguous"
+            );
             let data = tether_protocol::b64::decode(e["data"].as_str().unwrap()).unwrap();
             expect += data.len() as u64;
             out.extend(data);
@@ -376,44 +590,122 @@ async fn files_with_etags_and_guards() {
     let d = TestDaemon::start().await;
     let sid = d.new_session().await;
     let url = d.url(&format!("/v1/sessions/{sid}/files"));
-    let r = d.http.put(&url).query(&[("path", "dir/f.bin")]).body(vec![7u8; 300_000]).send().await.unwrap();
+    let r = d
+        .http
+        .put(&url)
+        .query(&[("path", "dir/f.bin")])
+        .body(vec![7u8; 300_000])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 201);
     let etag = r.headers()["etag"].to_str().unwrap().to_owned();
-    let r = d.http.get(&url).query(&[("path", "dir/f.bin")]).send().await.unwrap();
+    let r = d
+        .http
+        .get(&url)
+        .query(&[("path", "dir/f.bin")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.headers()["etag"].to_str().unwrap(), etag);
     assert_eq!(r.bytes().await.unwrap().as_ref(), &vec![7u8; 300_000][..]);
     // Range.
-    let r = d.http.get(&url).query(&[("path", "dir/f.bin"), ("offset", "299990")]).send().await.unwrap();
+    let r = d
+        .http
+        .get(&url)
+        .query(&[("path", "dir/f.bin"), ("offset", "299990")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.bytes().await.unwrap().len(), 10);
     // Conditional GET.
-    let r = d.http.get(&url).query(&[("path", "dir/f.bin")]).header("if-none-match", &etag).send().await.unwrap();
+    let r = d
+        .http
+        .get(&url)
+        .query(&[("path", "dir/f.bin")])
+        .header("if-none-match", &etag)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 304);
     // If-None-Match: * on an existing file.
-    let r = d.http.put(&url).query(&[("path", "dir/f.bin")]).header("if-none-match", "*").body("x").send().await.unwrap();
+    let r = d
+        .http
+        .put(&url)
+        .query(&[("path", "dir/f.bin")])
+        .header("if-none-match", "*")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 409);
     assert_eq!(code(&r.json().await.unwrap()), "FS_ALREADY_EXISTS");
     // If-Match with a stale version.
-    let r = d.http.put(&url).query(&[("path", "dir/f.bin")]).header("if-match", "\"stale\"").body("x").send().await.unwrap();
+    let r = d
+        .http
+        .put(&url)
+        .query(&[("path", "dir/f.bin")])
+        .header("if-match", "\"stale\"")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 412);
     assert_eq!(code(&r.json().await.unwrap()), "FS_VERSION_MISMATCH");
     // If-Match with the right version.
-    let r = d.http.put(&url).query(&[("path", "dir/f.bin")]).header("if-match", &etag).body("new").send().await.unwrap();
+    let r = d
+        .http
+        .put(&url)
+        .query(&[("path", "dir/f.bin")])
+        .header("if-match", &etag)
+        .body("new")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_ne!(r.headers()["etag"].to_str().unwrap(), etag);
     // Dirs.
-    let (st, list) = d.get(&format!("/v1/sessions/{sid}/dirs?path=/home/user&depth=2")).await;
+    let (st, list) = d
+        .get(&format!("/v1/sessions/{sid}/dirs?path=/home/user&depth=2"))
+        .await;
     assert_eq!(st, 200);
-    assert!(list.as_array().unwrap().iter().any(|e| e["path"] == "/home/user/dir/f.bin"), "{list}");
-    let (st, body) = d.get(&format!("/v1/sessions/{sid}/dirs?path=/home/user&depth=0")).await;
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["path"] == "/home/user/dir/f.bin"),
+        "{list}"
+    );
+    let (st, body) = d
+        .get(&format!("/v1/sessions/{sid}/dirs?path=/home/user&depth=0"))
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     // Missing file; delete.
-    let r = d.http.get(&url).query(&[("path", "nope.txt")]).send().await.unwrap();
+    let r = d
+        .http
+        .get(&url)
+        .query(&[("path", "nope.txt")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 404);
     assert_eq!(code(&r.json().await.unwrap()), "FS_NOT_FOUND");
-    let r = d.http.delete(&url).query(&[("path", "dir/f.bin")]).send().await.unwrap();
+    let r = d
+        .http
+        .delete(&url)
+        .query(&[("path", "dir/f.bin")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 204);
-    let r = d.http.get(&url).query(&[("path", "dir/f.bin")]).send().await.unwrap();
+    let r = d
+        .http
+        .get(&url)
+        .query(&[("path", "dir/f.bin")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 404);
     // Writes are logged as fs/op events.
     let events = assert_log_intact(&d, &sid);
@@ -428,7 +720,11 @@ async fn sessions_cannot_reach_each_other() {
     let b = d.new_session().await;
     calls(&d, &a, json!([{"id": "w", "name": "write_file", "arguments": {"path": "secret.txt", "content": "A-only"}}])).await;
     let r = calls(&d, &b, json!([{"id": "r", "name": "bash", "arguments": {"command": "cat /home/user/secret.txt; ls /home"}}])).await;
-    assert!(!r[0]["content"].as_str().unwrap().contains("A-only"), "{}", r[0]);
+    assert!(
+        !r[0]["content"].as_str().unwrap().contains("A-only"),
+        "{}",
+        r[0]
+    );
     d.stop().await;
 }
 
@@ -442,10 +738,24 @@ async fn restart_resumes_sessions_and_reconnects_sandboxes() {
     let (st, info) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!(st, 200);
     assert_eq!(info["state"], "active", "{info}");
-    let r = calls(&d, &sid, json!([{"id": "r1", "name": "read_file", "arguments": {"path": "keep.txt"}}])).await;
-    assert!(r[0]["content"].as_str().unwrap().contains("kept"), "{}", r[0]);
+    let r = calls(
+        &d,
+        &sid,
+        json!([{"id": "r1", "name": "read_file", "arguments": {"path": "keep.txt"}}]),
+    )
+    .await;
+    assert!(
+        r[0]["content"].as_str().unwrap().contains("kept"),
+        "{}",
+        r[0]
+    );
     // Call ids stay unique across the restart.
-    let (st, body) = d.post(&format!("/v1/sessions/{sid}/tool-calls"), json!({"calls": [{"id": "w1", "name": "bash", "arguments": {"command": "true"}}]})).await;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "w1", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
     assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"));
     assert_log_intact(&d, &sid);
     wait_until("nothing", Duration::from_millis(1), || async { true }).await;

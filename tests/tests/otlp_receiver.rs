@@ -33,7 +33,10 @@ async fn emit(rx: &OtlpReceiver, protocol: OtlpProtocol) -> tether_provider::Tra
     // Service name and resource come from the standard variables, as in production.
     let env: HashMap<String, String> = [
         ("OTEL_SERVICE_NAME", "tetherd-test"),
-        ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=ci,service.namespace=tether"),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment.name=ci,service.namespace=tether",
+        ),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -45,9 +48,17 @@ async fn emit(rx: &OtlpReceiver, protocol: OtlpProtocol) -> tether_provider::Tra
     let injected = {
         let _sub = tracing::dispatcher::set_default(&t.dispatch);
         let mut headers = reqwest::header::HeaderMap::new();
-        headers.insert("traceparent", format!("00-{INBOUND_TRACE}-{INBOUND_SPAN}-01").parse().unwrap());
-        let root =
-            tracing::info_span!("http.request", http.route = "/v1/sessions/{id}/tool-calls", request.id = "req-1");
+        headers.insert(
+            "traceparent",
+            format!("00-{INBOUND_TRACE}-{INBOUND_SPAN}-01")
+                .parse()
+                .unwrap(),
+        );
+        let root = tracing::info_span!(
+            "http.request",
+            http.route = "/v1/sessions/{id}/tool-calls",
+            request.id = "req-1"
+        );
         assert!(telemetry::set_parent(&root, &headers));
         async {
             let call = tracing::info_span!(
@@ -59,9 +70,15 @@ async fn emit(rx: &OtlpReceiver, protocol: OtlpProtocol) -> tether_provider::Tra
                 outcome = tracing::field::Empty,
             );
             let injected = async {
-                let op = tracing::info_span!("process.start", sandbox.id = "sbx-1", provider.kind = "local");
+                let op = tracing::info_span!(
+                    "process.start",
+                    sandbox.id = "sbx-1",
+                    provider.kind = "local"
+                );
                 let injected =
-                    async { telemetry::current_trace_context(&tracing::Span::current()) }.instrument(op).await;
+                    async { telemetry::current_trace_context(&tracing::Span::current()) }
+                        .instrument(op)
+                        .await;
                 let stream = tracing::info_span!(
                     "process.stream",
                     bytes.out = 42_i64,
@@ -94,7 +111,11 @@ async fn emit(rx: &OtlpReceiver, protocol: OtlpProtocol) -> tether_provider::Tra
         .instrument(root)
         .await
     };
-    assert!(t.guard.shutdown().await, "flush failed; receiver log:\n{}", rx.log());
+    assert!(
+        t.guard.shutdown().await,
+        "flush failed; receiver log:\n{}",
+        rx.log()
+    );
     injected
 }
 
@@ -108,7 +129,16 @@ async fn assert_exported(protocol: OtlpProtocol) {
 
     let spans = rx
         .wait_for_spans(
-            |s| ["http.request", "tool.call", "process.start", "process.stream"].iter().all(|n| span(s, n).is_some()),
+            |s| {
+                [
+                    "http.request",
+                    "tool.call",
+                    "process.start",
+                    "process.stream",
+                ]
+                .iter()
+                .all(|n| span(s, n).is_some())
+            },
             WAIT,
         )
         .await;
@@ -149,14 +179,29 @@ async fn assert_exported(protocol: OtlpProtocol) {
 
     // What a remote command gets in TRACEPARENT names the process.start span.
     let tp = injected.traceparent.expect("traceparent");
-    assert_eq!(tp, format!("00-{INBOUND_TRACE}-{}-01", start["span_id"].as_str().unwrap()));
+    assert_eq!(
+        tp,
+        format!(
+            "00-{INBOUND_TRACE}-{}-01",
+            start["span_id"].as_str().unwrap()
+        )
+    );
 
     // Metrics: the shutdown flush exported one collection.
-    let points = rx.wait_for_metrics(|p| metric_point(p, "tether.sessions.live", &[]).is_some(), WAIT).await;
+    let points = rx
+        .wait_for_metrics(
+            |p| metric_point(p, "tether.sessions.live", &[]).is_some(),
+            WAIT,
+        )
+        .await;
     let tool = metric_point(
         &points,
         "tether.tool.duration",
-        &[("tool.name", "bash"), ("provider.kind", "local"), ("outcome", "IDLE_TIMEOUT")],
+        &[
+            ("tool.name", "bash"),
+            ("provider.kind", "local"),
+            ("outcome", "IDLE_TIMEOUT"),
+        ],
     )
     .unwrap_or_else(|| panic!("no tool duration point in {points:#?}"));
     assert_eq!(tool["transport"], transport);
@@ -164,9 +209,17 @@ async fn assert_exported(protocol: OtlpProtocol) {
     assert_eq!(tool["unit"], "s");
     assert_eq!(tool["count"], 2);
     assert!((tool["sum"].as_f64().unwrap() - 1.0).abs() < 1e-9, "{tool}");
-    assert_eq!(tool["explicit_bounds"], json!(telemetry::DURATION_BUCKETS_S));
+    assert_eq!(
+        tool["explicit_bounds"],
+        json!(telemetry::DURATION_BUCKETS_S)
+    );
     // 0.25 s lands in the (0.1, 0.25] bucket, 0.75 s in (0.5, 1.0].
-    let buckets: Vec<u64> = tool["bucket_counts"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let buckets: Vec<u64> = tool["bucket_counts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
     assert_eq!(buckets.iter().sum::<u64>(), 2);
     assert_eq!(buckets[5], 1, "{buckets:?}");
     assert_eq!(buckets[7], 1, "{buckets:?}");
@@ -174,21 +227,40 @@ async fn assert_exported(protocol: OtlpProtocol) {
     let op = metric_point(
         &points,
         "tether.remote_op.duration",
-        &[("remote.op", "process.start"), ("provider.kind", "local"), ("outcome", "ok")],
+        &[
+            ("remote.op", "process.start"),
+            ("provider.kind", "local"),
+            ("outcome", "ok"),
+        ],
     )
     .unwrap();
     assert_eq!(op["count"], 1);
 
-    let timeouts =
-        metric_point(&points, "tether.timeouts", &[("timeout.clock", "output_idle"), ("provider.kind", "local")])
-            .unwrap();
+    let timeouts = metric_point(
+        &points,
+        "tether.timeouts",
+        &[("timeout.clock", "output_idle"), ("provider.kind", "local")],
+    )
+    .unwrap();
     assert_eq!(
-        (timeouts["type"].clone(), timeouts["monotonic"].clone(), timeouts["value"].clone()),
+        (
+            timeouts["type"].clone(),
+            timeouts["monotonic"].clone(),
+            timeouts["value"].clone()
+        ),
         (json!("sum"), json!(true), json!(1))
     );
 
-    let sandboxes = metric_point(&points, "tether.sandboxes.live", &[("provider.kind", "local")]).unwrap();
-    assert_eq!((sandboxes["monotonic"].clone(), sandboxes["value"].clone()), (json!(false), json!(1)));
+    let sandboxes = metric_point(
+        &points,
+        "tether.sandboxes.live",
+        &[("provider.kind", "local")],
+    )
+    .unwrap();
+    assert_eq!(
+        (sandboxes["monotonic"].clone(), sandboxes["value"].clone()),
+        (json!(false), json!(1))
+    );
     let sessions = metric_point(&points, "tether.sessions.live", &[]).unwrap();
     assert_eq!(sessions["value"], 1);
     for p in &points {
@@ -225,12 +297,22 @@ async fn receiver_takes_otlp_json_and_refuses_garbage() {
             "attributes": [{"key": "n", "value": {"intValue": "7"}}]
         }]}]
     }]});
-    let r = http.post(format!("{base}/v1/traces")).json(&body).send().await.unwrap();
+    let r = http
+        .post(format!("{base}/v1/traces"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let metrics_body = json!({"resourceMetrics": [{"scopeMetrics": [{"metrics": [{
         "name": "m", "unit": "1", "gauge": {"dataPoints": [{"asDouble": 2.5}]}
     }]}]}]});
-    let r = http.post(format!("{base}/v1/metrics")).json(&metrics_body).send().await.unwrap();
+    let r = http
+        .post(format!("{base}/v1/metrics"))
+        .json(&metrics_body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
 
     let bad = http
@@ -241,14 +323,27 @@ async fn receiver_takes_otlp_json_and_refuses_garbage() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
-    let nowhere = http.post(format!("{base}/v1/logs")).body("x").send().await.unwrap();
+    let nowhere = http
+        .post(format!("{base}/v1/logs"))
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(nowhere.status(), 404);
 
     let spans = rx.wait_for_spans(|s| !s.is_empty(), WAIT).await;
-    assert_eq!(spans.len(), 1, "the garbage body must not have produced a span: {spans:?}");
+    assert_eq!(
+        spans.len(),
+        1,
+        "the garbage body must not have produced a span: {spans:?}"
+    );
     let s: &Value = &spans[0];
     assert_eq!(
-        (s["name"].as_str(), s["trace_id"].as_str(), s["span_id"].as_str()),
+        (
+            s["name"].as_str(),
+            s["trace_id"].as_str(),
+            s["span_id"].as_str()
+        ),
         (Some("from-json"), Some(INBOUND_TRACE), Some(INBOUND_SPAN))
     );
     assert_eq!(s["attributes"]["n"], 7);
@@ -256,7 +351,11 @@ async fn receiver_takes_otlp_json_and_refuses_garbage() {
     assert_eq!(s["service"], "json-client");
     let m = rx.wait_for_metrics(|p| !p.is_empty(), WAIT).await;
     assert_eq!(
-        (m[0]["name"].as_str(), m[0]["type"].as_str(), m[0]["value"].as_f64()),
+        (
+            m[0]["name"].as_str(),
+            m[0]["type"].as_str(),
+            m[0]["value"].as_f64()
+        ),
         (Some("m"), Some("gauge"), Some(2.5))
     );
 }

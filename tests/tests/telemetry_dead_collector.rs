@@ -70,14 +70,23 @@ async fn a_silent_collector_slows_no_request() {
         assert_eq!(body["results"][0]["is_error"], false, "{body}");
     }
     eprintln!("slowest tool-call request with a silent collector: {worst:?}");
-    assert!(accepted.load(Ordering::SeqCst) > 0, "no export reached the collector while requests ran");
-    assert!(worst < Duration::from_millis(EXPORT_TIMEOUT_MS / 2), "a request took {worst:?}");
+    assert!(
+        accepted.load(Ordering::SeqCst) > 0,
+        "no export reached the collector while requests ran"
+    );
+    assert!(
+        worst < Duration::from_millis(EXPORT_TIMEOUT_MS / 2),
+        "a request took {worst:?}"
+    );
 
     d.stop().await;
     let started = Instant::now();
     let flushed = guard.shutdown().await;
     let took = started.elapsed();
     eprintln!("telemetry shutdown with a silent collector: {took:?} (flushed: {flushed})");
-    assert!(took < Duration::from_millis(EXPORT_TIMEOUT_MS + 1_500), "shutdown took {took:?}");
+    assert!(
+        took < Duration::from_millis(EXPORT_TIMEOUT_MS + 1_500),
+        "shutdown took {took:?}"
+    );
     collector.abort();
 }

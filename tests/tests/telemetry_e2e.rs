@@ -41,7 +41,10 @@ fn spans_named<'a>(spans: &'a [Value], name: &str) -> Vec<&'a Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     let rx = OtlpReceiver::start();
-    let cfg = TelemetryConfig { metrics_interval_ms: 60_000, ..Default::default() };
+    let cfg = TelemetryConfig {
+        metrics_interval_ms: 60_000,
+        ..Default::default()
+    };
     let env: HashMap<String, String> = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", rx.http_endpoint()),
         ("OTEL_SERVICE_NAME", "tetherd-e2e".to_owned()),
@@ -75,19 +78,47 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     )
     .await;
     assert_eq!(st, 200, "{body}");
-    assert_eq!(body["results"][0]["error"]["code"], "DEADLINE_EXCEEDED", "{body}");
+    assert_eq!(
+        body["results"][0]["error"]["code"], "DEADLINE_EXCEEDED",
+        "{body}"
+    );
     d.stop().await;
-    assert!(guard.shutdown().await, "telemetry flush failed; receiver log:\n{}", rx.log());
+    assert!(
+        guard.shutdown().await,
+        "telemetry flush failed; receiver log:\n{}",
+        rx.log()
+    );
 
     // The command saw the caller's trace (a span of tetherd's as its parent) and state.
-    let tp = out.split_whitespace().find_map(|w| w.strip_prefix("tp=")).unwrap_or_default().to_owned();
-    assert!(tp.starts_with(&format!("00-{TRACE}-")) && tp.ends_with("-01"), "TRACEPARENT in the sandbox: {out:?}");
-    assert!(!tp.contains(CALLER_SPAN), "the command's parent must be a tetherd span: {tp}");
-    assert!(out.contains("ts=caller=1"), "TRACESTATE in the sandbox: {out:?}");
+    let tp = out
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("tp="))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        tp.starts_with(&format!("00-{TRACE}-")) && tp.ends_with("-01"),
+        "TRACEPARENT in the sandbox: {out:?}"
+    );
+    assert!(
+        !tp.contains(CALLER_SPAN),
+        "the command's parent must be a tetherd span: {tp}"
+    );
+    assert!(
+        out.contains("ts=caller=1"),
+        "TRACESTATE in the sandbox: {out:?}"
+    );
 
     let spans = rx
         .wait_for_spans(
-            |s| [names::TOOL_CALL, names::SANDBOX_CREATE, names::PROCESS_START].iter().all(|n| span(s, n).is_some()),
+            |s| {
+                [
+                    names::TOOL_CALL,
+                    names::SANDBOX_CREATE,
+                    names::PROCESS_START,
+                ]
+                .iter()
+                .all(|n| span(s, n).is_some())
+            },
             Duration::from_secs(20),
         )
         .await;
@@ -96,17 +127,25 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         assert_eq!(s["scope"], "tether");
     }
     // Both requests continue the caller's trace, as server spans whose parent is the caller.
-    let requests: Vec<&Value> =
-        spans_named(&spans, names::HTTP_REQUEST).into_iter().filter(|s| s["trace_id"] == TRACE).collect();
+    let requests: Vec<&Value> = spans_named(&spans, names::HTTP_REQUEST)
+        .into_iter()
+        .filter(|s| s["trace_id"] == TRACE)
+        .collect();
     assert_eq!(requests.len(), 3, "{spans:#?}");
     for r in &requests {
         assert_eq!(r["parent_span_id"], CALLER_SPAN);
         assert_eq!(r["span_kind"], 2, "SPAN_KIND_SERVER");
     }
-    let span_ids: Vec<&str> = spans.iter().map(|s| s["span_id"].as_str().unwrap()).collect();
+    let span_ids: Vec<&str> = spans
+        .iter()
+        .map(|s| s["span_id"].as_str().unwrap())
+        .collect();
     // The command's TRACEPARENT names a span that was exported in this trace.
     let tp_span = tp.split('-').nth(2).unwrap();
-    assert!(span_ids.contains(&tp_span), "TRACEPARENT span {tp_span} was not exported");
+    assert!(
+        span_ids.contains(&tp_span),
+        "TRACEPARENT span {tp_span} was not exported"
+    );
 
     let create = span(&spans, names::SANDBOX_CREATE).unwrap();
     assert_eq!(create["trace_id"], TRACE);
@@ -123,9 +162,15 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     assert_eq!(call["attributes"]["tool.call_id"], "c1");
     assert_eq!(call["attributes"]["outcome"], "ok");
     // tool.call -> tool.batch -> http.request (the tool-calls request).
-    let batch = spans.iter().find(|s| s["span_id"] == call["parent_span_id"]).expect("tool.call's parent exported");
+    let batch = spans
+        .iter()
+        .find(|s| s["span_id"] == call["parent_span_id"])
+        .expect("tool.call's parent exported");
     assert_eq!(batch["name"], names::TOOL_BATCH);
-    let req = spans.iter().find(|s| s["span_id"] == batch["parent_span_id"]).expect("tool.batch's parent exported");
+    let req = spans
+        .iter()
+        .find(|s| s["span_id"] == batch["parent_span_id"])
+        .expect("tool.batch's parent exported");
     assert_eq!(req["name"], names::HTTP_REQUEST);
     assert_eq!(req["parent_span_id"], CALLER_SPAN);
 
@@ -136,7 +181,11 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     // The timed-out call: tool.call and process.stream carry the code and the clock.
     let spans = rx
         .wait_for_spans(
-            |s| s.iter().any(|x| x["name"] == names::TOOL_CALL && x["attributes"]["tool.call_id"] == "slow"),
+            |s| {
+                s.iter().any(|x| {
+                    x["name"] == names::TOOL_CALL && x["attributes"]["tool.call_id"] == "slow"
+                })
+            },
             Duration::from_secs(20),
         )
         .await;
@@ -144,8 +193,14 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         .iter()
         .find(|s| s["name"] == names::TOOL_CALL && s["attributes"]["tool.call_id"] == "slow")
         .unwrap();
-    assert_eq!(slow["attributes"]["outcome"], "DEADLINE_EXCEEDED", "{slow:#}");
-    assert_eq!(slow["attributes"]["error.code"], "DEADLINE_EXCEEDED", "{slow:#}");
+    assert_eq!(
+        slow["attributes"]["outcome"], "DEADLINE_EXCEEDED",
+        "{slow:#}"
+    );
+    assert_eq!(
+        slow["attributes"]["error.code"], "DEADLINE_EXCEEDED",
+        "{slow:#}"
+    );
     assert_eq!(slow["attributes"]["timeout.clock"], "total", "{slow:#}");
     let stream = spans
         .iter()
@@ -164,16 +219,30 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
     let tool = metric_point(
         &points,
         "tether.tool.duration",
-        &[("tool.name", "bash"), ("provider.kind", "local"), ("outcome", "ok")],
+        &[
+            ("tool.name", "bash"),
+            ("provider.kind", "local"),
+            ("outcome", "ok"),
+        ],
     )
     .unwrap_or_else(|| panic!("{points:#?}"));
     assert_eq!(tool["count"], 1);
     assert!(tool["sum"].as_f64().unwrap() > 0.0);
-    let create_op =
-        metric_point(&points, "tether.remote_op.duration", &[("remote.op", "sandbox.create"), ("outcome", "ok")]);
+    let create_op = metric_point(
+        &points,
+        "tether.remote_op.duration",
+        &[("remote.op", "sandbox.create"), ("outcome", "ok")],
+    );
     assert!(create_op.is_some(), "{points:#?}");
-    assert!(metric_point(&points, "tether.sessions.live", &[]).is_some(), "{points:#?}");
-    let timeouts = metric_point(&points, "tether.timeouts", &[("timeout.clock", "total"), ("provider.kind", "local")])
-        .unwrap_or_else(|| panic!("timeouts by clock: {points:#?}"));
+    assert!(
+        metric_point(&points, "tether.sessions.live", &[]).is_some(),
+        "{points:#?}"
+    );
+    let timeouts = metric_point(
+        &points,
+        "tether.timeouts",
+        &[("timeout.clock", "total"), ("provider.kind", "local")],
+    )
+    .unwrap_or_else(|| panic!("timeouts by clock: {points:#?}"));
     assert_eq!(timeouts["value"], 1, "{timeouts:#}");
 }

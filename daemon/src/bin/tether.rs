@@ -9,11 +9,17 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    if std::env::args_os().nth(1).is_some_and(|a| a == tether_provider_local::CONFINE_SUBCOMMAND) {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == tether_provider_local::CONFINE_SUBCOMMAND)
+    {
         return tether_provider_local::confine::main();
     }
     let cli = tether_daemon::cli::Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tether: cannot start the runtime: {e}");

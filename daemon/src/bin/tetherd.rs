@@ -14,7 +14,11 @@ use tether_daemon::config::Config;
 const EX_USAGE: u8 = 64;
 
 #[derive(Debug, Parser)]
-#[command(name = "tetherd", version, about = "The tether remote-sandbox orchestration daemon")]
+#[command(
+    name = "tetherd",
+    version,
+    about = "The tether remote-sandbox orchestration daemon"
+)]
 struct Args {
     #[command(subcommand)]
     command: Command,
@@ -80,7 +84,11 @@ fn main() -> ExitCode {
                 ExitCode::from(EX_USAGE)
             }
         },
-        Command::Serve { config, listen, state_dir } => {
+        Command::Serve {
+            config,
+            listen,
+            state_dir,
+        } => {
             let mut cfg = match load(config.as_ref()) {
                 Ok(c) => c,
                 Err(e) => {
@@ -98,7 +106,10 @@ fn main() -> ExitCode {
                 eprintln!("tetherd: {e}");
                 return ExitCode::from(EX_USAGE);
             }
-            let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => {
                     eprintln!("tetherd: cannot start the runtime: {e}");
@@ -114,13 +125,15 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cfg: Config) -> ExitCode {
-    let telemetry = match tether_daemon::telemetry::init(&cfg.telemetry, &tether_daemon::telemetry::ProcessEnv) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("tetherd: telemetry: {e}");
-            return ExitCode::from(EX_USAGE);
-        }
-    };
+    let telemetry =
+        match tether_daemon::telemetry::init(&cfg.telemetry, &tether_daemon::telemetry::ProcessEnv)
+        {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("tetherd: telemetry: {e}");
+                return ExitCode::from(EX_USAGE);
+            }
+        };
     let e2b_cfg = cfg.e2b_front.clone();
     let daemon = match tether_daemon::server::Daemon::start(cfg).await {
         Ok(d) => d,
@@ -144,7 +157,10 @@ async fn serve(cfg: Config) -> ExitCode {
     println!("tetherd listening on http://{}", daemon.addr);
     println!("native API: TETHER_URL=http://{}", daemon.addr);
     if e2b_cfg.enabled {
-        println!("{}", tether_daemon::e2b_front::recipe(daemon.addr, &e2b_cfg));
+        println!(
+            "{}",
+            tether_daemon::e2b_front::recipe(daemon.addr, &e2b_cfg)
+        );
     }
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,

@@ -31,7 +31,14 @@ impl KeyRing {
     pub(super) fn new(keys: &[ApiKey]) -> Self {
         let keys = keys
             .iter()
-            .map(|k| (k.key.clone(), k.tenant.clone().unwrap_or_else(|| format!("key-{}", short_hash(&k.key)))))
+            .map(|k| {
+                (
+                    k.key.clone(),
+                    k.tenant
+                        .clone()
+                        .unwrap_or_else(|| format!("key-{}", short_hash(&k.key))),
+                )
+            })
             .collect();
         Self { keys }
     }
@@ -48,7 +55,9 @@ impl KeyRing {
     /// The tenant of a request, or the 401 the SDKs map to `AuthenticationException`.
     pub(super) fn tenant(&self, headers: &HeaderMap) -> Result<Tenant, RestError> {
         let Some(key) = api_key_of(headers) else {
-            return Err(RestError::unauthorized("missing API key: set the X-API-Key header"));
+            return Err(RestError::unauthorized(
+                "missing API key: set the X-API-Key header",
+            ));
         };
         if self.is_dev() {
             return Ok(Tenant(format!("dev-{}", short_hash(key))));
@@ -60,17 +69,25 @@ impl KeyRing {
                 found = Some(tenant.clone());
             }
         }
-        found.map(Tenant).ok_or_else(|| RestError::unauthorized("invalid API key"))
+        found
+            .map(Tenant)
+            .ok_or_else(|| RestError::unauthorized("invalid API key"))
     }
 }
 
 fn api_key_of(headers: &HeaderMap) -> Option<&str> {
-    let from_header = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+    let from_header = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
     let from_bearer = || {
         headers
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
             .map(str::trim)
     };
     from_header.or_else(from_bearer).filter(|k| !k.is_empty())
@@ -108,11 +125,18 @@ pub(super) fn basic_user(headers: &HeaderMap) -> Result<Option<String>, String> 
     let Some(v) = headers.get(http::header::AUTHORIZATION) else {
         return Ok(None);
     };
-    let v = v.to_str().map_err(|_| "invalid Authorization header".to_owned())?;
-    let Some(b64) = v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")) else {
+    let v = v
+        .to_str()
+        .map_err(|_| "invalid Authorization header".to_owned())?;
+    let Some(b64) = v
+        .strip_prefix("Basic ")
+        .or_else(|| v.strip_prefix("basic "))
+    else {
         return Ok(None);
     };
-    let raw = STANDARD.decode(b64.trim()).map_err(|_| "invalid Basic credentials".to_owned())?;
+    let raw = STANDARD
+        .decode(b64.trim())
+        .map_err(|_| "invalid Basic credentials".to_owned())?;
     let raw = String::from_utf8(raw).map_err(|_| "invalid Basic credentials".to_owned())?;
     let user = raw.split_once(':').map_or(raw.as_str(), |(u, _)| u);
     Ok((!user.is_empty()).then(|| user.to_owned()))
@@ -129,11 +153,20 @@ pub(super) fn check_user(user: &str) -> Result<(), String> {
 
 /// The signature of a `/files` URL: `v1_` + unpadded base64 of
 /// `sha256("<path>:<op>:<username>:<token>[:<expiration>]")`, as the SDKs compute it.
-pub(super) fn file_signature(path: &str, op: &str, username: &str, token: &str, expiration: Option<i64>) -> String {
+pub(super) fn file_signature(
+    path: &str,
+    op: &str,
+    username: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
     let mut raw = format!("{path}:{op}:{username}:{token}");
     if let Some(exp) = expiration {
         raw.push_str(&format!(":{exp}"));
     }
     let digest = Sha256::digest(raw.as_bytes());
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }

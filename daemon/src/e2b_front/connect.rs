@@ -61,7 +61,10 @@ pub(super) struct RpcError {
 
 impl RpcError {
     pub(super) fn new(code: ConnectCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 
     pub(super) fn invalid(message: impl Into<String>) -> Self {
@@ -73,7 +76,10 @@ impl RpcError {
     }
 
     fn body(&self) -> ConnectErrorBody {
-        ConnectErrorBody { code: self.code, message: self.message.clone() }
+        ConnectErrorBody {
+            code: self.code,
+            message: self.message.clone(),
+        }
     }
 }
 
@@ -92,15 +98,22 @@ impl From<tether_provider::ProviderError> for RpcError {
 
 impl IntoResponse for RpcError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, [(header::CONTENT_TYPE, HeaderValue::from_static(UNARY_JSON))], json_bytes(&self.body()))
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            status,
+            [(header::CONTENT_TYPE, HeaderValue::from_static(UNARY_JSON))],
+            json_bytes(&self.body()),
+        )
             .into_response()
     }
 }
 
 fn json_bytes<T: Serialize>(v: &T) -> Bytes {
     // Serialising the front's own wire types cannot fail (string keys, no custom errors).
-    serde_json::to_vec(v).map(Bytes::from).unwrap_or_else(|_| Bytes::from_static(b"{}"))
+    serde_json::to_vec(v)
+        .map(Bytes::from)
+        .unwrap_or_else(|_| Bytes::from_static(b"{}"))
 }
 
 // === request headers ===
@@ -129,7 +142,10 @@ impl CallOpts {
                 }
             }
         }
-        Ok(Self { timeout: timeout_of(headers)?, keepalive: keepalive_of(headers) })
+        Ok(Self {
+            timeout: timeout_of(headers)?,
+            keepalive: keepalive_of(headers),
+        })
     }
 
     /// The call's deadline, from now.
@@ -139,18 +155,33 @@ impl CallOpts {
 }
 
 fn check_content_type(headers: &HeaderMap, streaming: bool) -> Result<(), RpcError> {
-    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let base = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let base = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let want = if streaming { STREAM_JSON } else { UNARY_JSON };
     if base == want {
         return Ok(());
     }
     let hint = match base.as_str() {
-        "application/proto" | "application/connect+proto" => "the protobuf codec is not served; use JSON",
-        "application/json" | "application/connect+json" => "wrong content type for this method's kind",
+        "application/proto" | "application/connect+proto" => {
+            "the protobuf codec is not served; use JSON"
+        }
+        "application/json" | "application/connect+json" => {
+            "wrong content type for this method's kind"
+        }
         _ => "unsupported content type",
     };
-    Err(RpcError::new(ConnectCode::Unimplemented, format!("{hint}: got {ct:?}, want {want:?}")))
+    Err(RpcError::new(
+        ConnectCode::Unimplemented,
+        format!("{hint}: got {ct:?}, want {want:?}"),
+    ))
 }
 
 /// `Connect-Timeout-Ms`: a positive integer of at most 10 digits; absent = no deadline.
@@ -160,9 +191,13 @@ fn timeout_of(headers: &HeaderMap) -> Result<Option<Duration>, RpcError> {
     };
     let s = v.to_str().unwrap_or("").trim();
     if s.is_empty() || s.len() > 10 || !s.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(RpcError::invalid(format!("invalid Connect-Timeout-Ms {s:?}")));
+        return Err(RpcError::invalid(format!(
+            "invalid Connect-Timeout-Ms {s:?}"
+        )));
     }
-    let ms: u64 = s.parse().map_err(|_| RpcError::invalid("invalid Connect-Timeout-Ms"))?;
+    let ms: u64 = s
+        .parse()
+        .map_err(|_| RpcError::invalid("invalid Connect-Timeout-Ms"))?;
     Ok((ms > 0).then(|| Duration::from_millis(ms)))
 }
 
@@ -180,13 +215,23 @@ fn keepalive_of(headers: &HeaderMap) -> Duration {
 
 /// Decode a unary request body. An empty body is the empty message.
 pub(super) fn decode_unary<T: DeserializeOwned>(body: &[u8]) -> Result<T, RpcError> {
-    let body = if body.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { body };
-    serde_json::from_slice(body).map_err(|e| RpcError::invalid(format!("cannot decode the request message: {e}")))
+    let body = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| RpcError::invalid(format!("cannot decode the request message: {e}")))
 }
 
 /// A unary success.
 pub(super) fn unary_ok<T: Serialize>(msg: &T) -> Response {
-    (StatusCode::OK, [(header::CONTENT_TYPE, HeaderValue::from_static(UNARY_JSON))], json_bytes(msg)).into_response()
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, HeaderValue::from_static(UNARY_JSON))],
+        json_bytes(msg),
+    )
+        .into_response()
 }
 
 /// Read a whole (small) request body, refusing more than `max` bytes.
@@ -194,7 +239,12 @@ pub(super) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError>
     let mut stream = body.into_data_stream();
     let mut buf = BytesMut::new();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| RpcError::new(ConnectCode::Canceled, format!("cannot read the request: {e}")))?;
+        let chunk = chunk.map_err(|e| {
+            RpcError::new(
+                ConnectCode::Canceled,
+                format!("cannot read the request: {e}"),
+            )
+        })?;
         if buf.len() + chunk.len() > max {
             return Err(RpcError::new(
                 ConnectCode::ResourceExhausted,
@@ -212,7 +262,11 @@ pub(super) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError>
 pub(super) fn envelope(flags: u8, payload: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(5 + payload.len());
     out.extend_from_slice(&[flags]);
-    out.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(
+        &u32::try_from(payload.len())
+            .unwrap_or(u32::MAX)
+            .to_be_bytes(),
+    );
     out.extend_from_slice(payload);
     out.freeze()
 }
@@ -245,10 +299,14 @@ impl EnvelopeDecoder {
         let flags = self.buf[0];
         let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
         if flags & !(FLAG_COMPRESSED | FLAG_END_STREAM) != 0 {
-            return Err(RpcError::invalid(format!("invalid envelope flags 0x{flags:02x}")));
+            return Err(RpcError::invalid(format!(
+                "invalid envelope flags 0x{flags:02x}"
+            )));
         }
         if flags & FLAG_COMPRESSED != 0 {
-            return Err(RpcError::invalid("compressed envelope without a negotiated encoding"));
+            return Err(RpcError::invalid(
+                "compressed envelope without a negotiated encoding",
+            ));
         }
         if len > MAX_MESSAGE_BYTES {
             return Err(RpcError::new(
@@ -261,7 +319,11 @@ impl EnvelopeDecoder {
         }
         self.buf.advance(5);
         let payload = self.buf.split_to(len).freeze();
-        Ok(Some(if flags & FLAG_END_STREAM != 0 { Frame::End } else { Frame::Message(payload) }))
+        Ok(Some(if flags & FLAG_END_STREAM != 0 {
+            Frame::End
+        } else {
+            Frame::Message(payload)
+        }))
     }
 
     /// Bytes buffered that do not form a complete frame (at the end of the body: a
@@ -279,7 +341,9 @@ pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Resu
     let msg = match dec.next_frame()? {
         Some(Frame::Message(m)) => m,
         Some(Frame::End) => return Err(RpcError::invalid("the request stream holds no message")),
-        None if bytes.is_empty() => return Err(RpcError::invalid("the request stream holds no message")),
+        None if bytes.is_empty() => {
+            return Err(RpcError::invalid("the request stream holds no message"));
+        }
         None => return Err(RpcError::invalid("truncated request envelope")),
     };
     // Anything after the message may only be the client's end-of-stream frame.
@@ -287,7 +351,11 @@ pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Resu
         None if dec.leftover() == 0 => {}
         Some(Frame::End) if dec.leftover() == 0 => {}
         None => return Err(RpcError::invalid("truncated request envelope")),
-        Some(_) => return Err(RpcError::invalid("a server-streaming call takes exactly one request message")),
+        Some(_) => {
+            return Err(RpcError::invalid(
+                "a server-streaming call takes exactly one request message",
+            ));
+        }
     }
     decode_unary(&msg)
 }
@@ -301,7 +369,11 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
         dec: EnvelopeDecoder,
         done: bool,
     }
-    let st = St { body: body.into_data_stream().boxed(), dec: EnvelopeDecoder::default(), done: false };
+    let st = St {
+        body: body.into_data_stream().boxed(),
+        dec: EnvelopeDecoder::default(),
+        done: false,
+    };
     futures_util::stream::unfold(st, |mut st| async move {
         loop {
             if st.done {
@@ -320,7 +392,13 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
                 Some(Ok(chunk)) => st.dec.push(&chunk),
                 Some(Err(e)) => {
                     st.done = true;
-                    return Some((Err(RpcError::new(ConnectCode::Canceled, format!("request stream broke: {e}"))), st));
+                    return Some((
+                        Err(RpcError::new(
+                            ConnectCode::Canceled,
+                            format!("request stream broke: {e}"),
+                        )),
+                        st,
+                    ));
                 }
                 None => {
                     st.done = true;
@@ -356,12 +434,20 @@ pub(super) fn msg<T: Serialize>(m: &T) -> Bytes {
 
 /// The end-of-stream frame.
 pub(super) fn end_frame(error: Option<&RpcError>) -> Bytes {
-    envelope(FLAG_END_STREAM, &json_bytes(&EndOfStream { error: error.map(RpcError::body) }))
+    envelope(
+        FLAG_END_STREAM,
+        &json_bytes(&EndOfStream {
+            error: error.map(RpcError::body),
+        }),
+    )
 }
 
 /// A streaming response over `messages` (JSON payloads): message envelopes, keepalives,
 /// then the end-of-stream frame (`{}`, or the error that ended the stream).
-pub(super) fn stream_response(messages: BoxStream<'static, Result<Bytes, RpcError>>, opts: StreamOpts) -> Response {
+pub(super) fn stream_response(
+    messages: BoxStream<'static, Result<Bytes, RpcError>>,
+    opts: StreamOpts,
+) -> Response {
     struct St {
         inner: BoxStream<'static, Result<Bytes, RpcError>>,
         done: bool,
@@ -402,13 +488,25 @@ pub(super) fn stream_response(messages: BoxStream<'static, Result<Bytes, RpcErro
         };
         Some((Ok::<_, std::convert::Infallible>(out), st))
     });
-    let body = Body::from_stream(InSpan { inner: frames.boxed(), span: opts.span });
-    (StatusCode::OK, [(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_JSON))], body).into_response()
+    let body = Body::from_stream(InSpan {
+        inner: frames.boxed(),
+        span: opts.span,
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_JSON))],
+        body,
+    )
+        .into_response()
 }
 
 /// A streaming answer that is only an error (the stream failed before its first message).
 pub(super) fn stream_error(e: &RpcError) -> Response {
-    (StatusCode::OK, [(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_JSON))], end_frame(Some(e)))
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_JSON))],
+        end_frame(Some(e)),
+    )
         .into_response()
 }
 

@@ -19,8 +19,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest, SandboxDetail,
-    SandboxLifecycle, SandboxResponse, SandboxState, TimeoutRequest,
+    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
+    SandboxDetail, SandboxLifecycle, SandboxResponse, SandboxState, TimeoutRequest,
 };
 use tether_provider::{CallCtx, ProviderError};
 use tracing::Instrument;
@@ -56,7 +56,11 @@ fn tenant(state: &AppState, headers: &HeaderMap) -> Result<Tenant, RestError> {
 }
 
 /// The tenant's live sandbox `id`, or 404 (also for another tenant's id).
-fn owned(state: &AppState, tenant: &Tenant, id: &str) -> Result<(Arc<Session>, Arc<SandboxExtra>), RestError> {
+fn owned(
+    state: &AppState,
+    tenant: &Tenant,
+    id: &str,
+) -> Result<(Arc<Session>, Arc<SandboxExtra>), RestError> {
     match state.sessions.get(id, Scope::Owner(Some(&tenant.0))) {
         Ok(s) if s.state() == SessionState::Active => {
             let extra = state.e2b.extra(id, s.template.as_deref());
@@ -73,18 +77,27 @@ fn owned(state: &AppState, tenant: &Tenant, id: &str) -> Result<(Arc<Session>, A
 /// A JSON body; an empty body is `T::default()` where the operation allows it.
 fn json_body<T: DeserializeOwned + Default>(body: &Bytes, required: bool) -> Result<T, RestError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return if required { Err(RestError::bad_request("a JSON body is required")) } else { Ok(T::default()) };
+        return if required {
+            Err(RestError::bad_request("a JSON body is required"))
+        } else {
+            Ok(T::default())
+        };
     }
-    serde_json::from_slice(body).map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 fn check_timeout(state: &AppState, secs: i64, min: i64) -> Result<i64, RestError> {
     let max = i64::try_from(state.e2b.cfg.max_timeout_s).unwrap_or(i64::MAX);
     if secs < min {
-        return Err(RestError::bad_request(format!("timeout must be at least {min} seconds")));
+        return Err(RestError::bad_request(format!(
+            "timeout must be at least {min} seconds"
+        )));
     }
     if secs > max {
-        return Err(RestError::bad_request(format!("timeout must be at most {max} seconds")));
+        return Err(RestError::bad_request(format!(
+            "timeout must be at most {max} seconds"
+        )));
     }
     Ok(secs)
 }
@@ -98,7 +111,8 @@ fn ms_after(secs: i64) -> i64 {
 fn resources(state: &AppState) -> (u32, u64, u64) {
     static RES: OnceLock<(u32, u64, u64)> = OnceLock::new();
     *RES.get_or_init(|| {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+        let cpus = std::thread::available_parallelism()
+            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
         let mem_mb = std::fs::read_to_string("/proc/meminfo")
             .ok()
             .and_then(|m| {
@@ -108,7 +122,9 @@ fn resources(state: &AppState) -> (u32, u64, u64) {
             })
             .map_or(0, |kb| kb / 1024);
         let disk_mb = nix::sys::statvfs::statvfs(state.config.server.state_dir.as_path())
-            .map_or(0, |s| s.blocks().saturating_mul(s.fragment_size()) / (1024 * 1024));
+            .map_or(0, |s| {
+                s.blocks().saturating_mul(s.fragment_size()) / (1024 * 1024)
+            });
         (cpus, mem_mb, disk_mb)
     })
 }
@@ -127,16 +143,30 @@ fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> Sand
 }
 
 fn state_of(extra: &SandboxExtra) -> SandboxState {
-    if extra.is_paused() { SandboxState::Paused } else { SandboxState::Running }
+    if extra.is_paused() {
+        SandboxState::Paused
+    } else {
+        SandboxState::Running
+    }
 }
 
 // === create ===
 
-async fn create_v1(state: State<Arc<AppState>>, ctx: RequestCtx, headers: HeaderMap, body: Bytes) -> Response {
+async fn create_v1(
+    state: State<Arc<AppState>>,
+    ctx: RequestCtx,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     create(state, ctx, headers, body).await
 }
 
-async fn create_v2(state: State<Arc<AppState>>, ctx: RequestCtx, headers: HeaderMap, body: Bytes) -> Response {
+async fn create_v2(
+    state: State<Arc<AppState>>,
+    ctx: RequestCtx,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     create(state, ctx, headers, body).await
 }
 
@@ -153,7 +183,9 @@ async fn create(
         template = tracing::field::Empty,
         outcome = tracing::field::Empty,
     );
-    let r = do_create(&state, &ctx, &headers, &body).instrument(span.clone()).await;
+    let r = do_create(&state, &ctx, &headers, &body)
+        .instrument(span.clone())
+        .await;
     match r {
         Ok(resp) => {
             span.record("session.id", resp.sandbox_id.as_str());
@@ -189,7 +221,12 @@ async fn do_create(
         .filter(|k| !k.is_empty())
         .map(|k| (tenant.0.clone(), k.to_owned()));
     if let Some(key) = &idem {
-        let known = state.e2b.idempotency.read().ok().and_then(|m| m.get(key).cloned());
+        let known = state
+            .e2b
+            .idempotency
+            .read()
+            .ok()
+            .and_then(|m| m.get(key).cloned());
         if let Some(id) = known
             && let Ok((s, extra)) = owned(state, &tenant, &id)
         {
@@ -197,9 +234,15 @@ async fn do_create(
         }
     }
     let provider = state.e2b.cfg.provider.clone();
-    let provider_name = provider.clone().unwrap_or_else(|| state.sessions.providers().default_name().to_owned());
+    let provider_name = provider
+        .clone()
+        .unwrap_or_else(|| state.sessions.providers().default_name().to_owned());
     if req.auto_pause == Some(true) {
-        let can_pause = state.sessions.providers().get(&provider_name).is_some_and(|p| p.capabilities().pause);
+        let can_pause = state
+            .sessions
+            .providers()
+            .get(&provider_name)
+            .is_some_and(|p| p.capabilities().pause);
         if !can_pause {
             return Err(RestError::bad_request(format!(
                 "autoPause: the {provider_name} provider cannot pause sandboxes"
@@ -218,7 +261,10 @@ async fn do_create(
     };
     prune(state);
     let session = state.sessions.create(ctx, new).await?;
-    let extra = state.e2b.insert_extra(&session.id, SandboxExtra::new(&req.template_id, allow_internet));
+    let extra = state.e2b.insert_extra(
+        &session.id,
+        SandboxExtra::new(&req.template_id, allow_internet),
+    );
     if let Some(key) = idem
         && let Ok(mut m) = state.e2b.idempotency.write()
     {
@@ -230,9 +276,17 @@ async fn do_create(
 /// Drop the front's extras of sandboxes that ended without the front seeing it (expired
 /// by the reaper), so they do not accumulate.
 fn prune(state: &AppState) {
-    let ids: Vec<String> = state.e2b.sandboxes.read().map(|m| m.keys().cloned().collect()).unwrap_or_default();
+    let ids: Vec<String> = state
+        .e2b
+        .sandboxes
+        .read()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
     for id in ids {
-        let live = state.sessions.get(&id, Scope::Any).is_ok_and(|s| s.state() == SessionState::Active);
+        let live = state
+            .sessions
+            .get(&id, Scope::Any)
+            .is_ok_and(|s| s.state() == SessionState::Active);
         if !live {
             state.e2b.forget(&id);
         }
@@ -255,20 +309,25 @@ struct ListQuery {
 
 impl ListQuery {
     fn parse(q: Option<&str>) -> Result<Self, RestError> {
-        let mut out = Self { limit: MAX_PAGE, ..Self::default() };
+        let mut out = Self {
+            limit: MAX_PAGE,
+            ..Self::default()
+        };
         for (k, v) in form_pairs(q.unwrap_or("")) {
             match k.as_str() {
                 // `metadata` is itself a query string whose keys and values were
                 // percent-encoded once more (`urlencode({quote(k): quote(v)})`).
                 "metadata" => {
                     for (mk, mv) in form_pairs(&v) {
-                        out.metadata.insert(percent_decode(&mk), percent_decode(&mv));
+                        out.metadata
+                            .insert(percent_decode(&mk), percent_decode(&mv));
                     }
                 }
                 "state" => {
                     for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                        let st = SandboxState::parse(s)
-                            .ok_or_else(|| RestError::bad_request(format!("invalid state {s:?}")))?;
+                        let st = SandboxState::parse(s).ok_or_else(|| {
+                            RestError::bad_request(format!("invalid state {s:?}"))
+                        })?;
                         out.states.push(st);
                     }
                 }
@@ -276,7 +335,9 @@ impl ListQuery {
                     out.ascending = match v.as_str() {
                         "asc" => true,
                         "desc" => false,
-                        other => return Err(RestError::bad_request(format!("invalid order {other:?}"))),
+                        other => {
+                            return Err(RestError::bad_request(format!("invalid order {other:?}")));
+                        }
                     }
                 }
                 "startedAfter" => {
@@ -287,9 +348,13 @@ impl ListQuery {
                 "template" => out.template = Some(v),
                 "nextToken" => out.next_token = Some(v).filter(|t| !t.is_empty()),
                 "limit" => {
-                    let n: usize = v.parse().map_err(|_| RestError::bad_request("limit must be an integer"))?;
+                    let n: usize = v
+                        .parse()
+                        .map_err(|_| RestError::bad_request("limit must be an integer"))?;
                     if !(1..=MAX_PAGE).contains(&n) {
-                        return Err(RestError::bad_request(format!("limit must be between 1 and {MAX_PAGE}")));
+                        return Err(RestError::bad_request(format!(
+                            "limit must be between 1 and {MAX_PAGE}"
+                        )));
                     }
                     out.limit = n;
                 }
@@ -319,7 +384,11 @@ fn listed(state: &AppState, s: &Session, extra: &SandboxExtra) -> ListedSandbox 
 }
 
 /// The tenant's live sandboxes matching the filters, in the asked order.
-fn matching(state: &AppState, tenant: &Tenant, q: &ListQuery) -> Vec<(Arc<Session>, Arc<SandboxExtra>)> {
+fn matching(
+    state: &AppState,
+    tenant: &Tenant,
+    q: &ListQuery,
+) -> Vec<(Arc<Session>, Arc<SandboxExtra>)> {
     let mut v: Vec<_> = state
         .sessions
         .list(Scope::Owner(Some(&tenant.0)))
@@ -343,13 +412,20 @@ fn matching(state: &AppState, tenant: &Tenant, q: &ListQuery) -> Vec<(Arc<Sessio
     v
 }
 
-async fn list_v1(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuery(raw): RawQuery) -> Response {
+async fn list_v1(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    RawQuery(raw): RawQuery,
+) -> Response {
     let r = async {
         let tenant = tenant(&state, &headers)?;
         let mut q = ListQuery::parse(raw.as_deref())?;
         // v1 lists running sandboxes only, unpaged.
         q.states = vec![SandboxState::Running];
-        let items: Vec<_> = matching(&state, &tenant, &q).iter().map(|(s, e)| listed(&state, s, e)).collect();
+        let items: Vec<_> = matching(&state, &tenant, &q)
+            .iter()
+            .map(|(s, e)| listed(&state, s, e))
+            .collect();
         Ok::<_, RestError>(axum::Json(items).into_response())
     }
     .instrument(tracing::info_span!("e2b.sandbox.list"))
@@ -357,7 +433,11 @@ async fn list_v1(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuer
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn list_v2(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuery(raw): RawQuery) -> Response {
+async fn list_v2(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    RawQuery(raw): RawQuery,
+) -> Response {
     let r = async {
         let tenant = tenant(&state, &headers)?;
         let q = ListQuery::parse(raw.as_deref())?;
@@ -393,7 +473,11 @@ async fn list_v2(State(state): State<Arc<AppState>>, headers: HeaderMap, RawQuer
 
 // === one sandbox ===
 
-async fn get_one(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+async fn get_one(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
     let span = tracing::info_span!("e2b.sandbox.get", sandbox.id = %id, session.id = %id);
     let r = async {
         let tenant = tenant(&state, &headers)?;
@@ -415,7 +499,10 @@ async fn get_one(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id
             allow_internet_access: Some(extra.allow_internet),
             domain: Some(state.e2b.cfg.domain.clone()),
             metadata: s.metadata.clone(),
-            lifecycle: Some(SandboxLifecycle { auto_resume: false, on_timeout: "kill".into() }),
+            lifecycle: Some(SandboxLifecycle {
+                auto_resume: false,
+                on_timeout: "kill".into(),
+            }),
         };
         Ok::<_, RestError>(axum::Json(detail).into_response())
     }
@@ -424,14 +511,20 @@ async fn get_one(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn kill(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let span =
-        tracing::info_span!("e2b.sandbox.kill", sandbox.id = %id, session.id = %id, outcome = tracing::field::Empty);
+async fn kill(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.kill", sandbox.id = %id, session.id = %id, outcome = tracing::field::Empty);
     let r = async {
         let tenant = tenant(&state, &headers)?;
         owned(&state, &tenant, &id)?;
         state.e2b.forget(&id);
-        state.sessions.close(&id, Scope::Owner(Some(&tenant.0)), "killed").await?;
+        state
+            .sessions
+            .close(&id, Scope::Owner(Some(&tenant.0)), "killed")
+            .await?;
         Ok::<_, RestError>(StatusCode::NO_CONTENT.into_response())
     }
     .instrument(span.clone())
@@ -450,8 +543,8 @@ async fn set_timeout(
     let r = async {
         let tenant = tenant(&state, &headers)?;
         let (s, _) = owned(&state, &tenant, &id)?;
-        let req: TimeoutRequest =
-            serde_json::from_slice(&body).map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))?;
+        let req: TimeoutRequest = serde_json::from_slice(&body)
+            .map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))?;
         let secs = check_timeout(&state, req.timeout, 0)?;
         // The new end may be earlier than the old one: E2B's timeout sets, not extends.
         s.set_expiry(ms_after(secs));
@@ -475,7 +568,9 @@ async fn refresh(
         let req: RefreshRequest = json_body(&body, false)?;
         let secs = req.duration.unwrap_or(0);
         if !(0..=3600).contains(&secs) {
-            return Err(RestError::bad_request("duration must be between 0 and 3600 seconds"));
+            return Err(RestError::bad_request(
+                "duration must be between 0 and 3600 seconds",
+            ));
         }
         // A refresh only extends.
         let at = ms_after(secs.max(15));
@@ -536,8 +631,14 @@ async fn connect(
         if at > s.expires_ms() {
             s.set_expiry(at);
         }
-        let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-        Ok::<_, RestError>((status, axum::Json(sandbox_response(&state, &s, &extra))).into_response())
+        let status = if resumed {
+            StatusCode::CREATED
+        } else {
+            StatusCode::OK
+        };
+        Ok::<_, RestError>(
+            (status, axum::Json(sandbox_response(&state, &s, &extra))).into_response(),
+        )
     }
     .instrument(span)
     .await;
@@ -556,24 +657,39 @@ async fn pause(
         let tenant = tenant(&state, &headers)?;
         let (s, extra) = owned(&state, &tenant, &id)?;
         if extra.is_paused() {
-            return Err(RestError::new(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
+            return Err(RestError::new(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} is already paused"),
+            ));
         }
         let provider = state
             .sessions
             .providers()
             .get(&s.provider_name)
-            .ok_or_else(|| RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "the sandbox's provider is gone"))?;
+            .ok_or_else(|| {
+                RestError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the sandbox's provider is gone",
+                )
+            })?;
         let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
-        let pctx =
-            ctx.with_timeout(Duration::from_millis(state.config.limits.sandbox_create_timeout_ms), "DEADLINE_EXCEEDED");
+        let pctx = ctx.with_timeout(
+            Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
+            "DEADLINE_EXCEEDED",
+        );
         match provider.pause(&pctx, &sid).await {
             Ok(()) => {
-                extra.paused.store(true, std::sync::atomic::Ordering::Release);
+                extra
+                    .paused
+                    .store(true, std::sync::atomic::Ordering::Release);
                 Ok(StatusCode::NO_CONTENT.into_response())
             }
             Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
                 StatusCode::NOT_IMPLEMENTED,
-                format!("pause is not supported by the {} provider this sandbox runs on", s.provider_kind),
+                format!(
+                    "pause is not supported by the {} provider this sandbox runs on",
+                    s.provider_kind
+                ),
             )),
             Err(e) => Err(crate::error::DaemonError::from(e).into()),
         }
@@ -583,24 +699,41 @@ async fn pause(
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn resume_sandbox(state: &AppState, ctx: &CallCtx, s: &Session, extra: &SandboxExtra) -> Result<(), RestError> {
+async fn resume_sandbox(
+    state: &AppState,
+    ctx: &CallCtx,
+    s: &Session,
+    extra: &SandboxExtra,
+) -> Result<(), RestError> {
     let provider = state
         .sessions
         .providers()
         .get(&s.provider_name)
-        .ok_or_else(|| RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "the sandbox's provider is gone"))?;
+        .ok_or_else(|| {
+            RestError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the sandbox's provider is gone",
+            )
+        })?;
     let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
-    let rctx =
-        ctx.with_timeout(Duration::from_millis(state.config.limits.sandbox_create_timeout_ms), "DEADLINE_EXCEEDED");
+    let rctx = ctx.with_timeout(
+        Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
+        "DEADLINE_EXCEEDED",
+    );
     match provider.resume(&rctx, &sid).await {
         // The session keeps its handle: the provider's sandbox id does not change.
         Ok(_) => {
-            extra.paused.store(false, std::sync::atomic::Ordering::Release);
+            extra
+                .paused
+                .store(false, std::sync::atomic::Ordering::Release);
             Ok(())
         }
         Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
-            format!("resume is not supported by the {} provider", s.provider_kind),
+            format!(
+                "resume is not supported by the {} provider",
+                s.provider_kind
+            ),
         )),
         Err(e) => Err(crate::error::DaemonError::from(e).into()),
     }
@@ -621,12 +754,23 @@ async fn resume(
         let (s, extra) = owned(&state, &tenant, &id)?;
         let req: ConnectSandboxRequest = json_body(&body, false)?;
         if !extra.is_paused() {
-            return Err(RestError::new(StatusCode::CONFLICT, format!("sandbox {id} is already running")));
+            return Err(RestError::new(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} is already running"),
+            ));
         }
         resume_sandbox(&state, &ctx, &s, &extra).await?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
-        s.set_expiry(ms_after(check_timeout(&state, req.timeout.unwrap_or(default), 1)?));
-        Ok((StatusCode::CREATED, axum::Json(sandbox_response(&state, &s, &extra))).into_response())
+        s.set_expiry(ms_after(check_timeout(
+            &state,
+            req.timeout.unwrap_or(default),
+            1,
+        )?));
+        Ok((
+            StatusCode::CREATED,
+            axum::Json(sandbox_response(&state, &s, &extra)),
+        )
+            .into_response())
     }
     .instrument(span)
     .await;

@@ -26,7 +26,9 @@ use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use tether_protocol::ErrorCode;
-use tether_protocol::e2b::{ApiError, ENVD_PORT, ENVD_VERSION, InitRequest, ProxyError, WrittenEntry};
+use tether_protocol::e2b::{
+    ApiError, ENVD_PORT, ENVD_VERSION, InitRequest, ProxyError, WrittenEntry,
+};
 use tether_protocol::events::EventBody;
 use tether_protocol::fs::{ByteRange, FileKind, WriteGuard};
 use tether_provider::{ByteStream, CallCtx, ProviderError};
@@ -76,9 +78,10 @@ pub(super) enum Reject {
 impl IntoResponse for Reject {
     fn into_response(self) -> Response {
         match self {
-            Self::NoSandbox => {
-                RestError::bad_request("missing header: E2b-Sandbox-Id (or a 49983-<id>.<domain> host)").into_response()
-            }
+            Self::NoSandbox => RestError::bad_request(
+                "missing header: E2b-Sandbox-Id (or a 49983-<id>.<domain> host)",
+            )
+            .into_response(),
             Self::NotFound(id) => proxy_error(id, "The sandbox was not found"),
             Self::PortClosed(id) => proxy_error(id, "The sandbox is running but port is not open"),
             Self::Unauthorized => {
@@ -95,13 +98,24 @@ impl IntoResponse for Reject {
 }
 
 fn proxy_error(sandbox_id: String, message: &str) -> Response {
-    (StatusCode::BAD_GATEWAY, axum::Json(ProxyError { sandbox_id, message: message.into(), code: 502 })).into_response()
+    (
+        StatusCode::BAD_GATEWAY,
+        axum::Json(ProxyError {
+            sandbox_id,
+            message: message.into(),
+            code: 502,
+        }),
+    )
+        .into_response()
 }
 
 /// The sandbox id and port an envd request names, if any.
 pub(super) fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
-    if let Some(id) =
-        headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()).map(str::trim).filter(|s| !s.is_empty())
+    if let Some(id) = headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
     {
         let port = headers
             .get("e2b-sandbox-port")
@@ -118,7 +132,11 @@ pub(super) fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
     }
     let (port, id) = label.split_once('-')?;
     let port: u16 = port.parse().ok()?;
-    (!id.is_empty() && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())).then(|| (id.to_owned(), port))
+    (!id.is_empty()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()))
+    .then(|| (id.to_owned(), port))
 }
 
 /// The live E2B sandbox named by `id`, without checking credentials.
@@ -133,7 +151,11 @@ pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
     if extra.is_paused() {
         return None;
     }
-    Some(Target { session, extra, id: id.to_owned() })
+    Some(Target {
+        session,
+        extra,
+        id: id.to_owned(),
+    })
 }
 
 /// Resolve the sandbox of an envd request and check its access token.
@@ -165,18 +187,33 @@ pub(super) fn admit(
     streaming: bool,
 ) -> Result<(super::connect::CallOpts, Target, String), Box<Response>> {
     let refuse = |r: Response| Box::new(r);
-    let opts = super::connect::CallOpts::parse(headers, streaming).map_err(|e| refuse(e.into_response()))?;
+    let opts = super::connect::CallOpts::parse(headers, streaming)
+        .map_err(|e| refuse(e.into_response()))?;
     let target = authorize(state, headers).map_err(|e| refuse(e.into_response()))?;
-    let user = auth::basic_user(headers).and_then(|u| effective_user(u, &target.extra)).map_err(|e| {
-        let e = super::connect::RpcError::new(tether_protocol::e2b::ConnectCode::Unauthenticated, e);
-        refuse(if streaming { super::connect::stream_error(&e) } else { e.into_response() })
-    })?;
+    let user = auth::basic_user(headers)
+        .and_then(|u| effective_user(u, &target.extra))
+        .map_err(|e| {
+            let e = super::connect::RpcError::new(
+                tether_protocol::e2b::ConnectCode::Unauthenticated,
+                e,
+            );
+            refuse(if streaming {
+                super::connect::stream_error(&e)
+            } else {
+                e.into_response()
+            })
+        })?;
     target.session.touch();
     Ok((opts, target, user))
 }
 
-pub(super) fn effective_user(asked: Option<String>, extra: &SandboxExtra) -> Result<String, String> {
-    let user = asked.or_else(|| extra.init().default_user).unwrap_or_else(|| "user".to_owned());
+pub(super) fn effective_user(
+    asked: Option<String>,
+    extra: &SandboxExtra,
+) -> Result<String, String> {
+    let user = asked
+        .or_else(|| extra.init().default_user)
+        .unwrap_or_else(|| "user".to_owned());
     auth::check_user(&user)?;
     Ok(user)
 }
@@ -190,12 +227,22 @@ fn detached_ctx(ctx: &CallCtx, session: &Session, limit: Duration) -> CallCtx {
 }
 
 /// Record a file operation in the session log.
-pub(super) async fn log_fs_op(session: &Session, op: &str, path: &str, outcome: Result<Option<u64>, ErrorCode>) {
+pub(super) async fn log_fs_op(
+    session: &Session,
+    op: &str,
+    path: &str,
+    outcome: Result<Option<u64>, ErrorCode>,
+) {
     let (outcome, bytes) = match outcome {
         Ok(b) => ("ok".to_owned(), b),
         Err(c) => (c.as_str().to_owned(), None),
     };
-    let body = EventBody::FsOp { op: op.to_owned(), path: path.to_owned(), outcome, bytes };
+    let body = EventBody::FsOp {
+        op: op.to_owned(),
+        path: path.to_owned(),
+        outcome,
+        bytes,
+    };
     if let Err(e) = session.log.append(body).await {
         tracing::warn!(session.id = %session.id, error = %e, "Could not log a file operation");
     }
@@ -207,7 +254,10 @@ async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     match addressed(&headers) {
         // envd's health: 204 while the sandbox lives.
         Some(_) => match locate(&state, &headers) {
-            Ok(_) => (StatusCode::NO_CONTENT, [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))])
+            Ok(_) => (
+                StatusCode::NO_CONTENT,
+                [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
+            )
                 .into_response(),
             Err(r) => r.into_response(),
         },
@@ -226,15 +276,23 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
     } else {
         match serde_json::from_slice(&body) {
             Ok(r) => r,
-            Err(e) => return RestError::bad_request(format!("invalid JSON body: {e}")).into_response(),
+            Err(e) => {
+                return RestError::bad_request(format!("invalid JSON body: {e}")).into_response();
+            }
         }
     };
     let token = state.e2b.access_token(&target.id);
     // `/init` authenticates itself: the token in the body (or the header) must be the
     // sandbox's; a different one is a mismatch, none at all is refused.
-    let in_body = req.access_token.as_deref().map(|t| auth::constant_time_eq(t.as_bytes(), token.as_bytes()));
+    let in_body = req
+        .access_token
+        .as_deref()
+        .map(|t| auth::constant_time_eq(t.as_bytes(), token.as_bytes()));
     let in_header = auth::access_token_matches(&headers, &token);
-    if !matches!((in_body, in_header), (Some(true), None | Some(true)) | (None, Some(true))) {
+    if !matches!(
+        (in_body, in_header),
+        (Some(true), None | Some(true)) | (None, Some(true))
+    ) {
         return Reject::Unauthorized.into_response();
     }
     if let Some(u) = &req.default_user
@@ -253,7 +311,11 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
             init.default_workdir = Some(resolve_path(&w));
         }
     }
-    (StatusCode::NO_CONTENT, [("x-envd-version", HeaderValue::from_static(ENVD_VERSION))]).into_response()
+    (
+        StatusCode::NO_CONTENT,
+        [("x-envd-version", HeaderValue::from_static(ENVD_VERSION))],
+    )
+        .into_response()
 }
 
 async fn envs(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -291,13 +353,20 @@ impl FilesQuery {
 /// Resolve and authorize a `/files` request: the access token, or a valid signature for
 /// `op`. A signed URL may come without a routing header (it is a plain link): then the
 /// signature itself names the sandbox.
-fn files_target(state: &AppState, headers: &HeaderMap, q: &FilesQuery, op: &str) -> Result<Target, Reject> {
+fn files_target(
+    state: &AppState,
+    headers: &HeaderMap,
+    q: &FilesQuery,
+    op: &str,
+) -> Result<Target, Reject> {
     let located = match addressed(headers) {
         Some(_) => Some(locate(state, headers)?),
         None => None,
     };
     let signed_ok = |t: &Target| -> bool {
-        let Some(sig) = &q.signature else { return false };
+        let Some(sig) = &q.signature else {
+            return false;
+        };
         if let Some(exp) = q.expiration
             && exp < super::now_ms() / 1000
         {
@@ -348,8 +417,17 @@ async fn download(
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.read", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_download(&state, &ctx, &target, &q, &headers).instrument(span.clone()).await;
-    span.record("outcome", if r.status().is_success() { "ok" } else { "error" });
+    let r = serve_download(&state, &ctx, &target, &q, &headers)
+        .instrument(span.clone())
+        .await;
+    span.record(
+        "outcome",
+        if r.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        },
+    );
     r
 }
 
@@ -374,7 +452,11 @@ async fn serve_download(
     let stat = match sandbox.fs().stat(&sctx, &path).await {
         Ok(s) => s,
         Err(e) if e.code() == ErrorCode::FsNotFound => {
-            return RestError::new(StatusCode::NOT_FOUND, format!("path '{shown}' does not exist")).into_response();
+            return RestError::new(
+                StatusCode::NOT_FOUND,
+                format!("path '{shown}' does not exist"),
+            )
+            .into_response();
         }
         Err(e) => return RestError::from_envd(&e.into()).into_response(),
     };
@@ -382,18 +464,28 @@ async fn serve_download(
         return RestError::bad_request(format!("path '{shown}' is a directory")).into_response();
     }
     let size = stat.size;
-    let range = match headers.get(header::RANGE).and_then(|v| v.to_str().ok()).map(|r| parse_range(r, size)) {
+    let range = match headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .map(|r| parse_range(r, size))
+    {
         None | Some(RangeAsk::Ignore) => None,
         Some(RangeAsk::Range(r)) => Some(r),
         Some(RangeAsk::Unsatisfiable) => {
-            return (StatusCode::RANGE_NOT_SATISFIABLE, [(header::CONTENT_RANGE, format!("bytes */{size}"))])
+            return (
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                [(header::CONTENT_RANGE, format!("bytes */{size}"))],
+            )
                 .into_response();
         }
     };
     let gzip = range.is_none() && accepts_gzip(headers);
     // The body outlives this handler: read under a context of its own.
     let rctx = detached_ctx(ctx, &target.session, limit);
-    let want = range.map_or(ByteRange::default(), |(a, b)| ByteRange { offset: a, length: Some(b - a + 1) });
+    let want = range.map_or(ByteRange::default(), |(a, b)| ByteRange {
+        offset: a,
+        length: Some(b - a + 1),
+    });
     let stream = match sandbox.fs().read(&rctx, &path, want).await {
         Ok(s) => s,
         Err(e) => return RestError::from_envd(&e.into()).into_response(),
@@ -409,7 +501,10 @@ async fn serve_download(
         })))
     };
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
     if let Ok(v) = HeaderValue::from_str(&format!("inline; filename=\"{base}\"")) {
         h.insert(header::CONTENT_DISPOSITION, v);
@@ -440,44 +535,70 @@ enum RangeAsk {
 }
 
 fn parse_range(h: &str, size: u64) -> RangeAsk {
-    let Some(spec) = h.trim().strip_prefix("bytes=") else { return RangeAsk::Ignore };
+    let Some(spec) = h.trim().strip_prefix("bytes=") else {
+        return RangeAsk::Ignore;
+    };
     if spec.contains(',') {
         return RangeAsk::Ignore;
     }
-    let Some((a, b)) = spec.trim().split_once('-') else { return RangeAsk::Ignore };
+    let Some((a, b)) = spec.trim().split_once('-') else {
+        return RangeAsk::Ignore;
+    };
     let (a, b) = (a.trim(), b.trim());
     let r = match (a.parse::<u64>().ok(), b.parse::<u64>().ok()) {
         (Some(a), Some(b)) if a <= b => (a, b.min(size.saturating_sub(1))),
         (Some(a), None) if b.is_empty() => (a, size.saturating_sub(1)),
-        (None, Some(n)) if a.is_empty() && n > 0 => (size.saturating_sub(n), size.saturating_sub(1)),
+        (None, Some(n)) if a.is_empty() && n > 0 => {
+            (size.saturating_sub(n), size.saturating_sub(1))
+        }
         _ => return RangeAsk::Ignore,
     };
-    if size == 0 || r.0 >= size { RangeAsk::Unsatisfiable } else { RangeAsk::Range(r) }
+    if size == 0 || r.0 >= size {
+        RangeAsk::Unsatisfiable
+    } else {
+        RangeAsk::Range(r)
+    }
 }
 
 /// Whether `Accept-Encoding` admits gzip (as envd: any listing of gzip with q > 0).
 fn accepts_gzip(headers: &HeaderMap) -> bool {
-    headers.get_all(header::ACCEPT_ENCODING).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(
-        |item| {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
             let mut parts = item.split(';');
             let coding = parts.next().unwrap_or("").trim();
             let q = parts
-                .find_map(|p| p.trim().strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok()))
+                .find_map(|p| {
+                    p.trim()
+                        .strip_prefix("q=")
+                        .and_then(|q| q.trim().parse::<f32>().ok())
+                })
                 .unwrap_or(1.0);
             (coding.eq_ignore_ascii_case("gzip") || coding == "*") && q > 0.0
-        },
-    )
+        })
 }
 
 /// gzip-encode a byte stream chunk by chunk (bounded memory).
-fn gzip_stream(input: ByteStream, keep: CallCtx) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
+fn gzip_stream(
+    input: ByteStream,
+    keep: CallCtx,
+) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
     struct St {
         input: ByteStream,
         enc: Option<flate2::write::GzEncoder<Vec<u8>>>,
         _ctx: CallCtx,
     }
-    let st =
-        St { input, enc: Some(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast())), _ctx: keep };
+    let st = St {
+        input,
+        enc: Some(flate2::write::GzEncoder::new(
+            Vec::new(),
+            flate2::Compression::fast(),
+        )),
+        _ctx: keep,
+    };
     futures_util::stream::unfold(st, |mut st| async move {
         loop {
             let enc = st.enc.as_mut()?;
@@ -507,12 +628,17 @@ fn gzip_stream(input: ByteStream, keep: CallCtx) -> BoxStream<'static, Result<By
 }
 
 /// gunzip a byte stream chunk by chunk (bounded memory).
-fn gunzip_stream(input: BoxStream<'static, Result<Bytes, String>>) -> BoxStream<'static, Result<Bytes, String>> {
+fn gunzip_stream(
+    input: BoxStream<'static, Result<Bytes, String>>,
+) -> BoxStream<'static, Result<Bytes, String>> {
     struct St {
         input: BoxStream<'static, Result<Bytes, String>>,
         dec: Option<flate2::write::GzDecoder<Vec<u8>>>,
     }
-    let st = St { input, dec: Some(flate2::write::GzDecoder::new(Vec::new())) };
+    let st = St {
+        input,
+        dec: Some(flate2::write::GzDecoder::new(Vec::new())),
+    };
     futures_util::stream::unfold(st, |mut st| async move {
         loop {
             let dec = st.dec.as_mut()?;
@@ -558,8 +684,17 @@ async fn upload(
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.write", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_upload(&state, &ctx, &target, &q, &headers, req.into_body()).instrument(span.clone()).await;
-    span.record("outcome", if r.status().is_success() { "ok" } else { "error" });
+    let r = serve_upload(&state, &ctx, &target, &q, &headers, req.into_body())
+        .instrument(span.clone())
+        .await;
+    span.record(
+        "outcome",
+        if r.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        },
+    );
     r
 }
 
@@ -578,10 +713,16 @@ async fn serve_upload(
         Ok(m) => m,
         Err(e) => return RestError::bad_request(e).into_response(),
     };
-    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
     let max = state.config.server.max_file_bytes;
-    let body: BoxStream<'static, Result<Bytes, String>> =
-        body.into_data_stream().map(|r| r.map_err(|e| e.to_string())).boxed();
+    let body: BoxStream<'static, Result<Bytes, String>> = body
+        .into_data_stream()
+        .map(|r| r.map_err(|e| e.to_string()))
+        .boxed();
     let mut written = Vec::new();
     if let Some(boundary) = boundary_of(&ct) {
         let mut mp = Multipart::new(body, &boundary);
@@ -595,12 +736,23 @@ async fn serve_upload(
             if part.name.as_deref() != Some("file") {
                 continue;
             }
-            let Some(shown) = q.path.clone().or(part.filename.clone()).filter(|p| !p.is_empty()) else {
-                return RestError::bad_request("a file part has no filename and the request no path").into_response();
+            let Some(shown) = q
+                .path
+                .clone()
+                .or(part.filename.clone())
+                .filter(|p| !p.is_empty())
+            else {
+                return RestError::bad_request(
+                    "a file part has no filename and the request no path",
+                )
+                .into_response();
             };
             let path = resolve_path(&shown);
             if !seen.insert(path.clone()) {
-                return RestError::bad_request(format!("cannot upload the same path twice: '{shown}'")).into_response();
+                return RestError::bad_request(format!(
+                    "cannot upload the same path twice: '{shown}'"
+                ))
+                .into_response();
             }
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
             let parts = &mut mp;
@@ -623,7 +775,9 @@ async fn serve_upload(
                             }
                         }
                         Ok(None) => return,
-                        Err(e) => Err(ProviderError::InvalidRequest { message: e.to_string() }),
+                        Err(e) => Err(ProviderError::InvalidRequest {
+                            message: e.to_string(),
+                        }),
                     };
                     let failed = item.is_err();
                     if tx.send(item).await.is_err() || failed {
@@ -639,18 +793,26 @@ async fn serve_upload(
             }
         }
         if written.is_empty() {
-            return RestError::bad_request("the multipart body holds no part named \"file\"").into_response();
+            return RestError::bad_request("the multipart body holds no part named \"file\"")
+                .into_response();
         }
     } else if ct.is_empty()
-        || ct.split(';').next().is_some_and(|b| b.trim().eq_ignore_ascii_case("application/octet-stream"))
+        || ct
+            .split(';')
+            .next()
+            .is_some_and(|b| b.trim().eq_ignore_ascii_case("application/octet-stream"))
     {
         let Some(shown) = q.path.clone().filter(|p| !p.is_empty()) else {
-            return RestError::bad_request("the path query parameter is required for an octet-stream upload")
-                .into_response();
+            return RestError::bad_request(
+                "the path query parameter is required for an octet-stream upload",
+            )
+            .into_response();
         };
         let path = resolve_path(&shown);
-        let gz =
-            headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase());
+        let gz = headers
+            .get(header::CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_ascii_lowercase());
         let body = match gz.as_deref() {
             None | Some("" | "identity") => body,
             Some("gzip" | "x-gzip") => gunzip_stream(body),
@@ -669,7 +831,11 @@ async fn serve_upload(
                 Ok(c) => {
                     total += c.len() as u64;
                     if total > max {
-                        Err(ProviderError::fs(ErrorCode::FsTooLarge, &p2, format!("file is larger than {max} bytes")))
+                        Err(ProviderError::fs(
+                            ErrorCode::FsTooLarge,
+                            &p2,
+                            format!("file is larger than {max} bytes"),
+                        ))
                     } else {
                         Ok(c)
                     }
@@ -712,9 +878,23 @@ async fn write_one(
 ) -> Result<(), DaemonError> {
     let sandbox = target.session.sandbox()?;
     target.session.touch();
-    let wctx = ctx.with_timeout(Duration::from_millis(state.config.limits.fs_op_timeout_ms), "DEADLINE_EXCEEDED");
-    let r = sandbox.fs().write(&wctx, path, data, WriteGuard::None).await;
-    log_fs_op(&target.session, "write", path, r.as_ref().map(|o| Some(o.size)).map_err(ProviderError::code)).await;
+    let wctx = ctx.with_timeout(
+        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
+        "DEADLINE_EXCEEDED",
+    );
+    let r = sandbox
+        .fs()
+        .write(&wctx, path, data, WriteGuard::None)
+        .await;
+    log_fs_op(
+        &target.session,
+        "write",
+        path,
+        r.as_ref()
+            .map(|o| Some(o.size))
+            .map_err(ProviderError::code),
+    )
+    .await;
     r.map(|_| ()).map_err(DaemonError::from)
 }
 
@@ -723,8 +903,12 @@ fn metadata_of(headers: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, 
     let mut out = BTreeMap::new();
     let mut total = 0usize;
     for (name, value) in headers {
-        let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
-        let value = value.to_str().map_err(|_| format!("metadata {key:?}: the value is not printable ASCII"))?;
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        let value = value
+            .to_str()
+            .map_err(|_| format!("metadata {key:?}: the value is not printable ASCII"))?;
         let printable = |s: &str| s.bytes().all(|b| (0x20..0x7f).contains(&b));
         if key.is_empty() || key.len() > 246 || !printable(key) || !printable(value) {
             return Err(format!("invalid metadata key or value for {key:?}"));
@@ -750,18 +934,30 @@ mod tests {
         assert_eq!(parse_range("bytes=20-30", 10), RangeAsk::Unsatisfiable);
         assert_eq!(parse_range("bytes=0-1,3-4", 10), RangeAsk::Ignore);
         let mut h = HeaderMap::new();
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip, deflate"));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("gzip, deflate"),
+        );
         assert!(accepts_gzip(&h));
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
         assert!(!accepts_gzip(&h));
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip;q=0"));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("gzip;q=0"),
+        );
         assert!(!accepts_gzip(&h));
     }
 
     #[test]
     fn routing_by_header_and_by_host() {
         let mut h = HeaderMap::new();
-        h.insert(header::HOST, HeaderValue::from_static("49983-iabc123.localhost:7420"));
+        h.insert(
+            header::HOST,
+            HeaderValue::from_static("49983-iabc123.localhost:7420"),
+        );
         assert_eq!(addressed(&h), Some(("iabc123".into(), 49983)));
         h.insert(header::HOST, HeaderValue::from_static("127.0.0.1:7420"));
         assert_eq!(addressed(&h), None);
@@ -773,22 +969,29 @@ mod tests {
     #[tokio::test]
     async fn gzip_round_trips_in_chunks() {
         let data: Vec<u8> = (0..200_000u32).flat_map(|i| i.to_le_bytes()).collect();
-        let chunks: Vec<tether_provider::Result<Bytes>> =
-            data.chunks(10_000).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
-        let gz: Vec<Bytes> = gzip_stream(futures_util::stream::iter(chunks).boxed(), CallCtx::new("t"))
-            .map(|r| r.unwrap())
-            .collect()
-            .await;
+        let chunks: Vec<tether_provider::Result<Bytes>> = data
+            .chunks(10_000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let gz: Vec<Bytes> = gzip_stream(
+            futures_util::stream::iter(chunks).boxed(),
+            CallCtx::new("t"),
+        )
+        .map(|r| r.unwrap())
+        .collect()
+        .await;
         assert!(gz.len() > 1, "the encoder streams");
-        let back: Vec<Bytes> = gunzip_stream(futures_util::stream::iter(gz.into_iter().map(Ok)).boxed())
-            .map(|r| r.unwrap())
-            .collect()
-            .await;
-        assert_eq!(back.concat(), data);
-        let bad: Vec<Result<Bytes, String>> =
-            gunzip_stream(futures_util::stream::iter(vec![Ok(Bytes::from_static(b"not gzip at all"))]).boxed())
+        let back: Vec<Bytes> =
+            gunzip_stream(futures_util::stream::iter(gz.into_iter().map(Ok)).boxed())
+                .map(|r| r.unwrap())
                 .collect()
                 .await;
+        assert_eq!(back.concat(), data);
+        let bad: Vec<Result<Bytes, String>> = gunzip_stream(
+            futures_util::stream::iter(vec![Ok(Bytes::from_static(b"not gzip at all"))]).boxed(),
+        )
+        .collect()
+        .await;
         assert!(bad.iter().any(Result::is_err));
     }
 }

@@ -21,9 +21,9 @@ use futures_util::stream::BoxStream;
 use http::HeaderMap;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectCode, CreateWatcherResponse, Empty, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent,
-    ListDirRequest, ListDirResponse, MoveRequest, PathRequest, WatchDirResponse, WatchRequest, WatcherEventsResponse,
-    WatcherRequest,
+    ConnectCode, CreateWatcherResponse, Empty, EntryInfo, EntryResponse, EventType, FileType,
+    FilesystemEvent, ListDirRequest, ListDirResponse, MoveRequest, PathRequest, WatchDirResponse,
+    WatchRequest, WatcherEventsResponse, WatcherRequest,
 };
 use tether_protocol::fs::{FileKind, FileStat, FsEvent, FsEventKind};
 use tether_provider::clock::{CancelReason, CancelToken};
@@ -141,7 +141,14 @@ async fn rpc(
     }
     .instrument(span.clone())
     .await;
-    span.record("outcome", if resp.status().is_success() { "ok" } else { "error" });
+    span.record(
+        "outcome",
+        if resp.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        },
+    );
     resp
 }
 
@@ -152,26 +159,42 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;
             let st = ctx.run(fs.stat(ctx, &resolve_path(&req.path))).await?;
-            Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) }))
+            Ok(connect::unary_ok(&EntryResponse {
+                entry: entry_info(&st, &t.extra),
+            }))
         }
         Method::ListDir => {
             let req: ListDirRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path);
             let st = ctx.run(fs.stat(ctx, &path)).await?;
             if st.kind != FileKind::Dir {
-                return Err(RpcError::invalid(format!("path '{}' is not a directory", req.path)));
+                return Err(RpcError::invalid(format!(
+                    "path '{}' is not a directory",
+                    req.path
+                )));
             }
             let entries = ctx.run(fs.list(ctx, &path, req.depth.max(1))).await?;
-            let entries = entries.iter().map(|e| entry_info(&e.stat, &t.extra)).collect();
+            let entries = entries
+                .iter()
+                .map(|e| entry_info(&e.stat, &t.extra))
+                .collect();
             Ok(connect::unary_ok(&ListDirResponse { entries }))
         }
         Method::MakeDir => {
             let req: PathRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path);
             let r = ctx.run(fs.mkdir(ctx, &path, true)).await;
-            log_fs_op(&t.session, "mkdir", &path, r.as_ref().map(|_| None).map_err(ProviderError::code)).await;
+            log_fs_op(
+                &t.session,
+                "mkdir",
+                &path,
+                r.as_ref().map(|_| None).map_err(ProviderError::code),
+            )
+            .await;
             match r {
-                Ok(st) => Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) })),
+                Ok(st) => Ok(connect::unary_ok(&EntryResponse {
+                    entry: entry_info(&st, &t.extra),
+                })),
                 Err(e) if e.code() == ErrorCode::FsAlreadyExists => {
                     // envd: an existing directory is `already_exists`, anything else in the
                     // way is a bad argument.
@@ -180,9 +203,10 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                             ConnectCode::AlreadyExists,
                             format!("directory '{}' already exists", req.path),
                         )),
-                        _ => {
-                            Err(RpcError::invalid(format!("path '{}' already exists and is not a directory", req.path)))
-                        }
+                        _ => Err(RpcError::invalid(format!(
+                            "path '{}' already exists and is not a directory",
+                            req.path
+                        ))),
                     }
                 }
                 Err(e) => Err(e.into()),
@@ -201,13 +225,21 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             .await;
             let st = r?;
             t.extra.move_meta(&from, Some(&to));
-            Ok(connect::unary_ok(&EntryResponse { entry: entry_info(&st, &t.extra) }))
+            Ok(connect::unary_ok(&EntryResponse {
+                entry: entry_info(&st, &t.extra),
+            }))
         }
         Method::Remove => {
             let req: PathRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path);
             let r = ctx.run(fs.remove(ctx, &path, true)).await;
-            log_fs_op(&t.session, "remove", &path, r.as_ref().map(|_| None).map_err(ProviderError::code)).await;
+            log_fs_op(
+                &t.session,
+                "remove",
+                &path,
+                r.as_ref().map(|_| None).map_err(ProviderError::code),
+            )
+            .await;
             r?;
             t.extra.move_meta(&path, None);
             Ok(connect::unary_ok(&Empty {}))
@@ -236,11 +268,16 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                 .write()
                 .ok()
                 .and_then(|mut m| m.remove(&req.watcher_id))
-                .ok_or_else(|| RpcError::not_found(format!("watcher with id {} not found", req.watcher_id)))?;
+                .ok_or_else(|| {
+                    RpcError::not_found(format!("watcher with id {} not found", req.watcher_id))
+                })?;
             w.stop();
             Ok(connect::unary_ok(&Empty {}))
         }
-        Method::WatchDir => Err(RpcError::new(ConnectCode::Internal, "a streaming method was dispatched as unary")),
+        Method::WatchDir => Err(RpcError::new(
+            ConnectCode::Internal,
+            "a streaming method was dispatched as unary",
+        )),
     }
 }
 
@@ -302,7 +339,9 @@ async fn open_watch(
 ) -> Result<BoxStream<'static, Result<FsEvent, RpcError>>, RpcError> {
     let st = ctx.run(sandbox.fs().stat(ctx, path)).await?;
     if st.kind != FileKind::Dir {
-        return Err(RpcError::invalid(format!("path '{shown}' is not a directory")));
+        return Err(RpcError::invalid(format!(
+            "path '{shown}' is not a directory"
+        )));
     }
     match sandbox.fs().watch(&watch_ctx, path, recursive).await {
         Ok(s) => {
@@ -313,7 +352,9 @@ async fn open_watch(
             })
             .boxed())
         }
-        Err(ProviderError::Unsupported { .. }) => poll_watch(ctx, watch_ctx, sandbox, path.to_owned(), recursive).await,
+        Err(ProviderError::Unsupported { .. }) => {
+            poll_watch(ctx, watch_ctx, sandbox, path.to_owned(), recursive).await
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -334,12 +375,20 @@ async fn snapshot(
     root: &str,
     recursive: bool,
 ) -> Result<BTreeMap<String, Seen>, ProviderError> {
-    let entries = sandbox.fs().list(ctx, root, if recursive { POLL_DEPTH } else { 1 }).await?;
+    let entries = sandbox
+        .fs()
+        .list(ctx, root, if recursive { POLL_DEPTH } else { 1 })
+        .await?;
     let prefix = format!("{}/", root.trim_end_matches('/'));
     Ok(entries
         .into_iter()
         .map(|e| {
-            let name = e.stat.path.strip_prefix(&prefix).unwrap_or(&e.stat.name).to_owned();
+            let name = e
+                .stat
+                .path
+                .strip_prefix(&prefix)
+                .unwrap_or(&e.stat.name)
+                .to_owned();
             let seen = Seen {
                 kind: e.stat.kind,
                 size: e.stat.size,
@@ -370,7 +419,14 @@ async fn poll_watch(
         last: BTreeMap<String, Seen>,
         pending: VecDeque<FsEvent>,
     }
-    let st = St { ctx: watch_ctx, sandbox, root, recursive, last: first, pending: VecDeque::new() };
+    let st = St {
+        ctx: watch_ctx,
+        sandbox,
+        root,
+        recursive,
+        last: first,
+        pending: VecDeque::new(),
+    };
     Ok(futures_util::stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.pending.pop_front() {
@@ -380,13 +436,18 @@ async fn poll_watch(
                 _ = st.ctx.cancel.cancelled() => return None,
                 _ = tokio::time::sleep(POLL_INTERVAL) => {}
             }
-            let lctx = st.ctx.with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let lctx = st
+                .ctx
+                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
             let now = match snapshot(&lctx, &st.sandbox, &st.root, st.recursive).await {
                 Ok(n) => n,
                 Err(e) if e.code() == ErrorCode::FsNotFound => {
                     // The watched directory itself is gone: the watch ends.
                     return Some((
-                        Err(RpcError::not_found(format!("watched directory '{}' was removed", st.root))),
+                        Err(RpcError::not_found(format!(
+                            "watched directory '{}' was removed",
+                            st.root
+                        ))),
                         st,
                     ));
                 }
@@ -408,24 +469,44 @@ fn diff(a: &BTreeMap<String, Seen>, b: &BTreeMap<String, Seen>) -> Vec<FsEvent> 
     let mut out = Vec::new();
     for (name, new) in b {
         match a.get(name) {
-            None => out.push(FsEvent { kind: FsEventKind::Create, name: name.clone() }),
+            None => out.push(FsEvent {
+                kind: FsEventKind::Create,
+                name: name.clone(),
+            }),
             Some(old) if old.kind != new.kind => {
-                out.push(FsEvent { kind: FsEventKind::Remove, name: name.clone() });
-                out.push(FsEvent { kind: FsEventKind::Create, name: name.clone() });
+                out.push(FsEvent {
+                    kind: FsEventKind::Remove,
+                    name: name.clone(),
+                });
+                out.push(FsEvent {
+                    kind: FsEventKind::Create,
+                    name: name.clone(),
+                });
             }
             Some(old)
                 if old.kind == FileKind::File
-                    && (old.size != new.size || old.modified_ms != new.modified_ms || old.version != new.version) =>
+                    && (old.size != new.size
+                        || old.modified_ms != new.modified_ms
+                        || old.version != new.version) =>
             {
-                out.push(FsEvent { kind: FsEventKind::Write, name: name.clone() });
+                out.push(FsEvent {
+                    kind: FsEventKind::Write,
+                    name: name.clone(),
+                });
             }
-            Some(old) if old.mode != new.mode => out.push(FsEvent { kind: FsEventKind::Chmod, name: name.clone() }),
+            Some(old) if old.mode != new.mode => out.push(FsEvent {
+                kind: FsEventKind::Chmod,
+                name: name.clone(),
+            }),
             Some(_) => {}
         }
     }
     for name in a.keys() {
         if !b.contains_key(name) {
-            out.push(FsEvent { kind: FsEventKind::Remove, name: name.clone() });
+            out.push(FsEvent {
+                kind: FsEventKind::Remove,
+                name: name.clone(),
+            });
         }
     }
     out
@@ -450,11 +531,20 @@ async fn to_event(
     let entry = if include_entry && !matches!(ev.kind, FsEventKind::Remove | FsEventKind::Rename) {
         let path = format!("{}/{}", root.trim_end_matches('/'), ev.name);
         let sctx = ctx.with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
-        sandbox.fs().stat(&sctx, &path).await.ok().map(|st| entry_info(&st, extra))
+        sandbox
+            .fs()
+            .stat(&sctx, &path)
+            .await
+            .ok()
+            .map(|st| entry_info(&st, extra))
     } else {
         None
     };
-    FilesystemEvent { name: ev.name, kind, entry }
+    FilesystemEvent {
+        name: ev.name,
+        kind,
+        entry,
+    }
 }
 
 async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
@@ -468,15 +558,30 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Res
     };
     let path = resolve_path(&req.path);
     let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.session.cancel.child());
-    let events = match open_watch(ctx, wctx.clone(), Arc::clone(&sandbox), &path, &req.path, req.recursive).await {
+    let events = match open_watch(
+        ctx,
+        wctx.clone(),
+        Arc::clone(&sandbox),
+        &path,
+        &req.path,
+        req.recursive,
+    )
+    .await
+    {
         Ok(s) => s,
         Err(e) => return connect::stream_error(&e),
     };
     let extra = Arc::clone(&t.extra);
     let include = req.include_entry;
-    let first = futures_util::stream::once(async { Ok(connect::msg(&WatchDirResponse::Start(Empty {}))) });
+    let first =
+        futures_util::stream::once(async { Ok(connect::msg(&WatchDirResponse::Start(Empty {}))) });
     let rest = events.then(move |r| {
-        let (wctx, sandbox, extra, path) = (wctx.clone(), Arc::clone(&sandbox), Arc::clone(&extra), path.clone());
+        let (wctx, sandbox, extra, path) = (
+            wctx.clone(),
+            Arc::clone(&sandbox),
+            Arc::clone(&extra),
+            path.clone(),
+        );
         async move {
             let ev = r?;
             let e = to_event(&wctx, &sandbox, &extra, &path, ev, include).await;
@@ -519,7 +624,11 @@ impl Watcher {
     }
 
     fn take(&self) -> (Vec<FilesystemEvent>, Option<RpcError>) {
-        let events = self.events.write().map(|mut q| q.drain(..).collect()).unwrap_or_default();
+        let events = self
+            .events
+            .write()
+            .map(|mut q| q.drain(..).collect())
+            .unwrap_or_default();
         let failure = self.failure.read().ok().and_then(|f| f.clone());
         (events, failure)
     }
@@ -543,14 +652,27 @@ async fn create_watcher(
     let path = resolve_path(&req.path);
     let stop = t.session.cancel.child();
     let wctx = CallCtx::with_cancel(format!("watcher-{}", ctx.request_id), stop.clone());
-    let mut events = open_watch(ctx, wctx.clone(), Arc::clone(&sandbox), &path, &req.path, req.recursive).await?;
+    let mut events = open_watch(
+        ctx,
+        wctx.clone(),
+        Arc::clone(&sandbox),
+        &path,
+        &req.path,
+        req.recursive,
+    )
+    .await?;
     let id = uuid::Uuid::new_v4().simple().to_string();
-    let w = Arc::new(Watcher { events: RwLock::new(VecDeque::new()), failure: RwLock::new(None), stop: stop.clone() });
+    let w = Arc::new(Watcher {
+        events: RwLock::new(VecDeque::new()),
+        failure: RwLock::new(None),
+        stop: stop.clone(),
+    });
     if let Ok(mut m) = t.extra.watchers.write() {
         m.insert(id.clone(), Arc::clone(&w));
     }
     let (extra, include) = (Arc::clone(&t.extra), req.include_entry);
-    let span = tracing::info_span!("e2b.filesystem.watcher", session.id = %t.session.id, watcher.id = %id);
+    let span =
+        tracing::info_span!("e2b.filesystem.watcher", session.id = %t.session.id, watcher.id = %id);
     t.session.tasks().spawn(
         async move {
             loop {
@@ -559,7 +681,9 @@ async fn create_watcher(
                     n = events.next() => n,
                 };
                 match next {
-                    Some(Ok(ev)) => w.push(to_event(&wctx, &sandbox, &extra, &path, ev, include).await),
+                    Some(Ok(ev)) => {
+                        w.push(to_event(&wctx, &sandbox, &extra, &path, ev, include).await)
+                    }
                     Some(Err(e)) => {
                         if let Ok(mut f) = w.failure.write() {
                             *f = Some(e);
@@ -580,7 +704,13 @@ mod tests {
     use super::*;
 
     fn seen(kind: FileKind, size: u64, m: i64) -> Seen {
-        Seen { kind, size, modified_ms: m, mode: 0o644, version: format!("{size}-{m}") }
+        Seen {
+            kind,
+            size,
+            modified_ms: m,
+            mode: 0o644,
+            version: format!("{size}-{m}"),
+        }
     }
 
     #[test]
@@ -593,7 +723,8 @@ mod tests {
         b.remove("gone");
         b.insert("grow".to_owned(), seen(FileKind::File, 2, 2));
         b.insert("new".to_owned(), seen(FileKind::Dir, 0, 3));
-        let mut d: Vec<(FsEventKind, String)> = diff(&a, &b).into_iter().map(|e| (e.kind, e.name)).collect();
+        let mut d: Vec<(FsEventKind, String)> =
+            diff(&a, &b).into_iter().map(|e| (e.kind, e.name)).collect();
         d.sort_by(|x, y| x.1.cmp(&y.1));
         assert_eq!(
             d,

@@ -68,7 +68,10 @@ impl std::fmt::Debug for FrontState {
             .field("domain", &self.cfg.domain)
             .field("api_keys", &self.keys.len())
             .field("development_mode", &self.keys.is_dev())
-            .field("sandboxes", &self.sandboxes.read().map(|m| m.len()).unwrap_or(0))
+            .field(
+                "sandboxes",
+                &self.sandboxes.read().map(|m| m.len()).unwrap_or(0),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -105,7 +108,8 @@ impl FrontState {
             Err(_) => return Arc::new(SandboxExtra::new(template.unwrap_or("base"), true)),
         };
         Arc::clone(
-            m.entry(id.to_owned()).or_insert_with(|| Arc::new(SandboxExtra::new(template.unwrap_or("base"), true))),
+            m.entry(id.to_owned())
+                .or_insert_with(|| Arc::new(SandboxExtra::new(template.unwrap_or("base"), true))),
         )
     }
 
@@ -174,11 +178,18 @@ impl SandboxExtra {
     }
 
     fn is_tag(&self, command_id: &str) -> bool {
-        self.tags.read().map(|t| t.contains(command_id)).unwrap_or(false)
+        self.tags
+            .read()
+            .map(|t| t.contains(command_id))
+            .unwrap_or(false)
     }
 
     fn meta_of(&self, path: &str) -> BTreeMap<String, String> {
-        self.file_meta.read().ok().and_then(|m| m.get(path).cloned()).unwrap_or_default()
+        self.file_meta
+            .read()
+            .ok()
+            .and_then(|m| m.get(path).cloned())
+            .unwrap_or_default()
     }
 
     fn set_meta(&self, path: &str, meta: Option<BTreeMap<String, String>>) {
@@ -199,7 +210,11 @@ impl SandboxExtra {
     fn move_meta(&self, from: &str, to: Option<&str>) {
         if let Ok(mut m) = self.file_meta.write() {
             let prefix = format!("{}/", from.trim_end_matches('/'));
-            let moved: Vec<String> = m.keys().filter(|k| *k == from || k.starts_with(&prefix)).cloned().collect();
+            let moved: Vec<String> = m
+                .keys()
+                .filter(|k| *k == from || k.starts_with(&prefix))
+                .cloned()
+                .collect();
             for k in moved {
                 if let Some(v) = m.remove(&k)
                     && let Some(to) = to
@@ -211,7 +226,11 @@ impl SandboxExtra {
     }
 
     fn stop_watchers(&self) {
-        let all: Vec<_> = self.watchers.write().map(|mut w| w.drain().map(|(_, v)| v).collect()).unwrap_or_default();
+        let all: Vec<_> = self
+            .watchers
+            .write()
+            .map(|mut w| w.drain().map(|(_, v)| v).collect())
+            .unwrap_or_default();
         for w in all {
             w.stop();
         }
@@ -220,7 +239,10 @@ impl SandboxExtra {
 
 /// All E2B routes (control plane + envd), merged into the main router.
 pub fn router() -> Router<Arc<AppState>> {
-    control::routes().merge(envd::routes()).merge(process::routes()).merge(filesystem::routes())
+    control::routes()
+        .merge(envd::routes())
+        .merge(process::routes())
+        .merge(filesystem::routes())
 }
 
 /// The lines `tetherd serve` prints at start-up: the environment that points the official
@@ -238,7 +260,11 @@ pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig) -> String {
     }
     out.push_str(&format!("  export E2B_API_URL={url}\n"));
     out.push_str(&format!("  export E2B_SANDBOX_URL={url}\n"));
-    let key = if cfg.api_keys.is_empty() { "e2b_dev" } else { "<one of e2b_front.api_keys>" };
+    let key = if cfg.api_keys.is_empty() {
+        "e2b_dev"
+    } else {
+        "<one of e2b_front.api_keys>"
+    };
     out.push_str(&format!("  export E2B_API_KEY={key}\n"));
     // The SDKs must not take their debug shortcut (no control plane, envd on :49983).
     out.push_str("  export E2B_DEBUG=false");
@@ -258,7 +284,11 @@ pub(crate) struct RestError {
 
 impl RestError {
     pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), error_code: None }
+        Self {
+            status,
+            message: message.into(),
+            error_code: None,
+        }
     }
 
     fn bad_request(message: impl Into<String>) -> Self {
@@ -270,7 +300,10 @@ impl RestError {
     }
 
     fn sandbox_not_found(id: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, format!("sandbox \"{id}\" doesn't exist or you don't have access to it"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
+        )
     }
 
     /// A control-plane error from a daemon error (the daemon's one status mapping).
@@ -281,9 +314,16 @@ impl RestError {
             ErrorCode::SessionNotFound | ErrorCode::SandboxNotFound => StatusCode::NOT_FOUND,
             c => crate::error::status_of(c),
         };
-        let error_code = matches!(code, ErrorCode::Internal | ErrorCode::ProviderError | ErrorCode::SpawnFailed)
-            .then_some("sandbox_create_failed");
-        Self { status, message: e.public_message(), error_code }
+        let error_code = matches!(
+            code,
+            ErrorCode::Internal | ErrorCode::ProviderError | ErrorCode::SpawnFailed
+        )
+        .then_some("sandbox_create_failed");
+        Self {
+            status,
+            message: e.public_message(),
+            error_code,
+        }
     }
 
     /// An envd REST error: envd's statuses (400 for a bad path or a directory, 404, 401,
@@ -327,9 +367,11 @@ fn log_error(e: &DaemonError) {
 fn envd_status(code: ErrorCode) -> StatusCode {
     use ErrorCode as C;
     match code {
-        C::InvalidRequest | C::FsIsDirectory | C::FsNotDirectory | C::FsNotRegularFile | C::FsNotText => {
-            StatusCode::BAD_REQUEST
-        }
+        C::InvalidRequest
+        | C::FsIsDirectory
+        | C::FsNotDirectory
+        | C::FsNotRegularFile
+        | C::FsNotText => StatusCode::BAD_REQUEST,
         C::FsTooLarge | C::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         c => crate::error::status_of(c),
     }
@@ -359,11 +401,15 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         C::MethodNotAllowed | C::Unsupported => K::Unimplemented,
         C::PayloadTooLarge | C::FsTooLarge | C::RateLimited => K::ResourceExhausted,
         C::Conflict | C::FsAlreadyExists => K::AlreadyExists,
-        C::FsVersionMismatch | C::FsNotEmpty | C::FsAmbiguousEdit | C::IsolationUnavailable => K::FailedPrecondition,
-        C::FsAborted => K::Aborted,
-        C::ToolTimeout | C::IdleTimeout | C::ConnectTimeout | C::TransportIdleTimeout | C::DeadlineExceeded => {
-            K::DeadlineExceeded
+        C::FsVersionMismatch | C::FsNotEmpty | C::FsAmbiguousEdit | C::IsolationUnavailable => {
+            K::FailedPrecondition
         }
+        C::FsAborted => K::Aborted,
+        C::ToolTimeout
+        | C::IdleTimeout
+        | C::ConnectTimeout
+        | C::TransportIdleTimeout
+        | C::DeadlineExceeded => K::DeadlineExceeded,
         C::Cancelled => K::Canceled,
         C::ProviderUnavailable | C::ShuttingDown => K::Unavailable,
         C::ToolNotStarted | C::ToolOutcomeUnknown | C::ProviderError => K::Unknown,
@@ -382,7 +428,8 @@ fn now_ms() -> i64 {
 fn rfc3339(ms: i64) -> String {
     let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    t.format(&time::format_description::well_known::Rfc3339).unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_owned())
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_owned())
 }
 
 /// Parse RFC 3339 into ms since the epoch.
@@ -445,12 +492,18 @@ fn form_pairs(q: &str) -> Vec<(String, String)> {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(&k.replace('+', " ")), percent_decode(&v.replace('+', " ")))
+            (
+                percent_decode(&k.replace('+', " ")),
+                percent_decode(&v.replace('+', " ")),
+            )
         })
         .collect()
 }
 
 /// The value of a query parameter.
 fn query_param(q: Option<&str>, name: &str) -> Option<String> {
-    form_pairs(q.unwrap_or("")).into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
+    form_pairs(q.unwrap_or(""))
+        .into_iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v)
 }

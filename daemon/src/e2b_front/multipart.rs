@@ -65,7 +65,13 @@ impl Multipart {
         // The first delimiter may open the body without a CRLF before it.
         let mut buf = BytesMut::new();
         buf.extend_from_slice(b"\r\n");
-        Self { body, buf, delimiter, state: State::Preamble, eof: false }
+        Self {
+            body,
+            buf,
+            delimiter,
+            state: State::Preamble,
+            eof: false,
+        }
     }
 
     /// Read more of the body; `false` at its end.
@@ -140,7 +146,9 @@ impl Multipart {
                     }
                     let mut headers = PartHeaders::default();
                     for line in lines {
-                        let Some((name, value)) = line.split_once(':') else { continue };
+                        let Some((name, value)) = line.split_once(':') else {
+                            continue;
+                        };
                         if name.trim().eq_ignore_ascii_case("content-disposition") {
                             headers.name = disposition_param(value, "name");
                             headers.filename = disposition_param(value, "filename");
@@ -222,7 +230,11 @@ fn disposition_param(value: &str, want: &str) -> Option<String> {
         };
         if name.eq_ignore_ascii_case(want) {
             // Browsers and undici percent-encode `"` and line breaks in filenames.
-            return Some(val.replace("%22", "\"").replace("%0A", "\n").replace("%0D", "\r"));
+            return Some(
+                val.replace("%22", "\"")
+                    .replace("%0A", "\n")
+                    .replace("%0D", "\r"),
+            );
         }
         rest = next;
     }
@@ -239,7 +251,9 @@ pub(super) fn boundary_of(content_type: &str) -> Option<String> {
     parts
         .find_map(|p| {
             let (k, v) = p.split_once('=')?;
-            k.trim().eq_ignore_ascii_case("boundary").then(|| v.trim().trim_matches('"').to_owned())
+            k.trim()
+                .eq_ignore_ascii_case("boundary")
+                .then(|| v.trim().trim_matches('"').to_owned())
         })
         .filter(|b| !b.is_empty() && b.len() <= 70)
 }
@@ -278,15 +292,25 @@ mod tests {
         assert_eq!(whole[1].1, b"\r\n--X");
         // Byte-by-byte chunking yields the same parts.
         let bytes: Vec<&'static [u8]> = BODY.chunks(1).collect();
-        assert_eq!(collect(&mut Multipart::new(body_of(bytes), "XyZ")).await, whole);
+        assert_eq!(
+            collect(&mut Multipart::new(body_of(bytes), "XyZ")).await,
+            whole
+        );
         let sevens: Vec<&'static [u8]> = BODY.chunks(7).collect();
-        assert_eq!(collect(&mut Multipart::new(body_of(sevens), "XyZ")).await, whole);
+        assert_eq!(
+            collect(&mut Multipart::new(body_of(sevens), "XyZ")).await,
+            whole
+        );
     }
 
     #[tokio::test]
     async fn truncated_and_malformed_bodies_are_errors() {
-        let mut mp =
-            Multipart::new(body_of(vec![b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc"]), "XyZ");
+        let mut mp = Multipart::new(
+            body_of(vec![
+                b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc",
+            ]),
+            "XyZ",
+        );
         assert!(mp.next_part().await.unwrap().is_some());
         let mut err = None;
         loop {
@@ -301,8 +325,14 @@ mod tests {
         }
         assert_eq!(err, Some(MultipartError::Truncated));
         let mut none = Multipart::new(body_of(vec![b"no delimiter here"]), "XyZ");
-        assert!(matches!(none.next_part().await, Err(MultipartError::Malformed(_))));
-        assert_eq!(boundary_of("multipart/form-data; boundary=\"abc\"").as_deref(), Some("abc"));
+        assert!(matches!(
+            none.next_part().await,
+            Err(MultipartError::Malformed(_))
+        ));
+        assert_eq!(
+            boundary_of("multipart/form-data; boundary=\"abc\"").as_deref(),
+            Some("abc")
+        );
         assert_eq!(boundary_of("application/json"), None);
     }
 }

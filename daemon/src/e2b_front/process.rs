@@ -27,11 +27,14 @@ use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use http::HeaderMap;
 use tether_protocol::e2b::{
-    ConnectCode, DataEvent, Empty, EndEvent, ListResponse, ProcessConfig, ProcessEventMsg, ProcessEventResponse,
-    ProcessInfoMsg, ProcessInput, ProcessSelector, PtyMsg, SelectRequest, SendInputRequest, SendSignalRequest,
-    SignalMsg, StartEvent, StartRequest, StreamInputRequest, UpdateRequest,
+    ConnectCode, DataEvent, Empty, EndEvent, ListResponse, ProcessConfig, ProcessEventMsg,
+    ProcessEventResponse, ProcessInfoMsg, ProcessInput, ProcessSelector, PtyMsg, SelectRequest,
+    SendInputRequest, SendSignalRequest, SignalMsg, StartEvent, StartRequest, StreamInputRequest,
+    UpdateRequest,
 };
-use tether_protocol::process::{Command, ExitStatus, ProcessEvent, ProcessSpec, PtySize, StdinMode, StreamKind};
+use tether_protocol::process::{
+    Command, ExitStatus, ProcessEvent, ProcessSpec, PtySize, StdinMode, StreamKind,
+};
 use tether_provider::{CallCtx, Signal, StreamOffsets};
 use tracing::Instrument;
 
@@ -136,7 +139,9 @@ async fn rpc(
             Method::Connect => connect_stream(opts, &target, body).await,
             Method::StreamInput => stream_input(&ctx, opts, &target, body).await,
             _ => {
-                let cctx = opts.timeout.map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, "DEADLINE_EXCEEDED"));
+                let cctx = opts
+                    .timeout
+                    .map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, "DEADLINE_EXCEEDED"));
                 let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
                     Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
                     Err(e) => Err(e),
@@ -150,7 +155,14 @@ async fn rpc(
     }
     .instrument(span.clone())
     .await;
-    span.record("outcome", if resp.status().is_success() { "ok" } else { "error" });
+    span.record(
+        "outcome",
+        if resp.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        },
+    );
     resp
 }
 
@@ -164,7 +176,8 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                 Some(ProcessInput::Stdin(b) | ProcessInput::Pty(b)) => b,
                 None => return Err(RpcError::invalid("input is required")),
             };
-            ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(data))).await?;
+            ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(data)))
+                .await?;
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::SendSignal => {
@@ -173,7 +186,10 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                 SignalMsg::Sigkill => Signal::Kill,
                 SignalMsg::Sigterm => Signal::Term,
                 SignalMsg::Unspecified | SignalMsg::Other(_) => {
-                    return Err(RpcError::new(ConnectCode::Unimplemented, "only SIGTERM and SIGKILL can be sent"));
+                    return Err(RpcError::new(
+                        ConnectCode::Unimplemented,
+                        "only SIGTERM and SIGKILL can be sent",
+                    ));
                 }
             };
             let cmd = running(t, req.process.as_ref())?;
@@ -194,9 +210,10 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             }
             Ok(connect::unary_ok(&Empty {}))
         }
-        Method::Start | Method::Connect | Method::StreamInput => {
-            Err(RpcError::new(ConnectCode::Internal, "a streaming method was dispatched as unary"))
-        }
+        Method::Start | Method::Connect | Method::StreamInput => Err(RpcError::new(
+            ConnectCode::Internal,
+            "a streaming method was dispatched as unary",
+        )),
     }
 }
 
@@ -207,8 +224,16 @@ fn select(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningComman
     let sel = sel.ok_or_else(|| RpcError::invalid("process selector is required"))?;
     let found = match sel {
         ProcessSelector::Pid(pid) => {
-            let all: Vec<_> = t.session.commands().into_iter().filter(|c| c.pid == *pid).collect();
-            all.iter().find(|c| c.is_running()).or_else(|| all.first()).cloned()
+            let all: Vec<_> = t
+                .session
+                .commands()
+                .into_iter()
+                .filter(|c| c.pid == *pid)
+                .collect();
+            all.iter()
+                .find(|c| c.is_running())
+                .or_else(|| all.first())
+                .cloned()
         }
         ProcessSelector::Tag(tag) => t.session.command(tag).filter(|_| t.extra.is_tag(tag)),
     };
@@ -221,7 +246,9 @@ fn running(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningComma
     if cmd.is_running() {
         Ok(cmd)
     } else {
-        Err(RpcError::not_found(describe(sel.unwrap_or(&ProcessSelector::Pid(cmd.pid)))))
+        Err(RpcError::not_found(describe(
+            sel.unwrap_or(&ProcessSelector::Pid(cmd.pid)),
+        )))
     }
 }
 
@@ -235,7 +262,10 @@ fn describe(sel: &ProcessSelector) -> String {
 fn pty_size(pty: Option<&PtyMsg>) -> Option<PtySize> {
     let s = pty?.size?;
     let clamp = |v: u32| u16::try_from(v.max(1)).unwrap_or(u16::MAX);
-    Some(PtySize { rows: clamp(s.rows), cols: clamp(s.cols) })
+    Some(PtySize {
+        rows: clamp(s.rows),
+        cols: clamp(s.cols),
+    })
 }
 
 // === List ===
@@ -248,8 +278,14 @@ fn list(t: &Target) -> ListResponse {
         .filter(|c| c.is_running())
         .map(|c| {
             let (cmd, args) = match &c.spec.command {
-                Command::Argv(v) => (v.first().cloned().unwrap_or_default(), v.iter().skip(1).cloned().collect()),
-                Command::Shell(s) => ("/bin/bash".to_owned(), vec!["-l".to_owned(), "-c".to_owned(), s.clone()]),
+                Command::Argv(v) => (
+                    v.first().cloned().unwrap_or_default(),
+                    v.iter().skip(1).cloned().collect(),
+                ),
+                Command::Shell(s) => (
+                    "/bin/bash".to_owned(),
+                    vec!["-l".to_owned(), "-c".to_owned(), s.clone()],
+                ),
             };
             let envs = c
                 .spec
@@ -259,7 +295,12 @@ fn list(t: &Target) -> ListResponse {
                 .filter(|(k, _)| !k.starts_with("TRACE"))
                 .collect();
             ProcessInfoMsg {
-                config: ProcessConfig { cmd, args, envs, cwd: c.spec.cwd.clone() },
+                config: ProcessConfig {
+                    cmd,
+                    args,
+                    envs,
+                    cwd: c.spec.cwd.clone(),
+                },
                 pid: c.pid,
                 tag: t.extra.is_tag(&c.command_id).then(|| c.command_id.clone()),
             }
@@ -294,12 +335,19 @@ async fn start_process(
     user: String,
     req: StartRequest,
 ) -> Result<Arc<RunningCommand>, RpcError> {
-    let cfg = req.process.ok_or_else(|| RpcError::invalid("process is required"))?;
+    let cfg = req
+        .process
+        .ok_or_else(|| RpcError::invalid("process is required"))?;
     if cfg.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd is required"));
     }
     let init = t.extra.init();
-    let cwd = cfg.cwd.as_deref().filter(|c| !c.is_empty()).map(resolve_path).or(init.default_workdir);
+    let cwd = cfg
+        .cwd
+        .as_deref()
+        .filter(|c| !c.is_empty())
+        .map(resolve_path)
+        .or(init.default_workdir);
     if let Some(dir) = &cwd {
         // envd checks the working directory before it starts anything.
         let sandbox = t.session.sandbox()?;
@@ -321,13 +369,20 @@ async fn start_process(
     spec.pty = pty_size(req.pty.as_ref());
     // A pty always takes input; otherwise stdin is open unless the client said no
     // (absent means open, for old clients).
-    spec.stdin = if spec.pty.is_some() || req.stdin.unwrap_or(true) { StdinMode::Pipe } else { StdinMode::Ignore };
+    spec.stdin = if spec.pty.is_some() || req.stdin.unwrap_or(true) {
+        StdinMode::Pipe
+    } else {
+        StdinMode::Ignore
+    };
     spec.user = Some(user);
     // envd kills with SIGKILL at the deadline, without a grace period.
     spec.grace_ms = 0;
     let tag = req.tag.filter(|s| !s.is_empty());
     spec.command_id = tag.clone();
-    let limits = ExecLimits { total: opts.timeout, output_idle: None };
+    let limits = ExecLimits {
+        total: opts.timeout,
+        output_idle: None,
+    };
     let mut sctx = ctx.clone();
     sctx.trace = crate::telemetry::current_trace_context(&tracing::Span::current());
     let cmd = exec::start(&t.session, &sctx, spec, limits).await?;
@@ -349,8 +404,15 @@ async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
         Err(e) => return connect::stream_error(&e),
     };
     // Only output produced from now on, as envd (no replay).
-    let first = if cmd.spec.pty.is_some() { StreamKind::Pty } else { StreamKind::Stdout };
-    let from = StreamOffsets { stdout: cmd.journal.len(first), stderr: cmd.journal.len(StreamKind::Stderr) };
+    let first = if cmd.spec.pty.is_some() {
+        StreamKind::Pty
+    } else {
+        StreamKind::Stdout
+    };
+    let from = StreamOffsets {
+        stdout: cmd.journal.len(first),
+        stderr: cmd.journal.len(StreamKind::Stderr),
+    };
     respond(cmd.pid, cmd.events(from), opts, opts.deadline())
 }
 
@@ -361,7 +423,9 @@ fn respond(
     opts: CallOpts,
     deadline: Option<tokio::time::Instant>,
 ) -> Response {
-    let first = connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Start(StartEvent { pid }) });
+    let first = connect::msg(&ProcessEventResponse {
+        event: ProcessEventMsg::Start(StartEvent { pid }),
+    });
     let rest = events.map(|ev| match ev {
         Ok(ProcessEvent::Output { stream, data, .. }) => {
             let data = match stream {
@@ -369,21 +433,30 @@ fn respond(
                 StreamKind::Stderr => DataEvent::Stderr(data),
                 StreamKind::Pty => DataEvent::Pty(data),
             };
-            Ok(Some(connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Data(data) })))
+            Ok(Some(connect::msg(&ProcessEventResponse {
+                event: ProcessEventMsg::Data(data),
+            })))
         }
-        Ok(ProcessEvent::Exited { status, .. }) => {
-            Ok(Some(connect::msg(&ProcessEventResponse { event: ProcessEventMsg::End(end_event(status)) })))
-        }
+        Ok(ProcessEvent::Exited { status, .. }) => Ok(Some(connect::msg(&ProcessEventResponse {
+            event: ProcessEventMsg::End(end_event(status)),
+        }))),
         Ok(ProcessEvent::Started { .. }) => Ok(None),
         Err(e) => Err(RpcError::from(e)),
     });
     let messages = futures_util::stream::once(async move { Ok(first) })
         .chain(rest.filter_map(|r| async move { r.transpose() }))
         .boxed();
-    let keepalive_msg = connect::msg(&ProcessEventResponse { event: ProcessEventMsg::Keepalive(Empty {}) });
+    let keepalive_msg = connect::msg(&ProcessEventResponse {
+        event: ProcessEventMsg::Keepalive(Empty {}),
+    });
     connect::stream_response(
         messages,
-        StreamOpts { keepalive: opts.keepalive, keepalive_msg, deadline, span: tracing::Span::current() },
+        StreamOpts {
+            keepalive: opts.keepalive,
+            keepalive_msg,
+            deadline,
+            span: tracing::Span::current(),
+        },
     )
 }
 
@@ -393,11 +466,21 @@ pub(super) fn end_event(status: ExitStatus) -> EndEvent {
     match (status.code, status.signal) {
         (Some(code), _) => {
             let s = format!("exit status {code}");
-            EndEvent { exit_code: code, exited: true, error: (code != 0).then(|| s.clone()), status: s }
+            EndEvent {
+                exit_code: code,
+                exited: true,
+                error: (code != 0).then(|| s.clone()),
+                status: s,
+            }
         }
         (None, Some(sig)) => {
             let s = format!("signal: {}", signal_name(sig));
-            EndEvent { exit_code: -1, exited: false, error: Some(s.clone()), status: s }
+            EndEvent {
+                exit_code: -1,
+                exited: false,
+                error: Some(s.clone()),
+                status: s,
+            }
         }
         (None, None) => EndEvent {
             exit_code: -1,
@@ -434,7 +517,11 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
     let work = async {
         let cmd = match messages.next().await {
             Some(Ok(StreamInputRequest::Start(s))) => running(t, s.process.as_ref())?,
-            Some(Ok(_)) => return Err(RpcError::invalid("the first message of StreamInput must be start")),
+            Some(Ok(_)) => {
+                return Err(RpcError::invalid(
+                    "the first message of StreamInput must be start",
+                ));
+            }
             Some(Err(e)) => return Err(e),
             None => return Err(RpcError::invalid("StreamInput got no message")),
         };
@@ -447,14 +534,19 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
                     None => return Err(RpcError::invalid("data without input")),
                 },
                 StreamInputRequest::Keepalive(_) => {}
-                StreamInputRequest::Start(_) => return Err(RpcError::invalid("start may only be the first message")),
+                StreamInputRequest::Start(_) => {
+                    return Err(RpcError::invalid("start may only be the first message"));
+                }
             }
         }
         Ok(())
     };
     let r = match deadline {
         Some(d) => tokio::time::timeout_at(d, work).await.unwrap_or_else(|_| {
-            Err(RpcError::new(ConnectCode::DeadlineExceeded, "the call's Connect-Timeout-Ms expired"))
+            Err(RpcError::new(
+                ConnectCode::DeadlineExceeded,
+                "the call's Connect-Timeout-Ms expired",
+            ))
         }),
         None => work.await,
     };
@@ -464,7 +556,10 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
             body.extend_from_slice(&connect::end_frame(None));
             (
                 http::StatusCode::OK,
-                [(http::header::CONTENT_TYPE, http::HeaderValue::from_static(connect::STREAM_JSON))],
+                [(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(connect::STREAM_JSON),
+                )],
                 body,
             )
                 .into_response()
@@ -479,12 +574,30 @@ mod tests {
 
     #[test]
     fn end_events_read_like_go_process_state() {
-        let ok = end_event(ExitStatus { code: Some(0), signal: None });
-        assert_eq!((ok.exit_code, ok.exited, ok.status.as_str(), ok.error), (0, true, "exit status 0", None));
-        let fail = end_event(ExitStatus { code: Some(3), signal: None });
-        assert_eq!((fail.exit_code, fail.error.as_deref()), (3, Some("exit status 3")));
-        let killed = end_event(ExitStatus { code: None, signal: Some(9) });
-        assert_eq!((killed.exit_code, killed.exited, killed.status.as_str()), (-1, false, "signal: killed"));
+        let ok = end_event(ExitStatus {
+            code: Some(0),
+            signal: None,
+        });
+        assert_eq!(
+            (ok.exit_code, ok.exited, ok.status.as_str(), ok.error),
+            (0, true, "exit status 0", None)
+        );
+        let fail = end_event(ExitStatus {
+            code: Some(3),
+            signal: None,
+        });
+        assert_eq!(
+            (fail.exit_code, fail.error.as_deref()),
+            (3, Some("exit status 3"))
+        );
+        let killed = end_event(ExitStatus {
+            code: None,
+            signal: Some(9),
+        });
+        assert_eq!(
+            (killed.exit_code, killed.exited, killed.status.as_str()),
+            (-1, false, "signal: killed")
+        );
         assert_eq!(Method::parse("Start"), Some(Method::Start));
         assert_eq!(Method::parse("start"), None);
         assert!(Method::StreamInput.streaming() && !Method::SendSignal.streaming());

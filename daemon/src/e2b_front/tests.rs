@@ -30,19 +30,38 @@ impl Front {
 
     async fn start_with(f: impl FnOnce(&mut Config)) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut cfg = Config { default_provider: "local".into(), ..Config::default() };
+        let mut cfg = Config {
+            default_provider: "local".into(),
+            ..Config::default()
+        };
         cfg.server.state_dir = dir.path().to_owned();
         cfg.server.shutdown_grace_ms = 3_000;
         cfg.e2b_front.api_keys = vec![
-            ApiKey { key: KEY_A.into(), tenant: Some("a".into()) },
-            ApiKey { key: KEY_B.into(), tenant: Some("b".into()) },
+            ApiKey {
+                key: KEY_A.into(),
+                tenant: Some("a".into()),
+            },
+            ApiKey {
+                key: KEY_B.into(),
+                tenant: Some("b".into()),
+            },
         ];
         f(&mut cfg);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let daemon = Daemon::start_on(cfg, listener).await.expect("daemon");
         let base = daemon.base_url();
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client");
-        Self { daemon: Some(daemon), _dir: dir, base, http }
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .expect("client");
+        Self {
+            daemon: Some(daemon),
+            _dir: dir,
+            base,
+            http,
+        }
     }
 
     fn d(&self) -> &RunningDaemon {
@@ -53,7 +72,13 @@ impl Front {
         format!("{}{p}", self.base)
     }
 
-    async fn api(&self, method: reqwest::Method, p: &str, key: Option<&str>, body: Option<Value>) -> (u16, Value) {
+    async fn api(
+        &self,
+        method: reqwest::Method,
+        p: &str,
+        key: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let mut rb = self.http.request(method, self.url(p));
         if let Some(k) = key {
             rb = rb.header("X-API-KEY", k);
@@ -77,10 +102,19 @@ impl Front {
             )
             .await;
         assert_eq!(st, 201, "{b}");
-        (b["sandboxID"].as_str().expect("id").to_owned(), b["envdAccessToken"].as_str().expect("token").to_owned())
+        (
+            b["sandboxID"].as_str().expect("id").to_owned(),
+            b["envdAccessToken"].as_str().expect("token").to_owned(),
+        )
     }
 
-    fn envd(&self, method: reqwest::Method, p: &str, id: &str, token: &str) -> reqwest::RequestBuilder {
+    fn envd(
+        &self,
+        method: reqwest::Method,
+        p: &str,
+        id: &str,
+        token: &str,
+    ) -> reqwest::RequestBuilder {
         self.http
             .request(method, self.url(p))
             .header("E2b-Sandbox-Id", id)
@@ -119,14 +153,28 @@ impl Front {
         }
         let r = rb.body(body).send().await.expect("send");
         let st = r.status().as_u16();
-        let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        let ct = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
         let bytes = r.bytes().await.expect("body");
         (st, ct, frames(&bytes))
     }
 
     fn session_events(&self, id: &str) -> Vec<EventBody> {
-        let s = self.d().state.sessions.get(id, Scope::Any).expect("session");
-        s.log.events_after(None).into_iter().map(|e| e.body).collect()
+        let s = self
+            .d()
+            .state
+            .sessions
+            .get(id, Scope::Any)
+            .expect("session");
+        s.log
+            .events_after(None)
+            .into_iter()
+            .map(|e| e.body)
+            .collect()
     }
 
     async fn stop(mut self) {
@@ -139,7 +187,10 @@ impl Front {
 async fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + limit;
     while !f() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -158,7 +209,10 @@ fn frames(mut b: &[u8]) -> Vec<(u8, Value)> {
         let flags = b[0];
         let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
         let payload = &b[5..5 + len];
-        out.push((flags, serde_json::from_slice(payload).unwrap_or(Value::Null)));
+        out.push((
+            flags,
+            serde_json::from_slice(payload).unwrap_or(Value::Null),
+        ));
         b = &b[5 + len..];
     }
     assert!(b.is_empty(), "trailing bytes after the last envelope");
@@ -190,7 +244,11 @@ fn outputs(frames: &[(u8, Value)]) -> (String, String, Option<Value>) {
             end = Some(e.clone());
         }
     }
-    (String::from_utf8_lossy(&out).into_owned(), String::from_utf8_lossy(&err).into_owned(), end)
+    (
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+        end,
+    )
 }
 
 fn start_body(cmd: &str, stdin: bool) -> Vec<u8> {
@@ -206,9 +264,20 @@ fn start_body(cmd: &str, stdin: bool) -> Vec<u8> {
 async fn control_plane_scopes_sandboxes_by_api_key() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
-    assert!(id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()), "DNS-label id: {id}");
+    assert!(
+        id.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()),
+        "DNS-label id: {id}"
+    );
     assert!(!token.is_empty());
-    let (st, info) = f.api(reqwest::Method::GET, &format!("/sandboxes/{id}"), Some(KEY_A), None).await;
+    let (st, info) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
     assert_eq!(st, 200, "{info}");
     for field in [
         "templateID",
@@ -222,29 +291,77 @@ async fn control_plane_scopes_sandboxes_by_api_key() {
         "diskSizeMB",
         "state",
     ] {
-        assert!(info.get(field).is_some(), "SandboxDetail lacks {field}: {info}");
+        assert!(
+            info.get(field).is_some(),
+            "SandboxDetail lacks {field}: {info}"
+        );
     }
     assert_eq!(info["state"], "running");
     // Another tenant sees nothing of it.
-    let (st, body) = f.api(reqwest::Method::GET, &format!("/sandboxes/{id}"), Some(KEY_B), None).await;
+    let (st, body) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_B),
+            None,
+        )
+        .await;
     assert_eq!((st, body["code"].as_u64()), (404, Some(404)), "{body}");
-    let (st, body) = f.api(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), Some(KEY_B), None).await;
+    let (st, body) = f
+        .api(
+            reqwest::Method::DELETE,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_B),
+            None,
+        )
+        .await;
     assert_eq!((st, body["code"].as_u64()), (404, Some(404)));
-    let (_, list_b) = f.api(reqwest::Method::GET, "/v2/sandboxes", Some(KEY_B), None).await;
+    let (_, list_b) = f
+        .api(reqwest::Method::GET, "/v2/sandboxes", Some(KEY_B), None)
+        .await;
     assert_eq!(list_b.as_array().map(Vec::len), Some(0));
-    let (_, list_a) = f.api(reqwest::Method::GET, "/v2/sandboxes", Some(KEY_A), None).await;
+    let (_, list_a) = f
+        .api(reqwest::Method::GET, "/v2/sandboxes", Some(KEY_A), None)
+        .await;
     assert_eq!(list_a[0]["sandboxID"], id.as_str());
     // Kill: 204, then the sandbox is gone for the control plane and for envd.
-    let (st, _) = f.api(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), Some(KEY_A), None).await;
+    let (st, _) = f
+        .api(
+            reqwest::Method::DELETE,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
     assert_eq!(st, 204);
-    let (st, body) = f.api(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), Some(KEY_A), None).await;
-    assert_eq!((st, body["code"].as_u64()), (404, Some(404)), "a second kill is a JSON 404");
-    let r = f.envd(reqwest::Method::GET, "/health", &id, &token).send().await.unwrap();
+    let (st, body) = f
+        .api(
+            reqwest::Method::DELETE,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (st, body["code"].as_u64()),
+        (404, Some(404)),
+        "a second kill is a JSON 404"
+    );
+    let r = f
+        .envd(reqwest::Method::GET, "/health", &id, &token)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 502);
     let body: Value = r.json().await.unwrap();
-    assert!(body["message"].as_str().unwrap().contains("was not found"), "{body}");
     assert!(
-        f.session_events(&id).iter().any(|e| matches!(e, EventBody::SessionClosed { reason } if reason == "killed"))
+        body["message"].as_str().unwrap().contains("was not found"),
+        "{body}"
+    );
+    assert!(
+        f.session_events(&id)
+            .iter()
+            .any(|e| matches!(e, EventBody::SessionClosed { reason } if reason == "killed"))
     );
     f.stop().await;
 }
@@ -252,16 +369,34 @@ async fn control_plane_scopes_sandboxes_by_api_key() {
 #[tokio::test]
 async fn control_plane_errors_have_the_sdk_error_shape() {
     let f = Front::start().await;
-    let post = |key: Option<&'static str>, body: Value| f.api(reqwest::Method::POST, "/v2/sandboxes", key, Some(body));
+    let post = |key: Option<&'static str>, body: Value| {
+        f.api(reqwest::Method::POST, "/v2/sandboxes", key, Some(body))
+    };
     let (st, b) = post(None, json!({"templateID": "base"})).await;
-    assert_eq!((st, b["code"].as_u64()), (401, Some(401)), "missing key: {b}");
+    assert_eq!(
+        (st, b["code"].as_u64()),
+        (401, Some(401)),
+        "missing key: {b}"
+    );
     let (st, b) = post(Some("e2b_wrong"), json!({"templateID": "base"})).await;
     assert_eq!((st, b["code"].as_u64()), (401, Some(401)), "wrong key: {b}");
     assert!(b["message"].is_string());
     let (st, b) = post(Some(KEY_A), json!({"timeout": 10})).await;
-    assert_eq!((st, b["code"].as_u64()), (400, Some(400)), "no template: {b}");
-    let (st, b) = post(Some(KEY_A), json!({"templateID": "base", "timeout": 10_000_000})).await;
-    assert_eq!((st, b["code"].as_u64()), (400, Some(400)), "timeout over the max: {b}");
+    assert_eq!(
+        (st, b["code"].as_u64()),
+        (400, Some(400)),
+        "no template: {b}"
+    );
+    let (st, b) = post(
+        Some(KEY_A),
+        json!({"templateID": "base", "timeout": 10_000_000}),
+    )
+    .await;
+    assert_eq!(
+        (st, b["code"].as_u64()),
+        (400, Some(400)),
+        "timeout over the max: {b}"
+    );
     let r = f
         .http
         .post(f.url("/sandboxes"))
@@ -286,17 +421,47 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
     let id = b["sandboxID"].as_str().unwrap().to_owned();
     assert!(b["clientID"].is_string() && b["envdVersion"].is_string());
     // The local provider cannot pause: a JSON 501, not a crash or a lie.
-    let (st, b) = f.api(reqwest::Method::POST, &format!("/sandboxes/{id}/pause"), Some(KEY_A), Some(json!({}))).await;
+    let (st, b) = f
+        .api(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/pause"),
+            Some(KEY_A),
+            Some(json!({})),
+        )
+        .await;
     assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");
-    let (st, b) = f.api(reqwest::Method::GET, &format!("/sandboxes/{id}/metrics"), Some(KEY_A), None).await;
+    let (st, b) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/sandboxes/{id}/metrics"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
     assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");
-    let (st, b) = f.api(reqwest::Method::GET, "/sandboxes/inotthere", Some(KEY_A), None).await;
+    let (st, b) = f
+        .api(
+            reqwest::Method::GET,
+            "/sandboxes/inotthere",
+            Some(KEY_A),
+            None,
+        )
+        .await;
     assert_eq!((st, b["code"].as_u64()), (404, Some(404)));
     // Connect to a running sandbox: 200 with its token.
-    let (st, b) =
-        f.api(reqwest::Method::POST, &format!("/v2/sandboxes/{id}/connect"), Some(KEY_A), Some(json!({}))).await;
+    let (st, b) = f
+        .api(
+            reqwest::Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(KEY_A),
+            Some(json!({})),
+        )
+        .await;
     assert_eq!(st, 200, "{b}");
-    assert_eq!(b["envdAccessToken"], f.d().state.e2b.access_token(&id).as_str());
+    assert_eq!(
+        b["envdAccessToken"],
+        f.d().state.e2b.access_token(&id).as_str()
+    );
     f.stop().await;
 }
 
@@ -305,21 +470,38 @@ async fn set_timeout_ends_the_sandbox() {
     let f = Front::start().await;
     let (id, _) = f.create(KEY_A).await;
     let (st, _) = f
-        .api(reqwest::Method::POST, &format!("/sandboxes/{id}/timeout"), Some(KEY_A), Some(json!({"timeout": 1})))
+        .api(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Some(KEY_A),
+            Some(json!({"timeout": 1})),
+        )
         .await;
     assert_eq!(st, 204);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let (st, _) = f.api(reqwest::Method::GET, &format!("/sandboxes/{id}"), Some(KEY_A), None).await;
+        let (st, _) = f
+            .api(
+                reqwest::Method::GET,
+                &format!("/sandboxes/{id}"),
+                Some(KEY_A),
+                None,
+            )
+            .await;
         if st == 404 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the sandbox outlived its timeout");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sandbox outlived its timeout"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The close is under way once the sandbox reads as gone; its record follows.
     wait_for("session/closed (expired)", Duration::from_secs(20), || {
-        f.session_events(&id).iter().any(|e| matches!(e, EventBody::SessionClosed { reason } if reason == "expired"))
+        f.session_events(&id)
+            .iter()
+            .any(|e| matches!(e, EventBody::SessionClosed { reason } if reason == "expired"))
     })
     .await;
     f.stop().await;
@@ -335,7 +517,9 @@ async fn list_filters_by_metadata_and_pages() {
                 reqwest::Method::POST,
                 "/v2/sandboxes",
                 Some(KEY_A),
-                Some(json!({"templateID": "base", "metadata": {"suite": "x y", "n": i.to_string()}})),
+                Some(
+                    json!({"templateID": "base", "metadata": {"suite": "x y", "n": i.to_string()}}),
+                ),
             )
             .await;
         assert_eq!(st, 201);
@@ -351,10 +535,26 @@ async fn list_filters_by_metadata_and_pages() {
         )
         .await;
     assert_eq!(st, 200, "{b}");
-    let found: Vec<&str> = b.as_array().unwrap().iter().map(|s| s["sandboxID"].as_str().unwrap()).collect();
+    let found: Vec<&str> = b
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sandboxID"].as_str().unwrap())
+        .collect();
     assert_eq!(found, vec![ids[1].as_str()]);
-    let r = f.http.get(f.url("/v2/sandboxes?limit=2&order=asc")).header("X-API-KEY", KEY_A).send().await.unwrap();
-    let next = r.headers().get("x-next-token").and_then(|v| v.to_str().ok()).map(str::to_owned).expect("a next token");
+    let r = f
+        .http
+        .get(f.url("/v2/sandboxes?limit=2&order=asc"))
+        .header("X-API-KEY", KEY_A)
+        .send()
+        .await
+        .unwrap();
+    let next = r
+        .headers()
+        .get("x-next-token")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .expect("a next token");
     let page1: Value = r.json().await.unwrap();
     let r = f
         .http
@@ -363,7 +563,10 @@ async fn list_filters_by_metadata_and_pages() {
         .send()
         .await
         .unwrap();
-    assert!(r.headers().get("x-next-token").is_none(), "the last page has no token");
+    assert!(
+        r.headers().get("x-next-token").is_none(),
+        "the last page has no token"
+    );
     let page2: Value = r.json().await.unwrap();
     let all: Vec<String> = page1
         .as_array()
@@ -382,19 +585,29 @@ async fn list_filters_by_metadata_and_pages() {
 async fn envd_routing_and_access_token() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
-    let (st, _) = f.unary(&id, &token, "process.Process/List", json!({})).await;
+    let (st, _) = f
+        .unary(&id, &token, "process.Process/List", json!({}))
+        .await;
     assert_eq!(st, 200);
     // Wrong token: envd's plain 401 JSON, with an integer code (SDK: AuthenticationException).
-    let (st, b) = f.unary(&id, "wrong", "process.Process/List", json!({})).await;
+    let (st, b) = f
+        .unary(&id, "wrong", "process.Process/List", json!({}))
+        .await;
     assert_eq!((st, b["code"].as_u64()), (401, Some(401)), "{b}");
     // A token of one sandbox does not open another.
     let (other, other_token) = f.create(KEY_B).await;
-    let (st, _) = f.unary(&other, &token, "process.Process/List", json!({})).await;
+    let (st, _) = f
+        .unary(&other, &token, "process.Process/List", json!({}))
+        .await;
     assert_eq!(st, 401);
-    let (st, _) = f.unary(&other, &other_token, "process.Process/List", json!({})).await;
+    let (st, _) = f
+        .unary(&other, &other_token, "process.Process/List", json!({}))
+        .await;
     assert_eq!(st, 200);
     // Unknown sandbox: the edge proxy's 502 answer.
-    let (st, b) = f.unary("inosuchsandbox", &token, "process.Process/List", json!({})).await;
+    let (st, b) = f
+        .unary("inosuchsandbox", &token, "process.Process/List", json!({}))
+        .await;
     assert_eq!(st, 502);
     assert!(b["message"].as_str().unwrap().contains("was not found"));
     // No routing at all.
@@ -420,7 +633,11 @@ async fn envd_routing_and_access_token() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     // envd health: 204 for a live sandbox; the control plane's health without routing.
-    let r = f.envd(reqwest::Method::GET, "/health", &id, "").send().await.unwrap();
+    let r = f
+        .envd(reqwest::Method::GET, "/health", &id, "")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 204);
     let r = f.http.get(f.url("/health")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
@@ -431,12 +648,25 @@ async fn envd_routing_and_access_token() {
 async fn bad_connect_input_gets_connect_errors_and_the_daemon_keeps_serving() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
-    let (st, b) = f.unary(&id, &token, "process.Process/Nope", json!({})).await;
-    assert_eq!((st, b["code"].as_str()), (501, Some("unimplemented")), "{b}");
-    let (st, b) = f.unary(&id, &token, "filesystem.Filesystem/Nope", json!({})).await;
+    let (st, b) = f
+        .unary(&id, &token, "process.Process/Nope", json!({}))
+        .await;
+    assert_eq!(
+        (st, b["code"].as_str()),
+        (501, Some("unimplemented")),
+        "{b}"
+    );
+    let (st, b) = f
+        .unary(&id, &token, "filesystem.Filesystem/Nope", json!({}))
+        .await;
     assert_eq!((st, b["code"].as_str()), (501, Some("unimplemented")));
     let r = f
-        .envd(reqwest::Method::POST, "/filesystem.Filesystem/Stat", &id, &token)
+        .envd(
+            reqwest::Method::POST,
+            "/filesystem.Filesystem/Stat",
+            &id,
+            &token,
+        )
         .header("content-type", "application/json")
         .body("{\"path\": ")
         .send()
@@ -445,7 +675,12 @@ async fn bad_connect_input_gets_connect_errors_and_the_daemon_keeps_serving() {
     assert_eq!(r.status().as_u16(), 400);
     assert_eq!(r.json::<Value>().await.unwrap()["code"], "invalid_argument");
     let r = f
-        .envd(reqwest::Method::POST, "/filesystem.Filesystem/Stat", &id, &token)
+        .envd(
+            reqwest::Method::POST,
+            "/filesystem.Filesystem/Stat",
+            &id,
+            &token,
+        )
         .header("content-type", "application/proto")
         .body(vec![0x0a, 0x01, b'x'])
         .send()
@@ -475,14 +710,20 @@ async fn bad_connect_input_gets_connect_errors_and_the_daemon_keeps_serving() {
         v
     };
     for body in [truncated, two, compressed, bad_json, Vec::new()] {
-        let (st, ct, fr) = f.stream(&id, &token, "process.Process/Start", body, &[]).await;
+        let (st, ct, fr) = f
+            .stream(&id, &token, "process.Process/Start", body, &[])
+            .await;
         assert_eq!((st, ct.as_str()), (200, "application/connect+json"));
         assert_eq!(fr.len(), 1, "only the end frame: {fr:?}");
         assert_eq!(fr[0].0, 0x02);
         assert_eq!(fr[0].1["error"]["code"], "invalid_argument", "{fr:?}");
     }
     // Unknown process for every selector-taking method.
-    for rpc in ["process.Process/SendSignal", "process.Process/SendInput", "process.Process/CloseStdin"] {
+    for rpc in [
+        "process.Process/SendSignal",
+        "process.Process/SendInput",
+        "process.Process/CloseStdin",
+    ] {
         let (st, b) = f
             .unary(
                 &id,
@@ -491,13 +732,32 @@ async fn bad_connect_input_gets_connect_errors_and_the_daemon_keeps_serving() {
                 json!({"process": {"pid": 999_999}, "signal": "SIGNAL_SIGKILL", "input": {"stdin": b64("x")}}),
             )
             .await;
-        assert_eq!((st, b["code"].as_str()), (404, Some("not_found")), "{rpc}: {b}");
+        assert_eq!(
+            (st, b["code"].as_str()),
+            (404, Some("not_found")),
+            "{rpc}: {b}"
+        );
     }
-    let (_, _, fr) =
-        f.stream(&id, &token, "process.Process/Connect", envelope(0, &json!({"process": {"pid": 999_999}})), &[]).await;
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Connect",
+            envelope(0, &json!({"process": {"pid": 999_999}})),
+            &[],
+        )
+        .await;
     assert_eq!(fr.last().unwrap().1["error"]["code"], "not_found");
     // And the daemon still serves.
-    let (_, _, fr) = f.stream(&id, &token, "process.Process/Start", start_body("echo still-here", false), &[]).await;
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            start_body("echo still-here", false),
+            &[],
+        )
+        .await;
     assert_eq!(outputs(&fr).0, "still-here\n");
     f.stop().await;
 }
@@ -515,17 +775,29 @@ async fn start_streams_output_and_the_end_and_logs_it() {
             &token,
             "process.Process/Start",
             body,
-            &[("Authorization", "Basic cm9vdDo="), ("Connect-Timeout-Ms", "30000")],
+            &[
+                ("Authorization", "Basic cm9vdDo="),
+                ("Connect-Timeout-Ms", "30000"),
+            ],
         )
         .await;
     assert_eq!((st, ct.as_str()), (200, "application/connect+json"));
-    let pid = fr[0].1["event"]["start"]["pid"].as_u64().expect("start{pid} comes first");
+    let pid = fr[0].1["event"]["start"]["pid"]
+        .as_u64()
+        .expect("start{pid} comes first");
     assert!(pid > 0);
     let (out, err, end) = outputs(&fr);
-    assert_eq!(out, "out-sbx-req\n", "sandbox env and request env both apply");
+    assert_eq!(
+        out, "out-sbx-req\n",
+        "sandbox env and request env both apply"
+    );
     assert_eq!(err, "err\n");
     let end = end.expect("an end event");
-    assert_eq!((end["exitCode"].as_i64(), end["exited"].as_bool()), (Some(3), Some(true)), "{end}");
+    assert_eq!(
+        (end["exitCode"].as_i64(), end["exited"].as_bool()),
+        (Some(3), Some(true)),
+        "{end}"
+    );
     assert_eq!(end["status"], "exit status 3");
     assert_eq!(fr.last().unwrap(), &(0x02, json!({})), "a clean end frame");
     // The session log holds the command, with the requested user.
@@ -538,7 +810,11 @@ async fn start_streams_output_and_the_end_and_logs_it() {
         })
         .expect("process/started");
     assert_eq!(spec.user.as_deref(), Some("root"));
-    assert!(events.iter().any(|e| matches!(e, EventBody::ProcessExited { status, .. } if status.code == Some(3))));
+    assert!(
+        events.iter().any(
+            |e| matches!(e, EventBody::ProcessExited { status, .. } if status.code == Some(3))
+        )
+    );
     // An unknown user is refused as envd does.
     let (_, _, fr) = f
         .stream(
@@ -551,8 +827,13 @@ async fn start_streams_output_and_the_end_and_logs_it() {
         .await;
     assert_eq!(fr.last().unwrap().1["error"]["code"], "unauthenticated");
     // A working directory that does not exist.
-    let body = envelope(0, &json!({"process": {"cmd": "/bin/pwd", "cwd": "/home/user/missing-dir"}}));
-    let (_, _, fr) = f.stream(&id, &token, "process.Process/Start", body, &[]).await;
+    let body = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/pwd", "cwd": "/home/user/missing-dir"}}),
+    );
+    let (_, _, fr) = f
+        .stream(&id, &token, "process.Process/Start", body, &[])
+        .await;
     assert_eq!(fr.last().unwrap().1["error"]["code"], "invalid_argument");
     f.stop().await;
 }
@@ -563,21 +844,37 @@ async fn the_call_timeout_kills_the_process_and_keepalives_flow() {
     let (id, token) = f.create(KEY_A).await;
     let started = tokio::time::Instant::now();
     let (_, _, fr) = f
-        .stream(&id, &token, "process.Process/Start", start_body("sleep 30", false), &[("Connect-Timeout-Ms", "500")])
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            start_body("sleep 30", false),
+            &[("Connect-Timeout-Ms", "500")],
+        )
         .await;
-    assert!(started.elapsed() < Duration::from_secs(10), "the deadline ended the call");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the deadline ended the call"
+    );
     let (_, _, end) = outputs(&fr);
     match end {
         // envd's SIGKILL, or tether's terminate (TERM first, no grace).
-        Some(end) => assert!(end["status"] == "signal: killed" || end["status"] == "signal: terminated", "{end}"),
+        Some(end) => assert!(
+            end["status"] == "signal: killed" || end["status"] == "signal: terminated",
+            "{end}"
+        ),
         None => assert_eq!(fr.last().unwrap().1["error"]["code"], "deadline_exceeded"),
     }
     // The process was killed by its deadline (E2B semantics), as the log shows.
-    wait_for("the deadline's kill in the log", Duration::from_secs(10), || {
-        f.session_events(&id)
-            .iter()
-            .any(|e| matches!(e, EventBody::ProcessExited { clock: Some(c), .. } if c == "total"))
-    })
+    wait_for(
+        "the deadline's kill in the log",
+        Duration::from_secs(10),
+        || {
+            f.session_events(&id).iter().any(
+                |e| matches!(e, EventBody::ProcessExited { clock: Some(c), .. } if c == "total"),
+            )
+        },
+    )
     .await;
     // Keepalives while the process is silent.
     let (_, _, fr) = f
@@ -589,7 +886,10 @@ async fn the_call_timeout_kills_the_process_and_keepalives_flow() {
             &[("Keepalive-Ping-Interval", "1")],
         )
         .await;
-    let keepalives = fr.iter().filter(|(_, v)| v["event"].get("keepalive").is_some()).count();
+    let keepalives = fr
+        .iter()
+        .filter(|(_, v)| v["event"].get("keepalive").is_some())
+        .count();
     assert!(keepalives >= 1, "no keepalive in {fr:?}");
     assert_eq!(outputs(&fr).0, "done\n");
     f.stop().await;
@@ -600,14 +900,25 @@ async fn stdin_connect_list_and_signals() {
     let f = Arc::new(Front::start().await);
     let (id, token) = f.create(KEY_A).await;
     // A background `cat` with stdin: started in its own task, read as it streams.
-    let body = envelope(0, &json!({"process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-1"}));
+    let body = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-1"}),
+    );
     let f2 = Arc::clone(&f);
     let (id2, token2) = (id.clone(), token.clone());
-    let reader = tokio::spawn(async move { f2.stream(&id2, &token2, "process.Process/Start", body, &[]).await });
+    let reader = tokio::spawn(async move {
+        f2.stream(&id2, &token2, "process.Process/Start", body, &[])
+            .await
+    });
     let mut pid = None;
     for _ in 0..200 {
-        let (_, list) = f.unary(&id, &token, "process.Process/List", json!({})).await;
-        if let Some(p) = list["processes"].as_array().and_then(|a| a.iter().find(|p| p["tag"] == "cat-1")) {
+        let (_, list) = f
+            .unary(&id, &token, "process.Process/List", json!({}))
+            .await;
+        if let Some(p) = list["processes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["tag"] == "cat-1"))
+        {
             assert_eq!(p["config"]["cmd"], "/bin/cat");
             pid = p["pid"].as_u64();
             break;
@@ -633,7 +944,14 @@ async fn stdin_connect_list_and_signals() {
         )
         .await;
     assert_eq!(st, 200);
-    let (st, _) = f.unary(&id, &token, "process.Process/CloseStdin", json!({"process": {"pid": pid}})).await;
+    let (st, _) = f
+        .unary(
+            &id,
+            &token,
+            "process.Process/CloseStdin",
+            json!({"process": {"pid": pid}}),
+        )
+        .await;
     assert_eq!(st, 200);
     let (_, _, fr) = reader.await.unwrap();
     let (out, _, end) = outputs(&fr);
@@ -643,11 +961,20 @@ async fn stdin_connect_list_and_signals() {
     let f3 = Arc::clone(&f);
     let (id3, token3) = (id.clone(), token.clone());
     let sleeper = tokio::spawn(async move {
-        f3.stream(&id3, &token3, "process.Process/Start", start_body("sleep 60", false), &[]).await
+        f3.stream(
+            &id3,
+            &token3,
+            "process.Process/Start",
+            start_body("sleep 60", false),
+            &[],
+        )
+        .await
     });
     let mut spid = None;
     for _ in 0..200 {
-        let (_, list) = f.unary(&id, &token, "process.Process/List", json!({})).await;
+        let (_, list) = f
+            .unary(&id, &token, "process.Process/List", json!({}))
+            .await;
         if let Some(p) = list["processes"].as_array().and_then(|a| a.first()) {
             spid = p["pid"].as_u64();
             break;
@@ -656,24 +983,49 @@ async fn stdin_connect_list_and_signals() {
     }
     let spid = spid.expect("sleep is listed");
     let (st, _) = f
-        .unary(&id, &token, "process.Process/SendSignal", json!({"process": {"pid": spid}, "signal": "SIGNAL_SIGKILL"}))
+        .unary(
+            &id,
+            &token,
+            "process.Process/SendSignal",
+            json!({"process": {"pid": spid}, "signal": "SIGNAL_SIGKILL"}),
+        )
         .await;
     assert_eq!(st, 200);
     let (_, _, fr) = sleeper.await.unwrap();
     assert_eq!(outputs(&fr).2.unwrap()["status"], "signal: killed");
     let (st, b) = f
-        .unary(&id, &token, "process.Process/SendSignal", json!({"process": {"pid": spid}, "signal": "SIGNAL_SIGKILL"}))
+        .unary(
+            &id,
+            &token,
+            "process.Process/SendSignal",
+            json!({"process": {"pid": spid}, "signal": "SIGNAL_SIGKILL"}),
+        )
         .await;
-    assert_eq!((st, b["code"].as_str()), (404, Some("not_found")), "a finished process is not found");
+    assert_eq!(
+        (st, b["code"].as_str()),
+        (404, Some("not_found")),
+        "a finished process is not found"
+    );
     // StreamInput: client-streaming envelopes.
     let f4 = Arc::clone(&f);
     let (id4, token4) = (id.clone(), token.clone());
-    let body = envelope(0, &json!({"process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-2"}));
-    let reader = tokio::spawn(async move { f4.stream(&id4, &token4, "process.Process/Start", body, &[]).await });
+    let body = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-2"}),
+    );
+    let reader = tokio::spawn(async move {
+        f4.stream(&id4, &token4, "process.Process/Start", body, &[])
+            .await
+    });
     let mut cpid = None;
     for _ in 0..200 {
-        let (_, list) = f.unary(&id, &token, "process.Process/List", json!({})).await;
-        if let Some(p) = list["processes"].as_array().and_then(|a| a.iter().find(|p| p["tag"] == "cat-2")) {
+        let (_, list) = f
+            .unary(&id, &token, "process.Process/List", json!({}))
+            .await;
+        if let Some(p) = list["processes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["tag"] == "cat-2"))
+        {
             cpid = p["pid"].as_u64();
             break;
         }
@@ -681,13 +1033,25 @@ async fn stdin_connect_list_and_signals() {
     }
     let cpid = cpid.expect("cat-2 is listed");
     let mut input = envelope(0, &json!({"start": {"process": {"pid": cpid}}}));
-    input.extend(envelope(0, &json!({"data": {"input": {"stdin": b64("streamed\n")}}})));
+    input.extend(envelope(
+        0,
+        &json!({"data": {"input": {"stdin": b64("streamed\n")}}}),
+    ));
     input.extend(envelope(0, &json!({"keepalive": {}})));
     input.extend(envelope(0x02, &json!({})));
-    let (st, _, fr) = f.stream(&id, &token, "process.Process/StreamInput", input, &[]).await;
+    let (st, _, fr) = f
+        .stream(&id, &token, "process.Process/StreamInput", input, &[])
+        .await;
     assert_eq!(st, 200);
     assert_eq!(fr, vec![(0, json!({})), (2, json!({}))]);
-    let (st, _) = f.unary(&id, &token, "process.Process/CloseStdin", json!({"process": {"tag": "cat-2"}})).await;
+    let (st, _) = f
+        .unary(
+            &id,
+            &token,
+            "process.Process/CloseStdin",
+            json!({"process": {"tag": "cat-2"}}),
+        )
+        .await;
     assert_eq!(st, 200);
     let (_, _, fr) = reader.await.unwrap();
     assert_eq!(outputs(&fr).0, "streamed\n");
@@ -704,11 +1068,18 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
     // Octet-stream, gzip-encoded.
-    let data: Vec<u8> = (0..300_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect();
+    let data: Vec<u8> = (0..300_000u32)
+        .flat_map(|i| (i % 251).to_le_bytes())
+        .collect();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(&data).unwrap();
     let r = f
-        .envd(reqwest::Method::POST, "/files?path=%2Fhome%2Fuser%2Fdeep%2Fdir%2Fdata.bin", &id, &token)
+        .envd(
+            reqwest::Method::POST,
+            "/files?path=%2Fhome%2Fuser%2Fdeep%2Fdir%2Fdata.bin",
+            &id,
+            &token,
+        )
         .header("content-type", "application/octet-stream")
         .header("content-encoding", "gzip")
         .header("X-Metadata-Owner", "tests")
@@ -724,7 +1095,12 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
     );
     // Download plain, then gzip-encoded.
     let r = f
-        .envd(reqwest::Method::GET, "/files?path=/home/user/deep/dir/data.bin", &id, &token)
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/deep/dir/data.bin",
+            &id,
+            &token,
+        )
         .header("accept-encoding", "identity")
         .send()
         .await
@@ -732,18 +1108,30 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.bytes().await.unwrap().as_ref(), data.as_slice());
     let r = f
-        .envd(reqwest::Method::GET, "/files?path=deep/dir/data.bin", &id, &token)
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=deep/dir/data.bin",
+            &id,
+            &token,
+        )
         .header("accept-encoding", "gzip")
         .send()
         .await
         .unwrap();
     assert_eq!(r.headers().get("content-encoding").unwrap(), "gzip");
     let mut back = Vec::new();
-    flate2::read::GzDecoder::new(r.bytes().await.unwrap().as_ref()).read_to_end(&mut back).unwrap();
+    flate2::read::GzDecoder::new(r.bytes().await.unwrap().as_ref())
+        .read_to_end(&mut back)
+        .unwrap();
     assert_eq!(back, data, "relative paths are relative to /home/user");
     // A byte range.
     let r = f
-        .envd(reqwest::Method::GET, "/files?path=/home/user/deep/dir/data.bin", &id, &token)
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/deep/dir/data.bin",
+            &id,
+            &token,
+        )
         .header("range", "bytes=4-11")
         .send()
         .await
@@ -753,13 +1141,19 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
     // Multipart, two files named by their filenames (no path parameter).
     let boundary = "tetherBoundary42";
     let mut mp = Vec::new();
-    for (name, content) in [("/home/user/m/one.txt", "first"), ("/home/user/m/two.txt", "second\r\n--almost")] {
+    for (name, content) in [
+        ("/home/user/m/one.txt", "first"),
+        ("/home/user/m/two.txt", "second\r\n--almost"),
+    ] {
         mp.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: text/plain\r\n\r\n{content}\r\n").as_bytes());
     }
     mp.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
     let r = f
         .envd(reqwest::Method::POST, "/files?username=user", &id, &token)
-        .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+        .header(
+            "content-type",
+            format!("multipart/form-data; boundary={boundary}"),
+        )
         .body(mp)
         .send()
         .await
@@ -767,11 +1161,27 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
     assert_eq!(r.status().as_u16(), 200);
     let w: Value = r.json().await.unwrap();
     assert_eq!(w.as_array().unwrap().len(), 2);
-    let r = f.envd(reqwest::Method::GET, "/files?path=/home/user/m/two.txt", &id, &token).send().await.unwrap();
+    let r = f
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/m/two.txt",
+            &id,
+            &token,
+        )
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.text().await.unwrap(), "second\r\n--almost");
     // A process sees what was written.
-    let (_, _, fr) =
-        f.stream(&id, &token, "process.Process/Start", start_body("cat /home/user/m/one.txt", false), &[]).await;
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            start_body("cat /home/user/m/one.txt", false),
+            &[],
+        )
+        .await;
     assert_eq!(outputs(&fr).0, "first");
     let writes = f
         .session_events(&id)
@@ -786,7 +1196,15 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
 async fn file_errors_and_path_escapes() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
-    let get = |p: &str| f.envd(reqwest::Method::GET, &format!("/files?path={p}"), &id, &token).send();
+    let get = |p: &str| {
+        f.envd(
+            reqwest::Method::GET,
+            &format!("/files?path={p}"),
+            &id,
+            &token,
+        )
+        .send()
+    };
     let r = get("/home/user/missing.txt").await.unwrap();
     assert_eq!(r.status().as_u16(), 404);
     assert_eq!(r.json::<Value>().await.unwrap()["code"], 404);
@@ -794,12 +1212,18 @@ async fn file_errors_and_path_escapes() {
     assert_eq!(r.status().as_u16(), 400, "a directory");
     // Escapes never read the host: refused, or resolved inside the sandbox's own view.
     let host_secret = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
-    for p in ["../../../../etc/hostname", "/home/user/../../../etc/hostname"] {
+    for p in [
+        "../../../../etc/hostname",
+        "/home/user/../../../etc/hostname",
+    ] {
         let r = get(p).await.unwrap();
         let st = r.status().as_u16();
         let body = r.text().await.unwrap();
         if st == 200 {
-            assert!(host_secret.is_empty() || body != host_secret, "{p} read the host's file");
+            assert!(
+                host_secret.is_empty() || body != host_secret,
+                "{p} read the host's file"
+            );
         } else {
             assert!((400..500).contains(&st), "{p}: {st} {body}");
             let v: Value = serde_json::from_str(&body).expect("JSON error body");
@@ -830,10 +1254,27 @@ async fn file_errors_and_path_escapes() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 400, "truncated multipart");
-    let r = f.envd(reqwest::Method::GET, "/files?path=/home/user/x", &id, "bad-token").send().await.unwrap();
+    let r = f
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/x",
+            &id,
+            "bad-token",
+        )
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 401);
-    let r =
-        f.envd(reqwest::Method::GET, "/files?path=/home/user/x&username=mallory", &id, &token).send().await.unwrap();
+    let r = f
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/x&username=mallory",
+            &id,
+            &token,
+        )
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 401, "unknown user");
     f.stop().await;
 }
@@ -843,7 +1284,9 @@ async fn signed_urls_work_without_routing_headers() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
     let path = "/home/user/signed.txt";
-    let sig = super::auth::file_signature(path, "write", "", &token, None).replace('+', "%2B").replace('/', "%2F");
+    let sig = super::auth::file_signature(path, "write", "", &token, None)
+        .replace('+', "%2B")
+        .replace('/', "%2F");
     let r = f
         .http
         .post(f.url(&format!("/files?path={path}&signature={sig}")))
@@ -858,7 +1301,9 @@ async fn signed_urls_work_without_routing_headers() {
     let sig_q = sig.replace('+', "%2B").replace('/', "%2F");
     let r = f
         .http
-        .get(f.url(&format!("/files?path={path}&signature={sig_q}&signature_expiration={exp}")))
+        .get(f.url(&format!(
+            "/files?path={path}&signature={sig_q}&signature_expiration={exp}"
+        )))
         .send()
         .await
         .unwrap();
@@ -894,12 +1339,24 @@ async fn filesystem_rpcs_and_watchers() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
     let call = |rpc: &'static str, msg: Value| f.unary(&id, &token, rpc, msg);
-    let (st, b) = call("filesystem.Filesystem/MakeDir", json!({"path": "/home/user/a/b"})).await;
+    let (st, b) = call(
+        "filesystem.Filesystem/MakeDir",
+        json!({"path": "/home/user/a/b"}),
+    )
+    .await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(b["entry"]["type"], "FILE_TYPE_DIRECTORY");
-    let (st, b) = call("filesystem.Filesystem/MakeDir", json!({"path": "/home/user/a/b"})).await;
+    let (st, b) = call(
+        "filesystem.Filesystem/MakeDir",
+        json!({"path": "/home/user/a/b"}),
+    )
+    .await;
     assert_eq!((st, b["code"].as_str()), (409, Some("already_exists")));
-    let (st, b) = call("filesystem.Filesystem/Stat", json!({"path": "/home/user/nope"})).await;
+    let (st, b) = call(
+        "filesystem.Filesystem/Stat",
+        json!({"path": "/home/user/nope"}),
+    )
+    .await;
     assert_eq!((st, b["code"].as_str()), (404, Some("not_found")));
     // A watcher sees a file created after it.
     let (st, w) = call(
@@ -910,7 +1367,12 @@ async fn filesystem_rpcs_and_watchers() {
     assert_eq!(st, 200, "{w}");
     let wid = w["watcherId"].as_str().unwrap().to_owned();
     let r = f
-        .envd(reqwest::Method::POST, "/files?path=/home/user/a/f.txt", &id, &token)
+        .envd(
+            reqwest::Method::POST,
+            "/files?path=/home/user/a/f.txt",
+            &id,
+            &token,
+        )
         .header("content-type", "application/octet-stream")
         .body("12345")
         .send()
@@ -919,38 +1381,87 @@ async fn filesystem_rpcs_and_watchers() {
     assert_eq!(r.status().as_u16(), 200);
     let mut seen = Vec::new();
     for _ in 0..100 {
-        let (st, ev) = call("filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": wid})).await;
+        let (st, ev) = call(
+            "filesystem.Filesystem/GetWatcherEvents",
+            json!({"watcherId": wid}),
+        )
+        .await;
         assert_eq!(st, 200, "{ev}");
         seen.extend(ev["events"].as_array().cloned().unwrap_or_default());
-        if seen.iter().any(|e| e["name"] == "f.txt" && e["type"] == "EVENT_TYPE_CREATE") {
+        if seen
+            .iter()
+            .any(|e| e["name"] == "f.txt" && e["type"] == "EVENT_TYPE_CREATE")
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(seen.iter().any(|e| e["name"] == "f.txt" && e["type"] == "EVENT_TYPE_CREATE"), "{seen:?}");
-    let (st, _) = call("filesystem.Filesystem/RemoveWatcher", json!({"watcherId": wid})).await;
+    assert!(
+        seen.iter()
+            .any(|e| e["name"] == "f.txt" && e["type"] == "EVENT_TYPE_CREATE"),
+        "{seen:?}"
+    );
+    let (st, _) = call(
+        "filesystem.Filesystem/RemoveWatcher",
+        json!({"watcherId": wid}),
+    )
+    .await;
     assert_eq!(st, 200);
-    let (st, b) = call("filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": wid})).await;
+    let (st, b) = call(
+        "filesystem.Filesystem/GetWatcherEvents",
+        json!({"watcherId": wid}),
+    )
+    .await;
     assert_eq!((st, b["code"].as_str()), (404, Some("not_found")));
     // List, with int64 sizes as strings.
-    let (st, b) = call("filesystem.Filesystem/ListDir", json!({"path": "/home/user/a", "depth": 2})).await;
+    let (st, b) = call(
+        "filesystem.Filesystem/ListDir",
+        json!({"path": "/home/user/a", "depth": 2}),
+    )
+    .await;
     assert_eq!(st, 200);
     let entries = b["entries"].as_array().unwrap();
-    let file = entries.iter().find(|e| e["name"] == "f.txt").expect("f.txt listed");
-    assert_eq!((file["size"].as_str(), file["type"].as_str()), (Some("5"), Some("FILE_TYPE_FILE")));
+    let file = entries
+        .iter()
+        .find(|e| e["name"] == "f.txt")
+        .expect("f.txt listed");
+    assert_eq!(
+        (file["size"].as_str(), file["type"].as_str()),
+        (Some("5"), Some("FILE_TYPE_FILE"))
+    );
     assert!(entries.iter().any(|e| e["path"] == "/home/user/a/b"));
-    let (st, b) = call("filesystem.Filesystem/ListDir", json!({"path": "/home/user/a/f.txt"})).await;
-    assert_eq!((st, b["code"].as_str()), (400, Some("invalid_argument")), "not a directory");
+    let (st, b) = call(
+        "filesystem.Filesystem/ListDir",
+        json!({"path": "/home/user/a/f.txt"}),
+    )
+    .await;
+    assert_eq!(
+        (st, b["code"].as_str()),
+        (400, Some("invalid_argument")),
+        "not a directory"
+    );
     // Move and remove, logged.
     let (st, b) = call(
         "filesystem.Filesystem/Move",
         json!({"source": "/home/user/a/f.txt", "destination": "/home/user/a/g.txt"}),
     )
     .await;
-    assert_eq!((st, b["entry"]["name"].as_str()), (200, Some("g.txt")), "{b}");
-    let (st, _) = call("filesystem.Filesystem/Remove", json!({"path": "/home/user/a"})).await;
+    assert_eq!(
+        (st, b["entry"]["name"].as_str()),
+        (200, Some("g.txt")),
+        "{b}"
+    );
+    let (st, _) = call(
+        "filesystem.Filesystem/Remove",
+        json!({"path": "/home/user/a"}),
+    )
+    .await;
     assert_eq!(st, 200);
-    let (st, _) = call("filesystem.Filesystem/Stat", json!({"path": "/home/user/a"})).await;
+    let (st, _) = call(
+        "filesystem.Filesystem/Stat",
+        json!({"path": "/home/user/a"}),
+    )
+    .await;
     assert_eq!(st, 404);
     let ops: Vec<String> = f
         .session_events(&id)
@@ -960,7 +1471,13 @@ async fn filesystem_rpcs_and_watchers() {
             _ => None,
         })
         .collect();
-    for want in ["mkdir:ok", "mkdir:FS_ALREADY_EXISTS", "write:ok", "rename:ok", "remove:ok"] {
+    for want in [
+        "mkdir:ok",
+        "mkdir:FS_ALREADY_EXISTS",
+        "write:ok",
+        "rename:ok",
+        "remove:ok",
+    ] {
         assert!(ops.iter().any(|o| o == want), "{want} not in {ops:?}");
     }
     // WatchDir streams: start first, then the event.
@@ -978,18 +1495,31 @@ async fn filesystem_rpcs_and_watchers() {
     };
     let poke = async {
         tokio::time::sleep(Duration::from_millis(400)).await;
-        f.envd(reqwest::Method::POST, "/files?path=/home/user/watched.txt", &id, &token)
-            .header("content-type", "application/octet-stream")
-            .body("x")
-            .send()
-            .await
-            .unwrap();
+        f.envd(
+            reqwest::Method::POST,
+            "/files?path=/home/user/watched.txt",
+            &id,
+            &token,
+        )
+        .header("content-type", "application/octet-stream")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     };
     let ((st, _, fr), ()) = tokio::join!(watch, poke);
     assert_eq!(st, 200);
     assert_eq!(fr[0].1, json!({"start": {}}));
-    assert!(fr.iter().any(|(_, v)| v["filesystem"]["name"] == "watched.txt"), "{fr:?}");
-    assert_eq!(fr.last().unwrap().1["error"]["code"], "deadline_exceeded", "the call's timeout ends the watch");
+    assert!(
+        fr.iter()
+            .any(|(_, v)| v["filesystem"]["name"] == "watched.txt"),
+        "{fr:?}"
+    );
+    assert_eq!(
+        fr.last().unwrap().1["error"]["code"],
+        "deadline_exceeded",
+        "the call's timeout ends the watch"
+    );
     f.stop().await;
 }
 
@@ -1005,7 +1535,10 @@ fn recipe_names_the_sdk_variables() {
     ] {
         assert!(r.contains(want), "{want} not in {r}");
     }
-    cfg.api_keys.push(ApiKey { key: "k".into(), tenant: None });
+    cfg.api_keys.push(ApiKey {
+        key: "k".into(),
+        tenant: None,
+    });
     let r = super::recipe("0.0.0.0:9000".parse().unwrap(), &cfg);
     assert!(r.contains("E2B_API_URL=http://127.0.0.1:9000"));
     assert!(!r.contains("development mode"));
@@ -1016,8 +1549,14 @@ fn connect_codes_follow_the_sdk_mapping() {
     use tether_protocol::ErrorCode as C;
     use tether_protocol::e2b::ConnectCode as K;
     assert_eq!(super::connect_code(C::FsNotFound), K::NotFound);
-    assert_eq!(super::connect_code(C::FsPermissionDenied), K::PermissionDenied);
-    assert_eq!(super::connect_code(C::DeadlineExceeded), K::DeadlineExceeded);
+    assert_eq!(
+        super::connect_code(C::FsPermissionDenied),
+        K::PermissionDenied
+    );
+    assert_eq!(
+        super::connect_code(C::DeadlineExceeded),
+        K::DeadlineExceeded
+    );
     assert_eq!(super::connect_code(C::IdleTimeout), K::DeadlineExceeded);
     assert_eq!(super::connect_code(C::FsAlreadyExists), K::AlreadyExists);
     assert_eq!(super::connect_code(C::Unsupported), K::Unimplemented);
@@ -1027,7 +1566,11 @@ fn connect_codes_follow_the_sdk_mapping() {
     assert_eq!(super::resolve_path("/tmp"), "/tmp");
     assert_eq!(
         super::form_pairs("a=1%2B2&b=x+y&c"),
-        vec![("a".into(), "1+2".into()), ("b".into(), "x y".into()), ("c".into(), String::new())]
+        vec![
+            ("a".into(), "1+2".into()),
+            ("b".into(), "x y".into()),
+            ("c".into(), String::new())
+        ]
     );
 }
 
@@ -1036,17 +1579,30 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
     let init = |body: Value, header_token: Option<&str>| {
-        let mut rb = f.http.post(f.url("/init")).header("E2b-Sandbox-Id", &id).json(&body);
+        let mut rb = f
+            .http
+            .post(f.url("/init"))
+            .header("E2b-Sandbox-Id", &id)
+            .json(&body);
         if let Some(t) = header_token {
             rb = rb.header("X-Access-Token", t);
         }
         rb.send()
     };
-    let r = init(json!({"envVars": {"FROM_INIT": "1"}}), None).await.unwrap();
+    let r = init(json!({"envVars": {"FROM_INIT": "1"}}), None)
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 401, "no token at all");
     let r = init(json!({"accessToken": "not-it"}), None).await.unwrap();
     assert_eq!(r.status().as_u16(), 401, "a token mismatch");
-    let (st, _) = f.unary(&id, &token, "filesystem.Filesystem/MakeDir", json!({"path": "/home/user/wd"})).await;
+    let (st, _) = f
+        .unary(
+            &id,
+            &token,
+            "filesystem.Filesystem/MakeDir",
+            json!({"path": "/home/user/wd"}),
+        )
+        .await;
     assert_eq!(st, 200);
     let r = init(
         json!({"accessToken": token, "envVars": {"FROM_INIT": "yes"}, "defaultUser": "root", "defaultWorkdir": "wd"}),
@@ -1055,10 +1611,24 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
     .await
     .unwrap();
     assert_eq!(r.status().as_u16(), 204);
-    assert_eq!(r.headers().get("x-envd-version").unwrap(), tether_protocol::e2b::ENVD_VERSION);
-    let (_, _, fr) =
-        f.stream(&id, &token, "process.Process/Start", start_body("echo $FROM_INIT; pwd", false), &[]).await;
-    assert_eq!(outputs(&fr).0, "yes\n/home/user/wd\n", "init's env and workdir apply to later processes: {fr:?}");
+    assert_eq!(
+        r.headers().get("x-envd-version").unwrap(),
+        tether_protocol::e2b::ENVD_VERSION
+    );
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            start_body("echo $FROM_INIT; pwd", false),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        outputs(&fr).0,
+        "yes\n/home/user/wd\n",
+        "init's env and workdir apply to later processes: {fr:?}"
+    );
     let spec = f
         .session_events(&id)
         .into_iter()
@@ -1067,25 +1637,66 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
             _ => None,
         })
         .unwrap();
-    assert_eq!(spec.user.as_deref(), Some("root"), "the init default user is recorded");
-    let r = f.envd(reqwest::Method::GET, "/envs", &id, &token).send().await.unwrap();
+    assert_eq!(
+        spec.user.as_deref(),
+        Some("root"),
+        "the init default user is recorded"
+    );
+    let r = f
+        .envd(reqwest::Method::GET, "/envs", &id, &token)
+        .send()
+        .await
+        .unwrap();
     let envs: Value = r.json().await.unwrap();
-    assert_eq!((envs["FROM_INIT"].as_str(), envs["SBX_VAR"].as_str()), (Some("yes"), Some("sbx")));
+    assert_eq!(
+        (envs["FROM_INIT"].as_str(), envs["SBX_VAR"].as_str()),
+        (Some("yes"), Some("sbx"))
+    );
     // v1 connect needs its timeout; refreshes only extend.
-    let before = f.d().state.sessions.get(&id, Scope::Any).unwrap().expires_ms();
+    let before = f
+        .d()
+        .state
+        .sessions
+        .get(&id, Scope::Any)
+        .unwrap()
+        .expires_ms();
     let (st, _) = f
-        .api(reqwest::Method::POST, &format!("/sandboxes/{id}/refreshes"), Some(KEY_A), Some(json!({"duration": 1})))
+        .api(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/refreshes"),
+            Some(KEY_A),
+            Some(json!({"duration": 1})),
+        )
         .await;
     assert_eq!(st, 204);
     assert_eq!(
-        f.d().state.sessions.get(&id, Scope::Any).unwrap().expires_ms(),
+        f.d()
+            .state
+            .sessions
+            .get(&id, Scope::Any)
+            .unwrap()
+            .expires_ms(),
         before,
         "a shorter refresh does not shorten"
     );
     let (st, b) = f
-        .api(reqwest::Method::POST, &format!("/sandboxes/{id}/connect"), Some(KEY_A), Some(json!({"timeout": 900})))
+        .api(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/connect"),
+            Some(KEY_A),
+            Some(json!({"timeout": 900})),
+        )
         .await;
     assert_eq!(st, 200, "{b}");
-    assert!(f.d().state.sessions.get(&id, Scope::Any).unwrap().expires_ms() > before, "connect extends the life");
+    assert!(
+        f.d()
+            .state
+            .sessions
+            .get(&id, Scope::Any)
+            .unwrap()
+            .expires_ms()
+            > before,
+        "connect extends the life"
+    );
     f.stop().await;
 }

@@ -164,7 +164,8 @@ impl ToolOutput {
 
 /// The one path a file tool touches, when its arguments parse.
 fn one_path(path: Result<String, String>, access: Access) -> Vec<PathAccess> {
-    path.map(|path| vec![PathAccess { path, access }]).unwrap_or_default()
+    path.map(|path| vec![PathAccess { path, access }])
+        .unwrap_or_default()
 }
 
 fn timeout_ms_of(e: &ProviderError) -> Option<u64> {

@@ -14,10 +14,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::env::{
-    EnvSource, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL,
-    OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_METRIC_EXPORT_INTERVAL,
-    OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG,
-    RUST_LOG,
+    EnvSource, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+    OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_METRIC_EXPORT_INTERVAL, OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED, OTEL_SERVICE_NAME,
+    OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG, RUST_LOG,
 };
 use super::error::TelemetryError;
 
@@ -169,23 +169,41 @@ impl TelemetryConfig {
     /// `tetherd validate-config` rejects what `init` would.
     pub fn validate(&self) -> Result<(), TelemetryError> {
         if let Some(r) = self.sampler_arg {
-            check_ratio(r).map_err(|reason| TelemetryError::InvalidConfig { field: "sampler_arg", reason })?;
+            check_ratio(r).map_err(|reason| TelemetryError::InvalidConfig {
+                field: "sampler_arg",
+                reason,
+            })?;
         }
         if self.service_name.trim().is_empty() {
-            return Err(TelemetryError::InvalidConfig { field: "service_name", reason: "must not be empty".into() });
+            return Err(TelemetryError::InvalidConfig {
+                field: "service_name",
+                reason: "must not be empty".into(),
+            });
         }
         if self.metrics_interval_ms == 0 {
-            return Err(TelemetryError::InvalidConfig { field: "metrics_interval_ms", reason: "must be > 0".into() });
+            return Err(TelemetryError::InvalidConfig {
+                field: "metrics_interval_ms",
+                reason: "must be > 0".into(),
+            });
         }
         if self.export_timeout_ms == 0 {
-            return Err(TelemetryError::InvalidConfig { field: "export_timeout_ms", reason: "must be > 0".into() });
+            return Err(TelemetryError::InvalidConfig {
+                field: "export_timeout_ms",
+                reason: "must be > 0".into(),
+            });
         }
         if let Some(e) = &self.otlp_endpoint {
-            check_endpoint(e).map_err(|reason| TelemetryError::InvalidConfig { field: "otlp_endpoint", reason })?;
+            check_endpoint(e).map_err(|reason| TelemetryError::InvalidConfig {
+                field: "otlp_endpoint",
+                reason,
+            })?;
         }
         tracing_subscriber::EnvFilter::builder()
             .parse(&self.log_filter)
-            .map_err(|source| TelemetryError::LogFilter { filter: self.log_filter.clone(), source })?;
+            .map_err(|source| TelemetryError::LogFilter {
+                filter: self.log_filter.clone(),
+                source,
+            })?;
         Ok(())
     }
 
@@ -235,7 +253,11 @@ impl TelemetryConfig {
                 return Ok(None);
             }
             if let Some(v) = env.get_nonempty(var) {
-                check_endpoint(&v).map_err(|reason| TelemetryError::InvalidEnv { var, value: v.clone(), reason })?;
+                check_endpoint(&v).map_err(|reason| TelemetryError::InvalidEnv {
+                    var,
+                    value: v.clone(),
+                    reason,
+                })?;
                 return Ok(Some(v));
             }
             Ok(base.as_deref().map(|b| match protocol {
@@ -244,8 +266,11 @@ impl TelemetryConfig {
             }))
         };
         let traces_endpoint = signal(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, HTTP_TRACES_PATH)?;
-        let metrics_endpoint =
-            if self.metrics { signal(OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, HTTP_METRICS_PATH)? } else { None };
+        let metrics_endpoint = if self.metrics {
+            signal(OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, HTTP_METRICS_PATH)?
+        } else {
+            None
+        };
 
         let sampler = match env.get_nonempty(OTEL_TRACES_SAMPLER) {
             Some(v) => SamplerKind::parse(&v).ok_or_else(|| TelemetryError::InvalidEnv {
@@ -258,20 +283,27 @@ impl TelemetryConfig {
             None => self.sampler,
         };
         let sampler_ratio = match env.get_nonempty(OTEL_TRACES_SAMPLER_ARG) {
-            Some(v) => v.parse::<f64>().map_err(|e| e.to_string()).and_then(|r| check_ratio(r).map(|()| r)).map_err(
-                |reason| TelemetryError::InvalidEnv { var: OTEL_TRACES_SAMPLER_ARG, value: v.clone(), reason },
-            )?,
+            Some(v) => v
+                .parse::<f64>()
+                .map_err(|e| e.to_string())
+                .and_then(|r| check_ratio(r).map(|()| r))
+                .map_err(|reason| TelemetryError::InvalidEnv {
+                    var: OTEL_TRACES_SAMPLER_ARG,
+                    value: v.clone(),
+                    reason,
+                })?,
             None => self.sampler_arg.unwrap_or(1.0),
         };
 
         let mut resource = self.resource_attributes.clone();
         let mut service_name = self.service_name.clone();
         if let Some(v) = env.get_nonempty(OTEL_RESOURCE_ATTRIBUTES) {
-            let parsed = parse_resource_attributes(&v).map_err(|reason| TelemetryError::InvalidEnv {
-                var: OTEL_RESOURCE_ATTRIBUTES,
-                value: v.clone(),
-                reason,
-            })?;
+            let parsed =
+                parse_resource_attributes(&v).map_err(|reason| TelemetryError::InvalidEnv {
+                    var: OTEL_RESOURCE_ATTRIBUTES,
+                    value: v.clone(),
+                    reason,
+                })?;
             for (k, val) in parsed {
                 if k == "service.name" {
                     service_name = val;
@@ -285,15 +317,22 @@ impl TelemetryConfig {
         }
         resource.insert("service.name".to_owned(), service_name);
 
-        let metrics_interval =
-            Duration::from_millis(env_millis(env, OTEL_METRIC_EXPORT_INTERVAL)?.unwrap_or(self.metrics_interval_ms));
-        let export_timeout =
-            Duration::from_millis(env_millis(env, OTEL_EXPORTER_OTLP_TIMEOUT)?.unwrap_or(self.export_timeout_ms));
+        let metrics_interval = Duration::from_millis(
+            env_millis(env, OTEL_METRIC_EXPORT_INTERVAL)?.unwrap_or(self.metrics_interval_ms),
+        );
+        let export_timeout = Duration::from_millis(
+            env_millis(env, OTEL_EXPORTER_OTLP_TIMEOUT)?.unwrap_or(self.export_timeout_ms),
+        );
 
-        let log_filter = env.get_nonempty(RUST_LOG).unwrap_or_else(|| self.log_filter.clone());
+        let log_filter = env
+            .get_nonempty(RUST_LOG)
+            .unwrap_or_else(|| self.log_filter.clone());
         tracing_subscriber::EnvFilter::builder()
             .parse(&log_filter)
-            .map_err(|source| TelemetryError::LogFilter { filter: log_filter.clone(), source })?;
+            .map_err(|source| TelemetryError::LogFilter {
+                filter: log_filter.clone(),
+                source,
+            })?;
 
         Ok(ResolvedTelemetry {
             traces_endpoint,
@@ -362,7 +401,9 @@ impl SamplerKind {
             Self::TraceIdRatio => Sampler::TraceIdRatioBased(ratio),
             Self::ParentBasedAlwaysOn => Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
             Self::ParentBasedAlwaysOff => Sampler::ParentBased(Box::new(Sampler::AlwaysOff)),
-            Self::ParentBasedTraceIdRatio => Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio))),
+            Self::ParentBasedTraceIdRatio => {
+                Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))
+            }
         }
     }
 }
@@ -377,20 +418,28 @@ impl ResolvedTelemetry {
 
     /// The `service.name` resource attribute.
     pub fn service_name(&self) -> &str {
-        self.resource.get("service.name").map_or(DEFAULT_SERVICE_NAME, String::as_str)
+        self.resource
+            .get("service.name")
+            .map_or(DEFAULT_SERVICE_NAME, String::as_str)
     }
 }
 
 // === parsing helpers ===
 
 fn check_ratio(r: f64) -> Result<(), String> {
-    if (0.0..=1.0).contains(&r) { Ok(()) } else { Err("must be a number in [0, 1]".into()) }
+    if (0.0..=1.0).contains(&r) {
+        Ok(())
+    } else {
+        Err("must be a number in [0, 1]".into())
+    }
 }
 
 /// An endpoint must be an absolute http(s) URL: a typo here would otherwise only show as
 /// export errors in the log, long after start-up.
 fn check_endpoint(e: &str) -> Result<(), String> {
-    let uri: http::Uri = e.parse().map_err(|err: http::uri::InvalidUri| err.to_string())?;
+    let uri: http::Uri = e
+        .parse()
+        .map_err(|err: http::uri::InvalidUri| err.to_string())?;
     match (uri.scheme_str(), uri.authority()) {
         (Some("http" | "https"), Some(_)) => Ok(()),
         _ => Err("expected an absolute http:// or https:// URL".into()),
@@ -410,7 +459,11 @@ fn env_millis(env: &dyn EnvSource, var: &'static str) -> Result<Option<u64>, Tel
         None => Ok(None),
         Some(v) => match v.parse::<u64>() {
             Ok(n) if n > 0 => Ok(Some(n)),
-            _ => Err(TelemetryError::InvalidEnv { var, value: v, reason: "expected milliseconds > 0".into() }),
+            _ => Err(TelemetryError::InvalidEnv {
+                var,
+                value: v,
+                reason: "expected milliseconds > 0".into(),
+            }),
         },
     }
 }
@@ -420,7 +473,9 @@ fn env_millis(env: &dyn EnvSource, var: &'static str) -> Result<Option<u64>, Tel
 pub(crate) fn parse_resource_attributes(s: &str) -> Result<Vec<(String, String)>, String> {
     let mut out = Vec::new();
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').ok_or_else(|| format!("`{pair}` is not key=value"))?;
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("`{pair}` is not key=value"))?;
         let k = k.trim();
         if k.is_empty() {
             return Err(format!("`{pair}` has an empty key"));
@@ -436,9 +491,13 @@ fn percent_decode(s: &str) -> Result<String, String> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).ok_or_else(|| format!("truncated escape in `{s}`"))?;
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .ok_or_else(|| format!("truncated escape in `{s}`"))?;
             let hex = std::str::from_utf8(hex).map_err(|e| e.to_string())?;
-            out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("bad escape `%{hex}` in `{s}`"))?);
+            out.push(
+                u8::from_str_radix(hex, 16).map_err(|_| format!("bad escape `%{hex}` in `{s}`"))?,
+            );
             i += 3;
         } else {
             out.push(bytes[i]);
@@ -473,39 +532,72 @@ mod tests {
 
     #[test]
     fn config_endpoint_gets_signal_paths_for_http() {
-        let cfg = TelemetryConfig { otlp_endpoint: Some("http://collector:4318/".into()), ..Default::default() };
+        let cfg = TelemetryConfig {
+            otlp_endpoint: Some("http://collector:4318/".into()),
+            ..Default::default()
+        };
         let r = cfg.resolve(&env(&[])).unwrap();
-        assert_eq!(r.traces_endpoint.as_deref(), Some("http://collector:4318/v1/traces"));
-        assert_eq!(r.metrics_endpoint.as_deref(), Some("http://collector:4318/v1/metrics"));
+        assert_eq!(
+            r.traces_endpoint.as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
+        assert_eq!(
+            r.metrics_endpoint.as_deref(),
+            Some("http://collector:4318/v1/metrics")
+        );
     }
 
     #[test]
     fn endpoint_precedence_signal_then_generic_then_config() {
-        let cfg = TelemetryConfig { otlp_endpoint: Some("http://from-config:4318".into()), ..Default::default() };
+        let cfg = TelemetryConfig {
+            otlp_endpoint: Some("http://from-config:4318".into()),
+            ..Default::default()
+        };
         let generic = env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://generic:4318")]);
         let r = cfg.resolve(&generic).unwrap();
-        assert_eq!(r.traces_endpoint.as_deref(), Some("http://generic:4318/v1/traces"));
-        assert_eq!(r.metrics_endpoint.as_deref(), Some("http://generic:4318/v1/metrics"));
+        assert_eq!(
+            r.traces_endpoint.as_deref(),
+            Some("http://generic:4318/v1/traces")
+        );
+        assert_eq!(
+            r.metrics_endpoint.as_deref(),
+            Some("http://generic:4318/v1/metrics")
+        );
 
         let both = env(&[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://generic:4318"),
-            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:9999/custom"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://traces:9999/custom",
+            ),
         ]);
         let r = cfg.resolve(&both).unwrap();
         // The per-signal variable is used verbatim, with no path appended.
-        assert_eq!(r.traces_endpoint.as_deref(), Some("http://traces:9999/custom"));
-        assert_eq!(r.metrics_endpoint.as_deref(), Some("http://generic:4318/v1/metrics"));
+        assert_eq!(
+            r.traces_endpoint.as_deref(),
+            Some("http://traces:9999/custom")
+        );
+        assert_eq!(
+            r.metrics_endpoint.as_deref(),
+            Some("http://generic:4318/v1/metrics")
+        );
 
         // An empty variable counts as unset.
         let empty = env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "")]);
         let r = cfg.resolve(&empty).unwrap();
-        assert_eq!(r.traces_endpoint.as_deref(), Some("http://from-config:4318/v1/traces"));
+        assert_eq!(
+            r.traces_endpoint.as_deref(),
+            Some("http://from-config:4318/v1/traces")
+        );
     }
 
     #[test]
     fn traces_only_variable_exports_no_metrics() {
         let r = TelemetryConfig::default()
-            .resolve(&env(&[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://t:4318/v1/traces")]))
+            .resolve(&env(&[(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://t:4318/v1/traces",
+            )]))
             .unwrap();
         assert!(r.traces_endpoint.is_some());
         assert_eq!(r.metrics_endpoint, None);
@@ -518,45 +610,92 @@ mod tests {
             otlp_protocol: Some(OtlpProtocol::HttpProtobuf),
             ..Default::default()
         };
-        let r = cfg.resolve(&env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")])).unwrap();
+        let r = cfg
+            .resolve(&env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")]))
+            .unwrap();
         assert_eq!(r.protocol, OtlpProtocol::Grpc);
         assert_eq!(r.traces_endpoint.as_deref(), Some("http://c:4317"));
         assert_eq!(r.metrics_endpoint.as_deref(), Some("http://c:4317"));
 
-        let err = cfg.resolve(&env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")])).unwrap_err();
-        assert!(matches!(err, TelemetryError::InvalidEnv { var: "OTEL_EXPORTER_OTLP_PROTOCOL", .. }));
+        let err = cfg
+            .resolve(&env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            TelemetryError::InvalidEnv {
+                var: "OTEL_EXPORTER_OTLP_PROTOCOL",
+                ..
+            }
+        ));
     }
 
     #[test]
     fn sdk_disabled_turns_exports_off() {
-        let cfg = TelemetryConfig { otlp_endpoint: Some("http://c:4318".into()), ..Default::default() };
+        let cfg = TelemetryConfig {
+            otlp_endpoint: Some("http://c:4318".into()),
+            ..Default::default()
+        };
         for v in ["true", "TRUE", " true "] {
             let r = cfg.resolve(&env(&[("OTEL_SDK_DISABLED", v)])).unwrap();
             assert!(!r.exports(), "{v}");
         }
-        assert!(cfg.resolve(&env(&[("OTEL_SDK_DISABLED", "false")])).unwrap().exports());
-        let err = cfg.resolve(&env(&[("OTEL_SDK_DISABLED", "yes")])).unwrap_err();
-        assert!(matches!(err, TelemetryError::InvalidEnv { var: "OTEL_SDK_DISABLED", .. }));
+        assert!(
+            cfg.resolve(&env(&[("OTEL_SDK_DISABLED", "false")]))
+                .unwrap()
+                .exports()
+        );
+        let err = cfg
+            .resolve(&env(&[("OTEL_SDK_DISABLED", "yes")]))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            TelemetryError::InvalidEnv {
+                var: "OTEL_SDK_DISABLED",
+                ..
+            }
+        ));
     }
 
     #[test]
     fn metrics_off_in_config_means_no_metric_endpoint() {
-        let cfg = TelemetryConfig { otlp_endpoint: Some("http://c:4318".into()), metrics: false, ..Default::default() };
-        let r = cfg.resolve(&env(&[("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://m:1/v1/metrics")])).unwrap();
+        let cfg = TelemetryConfig {
+            otlp_endpoint: Some("http://c:4318".into()),
+            metrics: false,
+            ..Default::default()
+        };
+        let r = cfg
+            .resolve(&env(&[(
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                "http://m:1/v1/metrics",
+            )]))
+            .unwrap();
         assert_eq!(r.metrics_endpoint, None);
         assert!(r.traces_endpoint.is_some());
     }
 
     #[test]
     fn sampler_from_env_and_config() {
-        let cfg = TelemetryConfig { sampler: SamplerKind::TraceIdRatio, sampler_arg: Some(0.25), ..Default::default() };
+        let cfg = TelemetryConfig {
+            sampler: SamplerKind::TraceIdRatio,
+            sampler_arg: Some(0.25),
+            ..Default::default()
+        };
         let r = cfg.resolve(&env(&[])).unwrap();
-        assert_eq!((r.sampler, r.sampler_ratio), (SamplerKind::TraceIdRatio, 0.25));
+        assert_eq!(
+            (r.sampler, r.sampler_ratio),
+            (SamplerKind::TraceIdRatio, 0.25)
+        );
 
         let r = cfg
-            .resolve(&env(&[("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"), ("OTEL_TRACES_SAMPLER_ARG", "0.5")]))
+            .resolve(&env(&[
+                ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "0.5"),
+            ]))
             .unwrap();
-        assert_eq!((r.sampler, r.sampler_ratio), (SamplerKind::ParentBasedTraceIdRatio, 0.5));
+        assert_eq!(
+            (r.sampler, r.sampler_ratio),
+            (SamplerKind::ParentBasedTraceIdRatio, 0.5)
+        );
 
         for (var, bad) in [
             ("OTEL_TRACES_SAMPLER", "sometimes"),
@@ -564,10 +703,22 @@ mod tests {
             ("OTEL_TRACES_SAMPLER_ARG", "half"),
         ] {
             let err = cfg.resolve(&env(&[(var, bad)])).unwrap_err();
-            assert!(matches!(err, TelemetryError::InvalidEnv { var: v, .. } if v == var), "{var}={bad}");
+            assert!(
+                matches!(err, TelemetryError::InvalidEnv { var: v, .. } if v == var),
+                "{var}={bad}"
+            );
         }
-        let bad_cfg = TelemetryConfig { sampler_arg: Some(-0.1), ..Default::default() };
-        assert!(matches!(bad_cfg.validate(), Err(TelemetryError::InvalidConfig { field: "sampler_arg", .. })));
+        let bad_cfg = TelemetryConfig {
+            sampler_arg: Some(-0.1),
+            ..Default::default()
+        };
+        assert!(matches!(
+            bad_cfg.validate(),
+            Err(TelemetryError::InvalidConfig {
+                field: "sampler_arg",
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -584,16 +735,25 @@ mod tests {
         assert_eq!(w.telemetry.otlp_protocol, Some(OtlpProtocol::Grpc));
         assert_eq!(w.telemetry.log_format, LogFormat::Json);
         assert!(toml::from_str::<W>("[telemetry]\nsampler = \"sometimes\"\n").is_err());
-        assert!(toml::from_str::<W>("[telemetry]\nendpoint = \"http://x\"\n").is_err(), "unknown fields are refused");
+        assert!(
+            toml::from_str::<W>("[telemetry]\nendpoint = \"http://x\"\n").is_err(),
+            "unknown fields are refused"
+        );
     }
 
     #[test]
     fn resource_attributes_merge_and_service_name_precedence() {
         let mut attrs = BTreeMap::new();
-        attrs.insert("deployment.environment.name".to_owned(), "staging".to_owned());
+        attrs.insert(
+            "deployment.environment.name".to_owned(),
+            "staging".to_owned(),
+        );
         attrs.insert("team".to_owned(), "infra".to_owned());
-        let cfg =
-            TelemetryConfig { service_name: "from-config".into(), resource_attributes: attrs, ..Default::default() };
+        let cfg = TelemetryConfig {
+            service_name: "from-config".into(),
+            resource_attributes: attrs,
+            ..Default::default()
+        };
 
         let r = cfg.resolve(&env(&[])).unwrap();
         assert_eq!(r.service_name(), "from-config");
@@ -614,8 +774,19 @@ mod tests {
         assert_eq!(cfg.resolve(&e2).unwrap().service_name(), "from-env");
 
         for bad in ["novalue", "=x", "k=%zz", "k=%4"] {
-            let err = cfg.resolve(&env(&[("OTEL_RESOURCE_ATTRIBUTES", bad)])).unwrap_err();
-            assert!(matches!(err, TelemetryError::InvalidEnv { var: "OTEL_RESOURCE_ATTRIBUTES", .. }), "{bad}");
+            let err = cfg
+                .resolve(&env(&[("OTEL_RESOURCE_ATTRIBUTES", bad)]))
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    TelemetryError::InvalidEnv {
+                        var: "OTEL_RESOURCE_ATTRIBUTES",
+                        ..
+                    }
+                ),
+                "{bad}"
+            );
         }
     }
 
@@ -632,19 +803,44 @@ mod tests {
         assert_eq!(r.export_timeout, Duration::from_millis(1500));
         assert_eq!(r.log_filter, "tether_daemon=debug,warn");
 
-        let err = TelemetryConfig::default().resolve(&env(&[("OTEL_METRIC_EXPORT_INTERVAL", "0")])).unwrap_err();
-        assert!(matches!(err, TelemetryError::InvalidEnv { var: "OTEL_METRIC_EXPORT_INTERVAL", .. }));
-        let err = TelemetryConfig::default().resolve(&env(&[("RUST_LOG", "a=notalevel")])).unwrap_err();
+        let err = TelemetryConfig::default()
+            .resolve(&env(&[("OTEL_METRIC_EXPORT_INTERVAL", "0")]))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            TelemetryError::InvalidEnv {
+                var: "OTEL_METRIC_EXPORT_INTERVAL",
+                ..
+            }
+        ));
+        let err = TelemetryConfig::default()
+            .resolve(&env(&[("RUST_LOG", "a=notalevel")]))
+            .unwrap_err();
         assert!(matches!(err, TelemetryError::LogFilter { .. }));
     }
 
     #[test]
     fn malformed_endpoints_are_refused() {
-        let cfg = TelemetryConfig { otlp_endpoint: Some("collector:4318".into()), ..Default::default() };
-        assert!(matches!(cfg.validate(), Err(TelemetryError::InvalidConfig { field: "otlp_endpoint", .. })));
+        let cfg = TelemetryConfig {
+            otlp_endpoint: Some("collector:4318".into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            cfg.validate(),
+            Err(TelemetryError::InvalidConfig {
+                field: "otlp_endpoint",
+                ..
+            })
+        ));
         let err = TelemetryConfig::default()
             .resolve(&env(&[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "not a url")]))
             .unwrap_err();
-        assert!(matches!(err, TelemetryError::InvalidEnv { var: "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", .. }));
+        assert!(matches!(
+            err,
+            TelemetryError::InvalidEnv {
+                var: "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                ..
+            }
+        ));
     }
 }

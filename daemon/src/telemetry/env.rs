@@ -41,7 +41,9 @@ pub trait EnvSource {
     /// The variable's value, treating an empty or blank value as unset (as the
     /// OpenTelemetry specification asks).
     fn get_nonempty(&self, key: &str) -> Option<String> {
-        self.get(key).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+        self.get(key)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
     }
 }
 

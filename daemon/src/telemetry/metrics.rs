@@ -30,8 +30,9 @@ pub const SESSIONS_LIVE: &str = "tether.sessions.live";
 
 /// Histogram bucket bounds for durations, in seconds: from a 5 ms file stat to a
 /// 10 minute build, the range tool calls and remote operations actually span.
-pub const DURATION_BUCKETS_S: &[f64] =
-    &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0];
+pub const DURATION_BUCKETS_S: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
 
 /// The kind of an instrument, which decides its Prometheus shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +107,11 @@ impl InstrumentSpec {
     /// unit is appended as a word, annotations in braces are dropped, and monotonic counters
     /// get `_total`).
     pub fn prometheus_name(&self) -> String {
-        let mut name: String = self.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        let mut name: String = self
+            .name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
         if let Some(unit) = prometheus_unit(self.unit)
             && !name.ends_with(&format!("_{unit}"))
         {
@@ -124,7 +129,11 @@ impl InstrumentSpec {
         let base = self.prometheus_name();
         match self.kind {
             InstrumentKind::Histogram => {
-                vec![format!("{base}_bucket"), format!("{base}_sum"), format!("{base}_count")]
+                vec![
+                    format!("{base}_bucket"),
+                    format!("{base}_sum"),
+                    format!("{base}_count"),
+                ]
             }
             InstrumentKind::Counter | InstrumentKind::UpDownCounter => vec![base],
         }
@@ -176,15 +185,17 @@ impl Default for Metrics {
 impl Metrics {
     /// Instruments from the global meter provider.
     pub fn new() -> Self {
-        let scope =
-            opentelemetry::InstrumentationScope::builder(METER_NAME).with_version(env!("CARGO_PKG_VERSION")).build();
+        let scope = opentelemetry::InstrumentationScope::builder(METER_NAME)
+            .with_version(env!("CARGO_PKG_VERSION"))
+            .build();
         Self::from_meter(&opentelemetry::global::meter_with_scope(scope))
     }
 
     /// Instruments from a given meter (tests use a local provider).
     pub fn from_meter(meter: &Meter) -> Self {
         let spec = |name: &str| INSTRUMENTS.iter().find(|s| s.name == name).copied();
-        let describe = |name: &'static str| spec(name).map_or(("", ""), |s| (s.unit, s.description));
+        let describe =
+            |name: &'static str| spec(name).map_or(("", ""), |s| (s.unit, s.description));
         let histogram = |name: &'static str| {
             let (unit, description) = describe(name);
             meter
@@ -196,7 +207,11 @@ impl Metrics {
         };
         let updown = |name: &'static str| {
             let (unit, description) = describe(name);
-            meter.i64_up_down_counter(name).with_unit(unit).with_description(description).build()
+            meter
+                .i64_up_down_counter(name)
+                .with_unit(unit)
+                .with_description(description)
+                .build()
         };
         let (timeout_unit, timeout_description) = describe(TIMEOUTS);
         Self {
@@ -251,7 +266,10 @@ impl Metrics {
 
     /// A sandbox was leased (`+1`) or released (`-1`).
     pub fn sandboxes_live(&self, delta: i64, provider: &str) {
-        self.inner.sandboxes_live.add(delta, &[KeyValue::new(names::PROVIDER_KIND, provider.to_owned())]);
+        self.inner.sandboxes_live.add(
+            delta,
+            &[KeyValue::new(names::PROVIDER_KIND, provider.to_owned())],
+        );
     }
 
     /// A session was opened (`+1`) or ended (`-1`).
@@ -266,7 +284,10 @@ mod tests {
 
     #[test]
     fn prometheus_names_follow_the_collector_translation() {
-        let series: Vec<String> = INSTRUMENTS.iter().flat_map(InstrumentSpec::prometheus_series).collect();
+        let series: Vec<String> = INSTRUMENTS
+            .iter()
+            .flat_map(InstrumentSpec::prometheus_series)
+            .collect();
         assert_eq!(
             series,
             [
@@ -281,7 +302,10 @@ mod tests {
                 "tether_sessions_live",
             ]
         );
-        assert_eq!(INSTRUMENTS[0].prometheus_labels(), ["tool_name", "provider_kind", "outcome"]);
+        assert_eq!(
+            INSTRUMENTS[0].prometheus_labels(),
+            ["tool_name", "provider_kind", "outcome"]
+        );
     }
 
     #[test]
@@ -289,7 +313,12 @@ mod tests {
         // The global provider is the no-op one unless init ran: recording must not panic.
         let m = Metrics::new();
         m.tool_call("bash", "local", "ok", Duration::from_millis(3));
-        m.remote_op(names::FS_READ, "local", "FS_NOT_FOUND", Duration::from_millis(1));
+        m.remote_op(
+            names::FS_READ,
+            "local",
+            "FS_NOT_FOUND",
+            Duration::from_millis(1),
+        );
         m.timeout(names::clocks::OUTPUT_IDLE, "local");
         m.sandboxes_live(1, "local");
         m.sessions_live(-1);

@@ -40,11 +40,12 @@ pub use config::{LogFormat, OtlpProtocol, ResolvedTelemetry, SamplerKind, Teleme
 pub use env::{EnvSource, ProcessEnv};
 pub use error::TelemetryError;
 pub use metrics::{
-    DURATION_BUCKETS_S, INSTRUMENTS, InstrumentKind, InstrumentSpec, METER_NAME, Metrics, REMOTE_OP_DURATION,
-    SANDBOXES_LIVE, SESSIONS_LIVE, TIMEOUTS, TOOL_DURATION,
+    DURATION_BUCKETS_S, INSTRUMENTS, InstrumentKind, InstrumentSpec, METER_NAME, Metrics,
+    REMOTE_OP_DURATION, SANDBOXES_LIVE, SESSIONS_LIVE, TIMEOUTS, TOOL_DURATION,
 };
 pub use propagation::{
-    TRACEPARENT_ENV, TRACESTATE_ENV, current_trace_context, extract_parent, install_propagator, set_parent, trace_env,
+    TRACEPARENT_ENV, TRACESTATE_ENV, current_trace_context, extract_parent, install_propagator,
+    set_parent, trace_env,
 };
 
 /// The instrumentation scope name of tether's tracer.
@@ -92,7 +93,8 @@ pub struct TelemetryGuard {
 /// [`TelemetryError::AlreadyInitialized`] if a global subscriber exists.
 pub fn init(cfg: &TelemetryConfig, env: &dyn EnvSource) -> Result<TelemetryGuard, TelemetryError> {
     let Telemetry { dispatch, guard } = build(cfg, env)?;
-    tracing::dispatcher::set_global_default(dispatch).map_err(|_| TelemetryError::AlreadyInitialized)?;
+    tracing::dispatcher::set_global_default(dispatch)
+        .map_err(|_| TelemetryError::AlreadyInitialized)?;
     install_propagator();
     if let Some(mp) = &guard.meter_provider {
         opentelemetry::global::set_meter_provider(mp.clone());
@@ -116,7 +118,10 @@ pub fn build(cfg: &TelemetryConfig, env: &dyn EnvSource) -> Result<Telemetry, Te
 
 /// Build the pipeline from already-resolved settings.
 pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, TelemetryError> {
-    if resolved.protocol == OtlpProtocol::Grpc && resolved.exports() && tokio::runtime::Handle::try_current().is_err() {
+    if resolved.protocol == OtlpProtocol::Grpc
+        && resolved.exports()
+        && tokio::runtime::Handle::try_current().is_err()
+    {
         return Err(TelemetryError::NoRuntime);
     }
     let resource = resource(&resolved);
@@ -125,7 +130,10 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
         None => None,
         Some(endpoint) => {
             let exporter = span_exporter(resolved.protocol, endpoint, resolved.export_timeout)
-                .map_err(|source| TelemetryError::Exporter { signal: "traces", source })?;
+                .map_err(|source| TelemetryError::Exporter {
+                    signal: "traces",
+                    source,
+                })?;
             Some(
                 SdkTracerProvider::builder()
                     .with_resource(resource.clone())
@@ -142,15 +150,28 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
         None => None,
         Some(endpoint) => {
             let exporter = metric_exporter(resolved.protocol, endpoint, resolved.export_timeout)
-                .map_err(|source| TelemetryError::Exporter { signal: "metrics", source })?;
-            let reader = PeriodicReader::builder(exporter).with_interval(resolved.metrics_interval).build();
-            Some(SdkMeterProvider::builder().with_resource(resource).with_reader(reader).build())
+                .map_err(|source| TelemetryError::Exporter {
+                    signal: "metrics",
+                    source,
+                })?;
+            let reader = PeriodicReader::builder(exporter)
+                .with_interval(resolved.metrics_interval)
+                .build();
+            Some(
+                SdkMeterProvider::builder()
+                    .with_resource(resource)
+                    .with_reader(reader)
+                    .build(),
+            )
         }
     };
 
     let log_filter = EnvFilter::builder()
         .parse(&resolved.log_filter)
-        .map_err(|source| TelemetryError::LogFilter { filter: resolved.log_filter.clone(), source })?;
+        .map_err(|source| TelemetryError::LogFilter {
+            filter: resolved.log_filter.clone(),
+            source,
+        })?;
     let mut layers: Vec<Box<dyn tracing_subscriber::Layer<Registry> + Send + Sync>> = Vec::new();
     // Colour only for a terminal: journald, files and log shippers get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -160,14 +181,17 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
             .with_ansi(ansi)
             .with_filter(log_filter)
             .boxed(),
-        LogFormat::Json => {
-            tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).with_filter(log_filter).boxed()
-        }
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .with_filter(log_filter)
+            .boxed(),
     });
     if let Some(tp) = &tracer_provider {
         // Spans are exported at INFO and above whatever the log filter says: quieting the
         // log must not blind the traces.
-        let mut otel_filter = tracing_subscriber::filter::Targets::new().with_default(tracing::Level::INFO);
+        let mut otel_filter =
+            tracing_subscriber::filter::Targets::new().with_default(tracing::Level::INFO);
         for t in UNEXPORTED_TARGETS {
             otel_filter = otel_filter.with_target(*t, tracing_subscriber::filter::LevelFilter::OFF);
         }
@@ -185,18 +209,31 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
     }
     let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layers));
 
-    Ok(Telemetry { dispatch, guard: TelemetryGuard { resolved, tracer_provider, meter_provider } })
+    Ok(Telemetry {
+        dispatch,
+        guard: TelemetryGuard {
+            resolved,
+            tracer_provider,
+            meter_provider,
+        },
+    })
 }
 
 fn resource(r: &ResolvedTelemetry) -> Resource {
-    let mut attrs: Vec<KeyValue> = r.resource.iter().map(|(k, v)| KeyValue::new(k.clone(), v.clone())).collect();
+    let mut attrs: Vec<KeyValue> = r
+        .resource
+        .iter()
+        .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+        .collect();
     if !r.resource.contains_key("service.version") {
         attrs.push(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
     }
     // `builder_empty`: the default builder would read OTEL_* from the process environment
     // behind our back; everything here was already resolved through the EnvSource.
     Resource::builder_empty()
-        .with_detector(Box::new(opentelemetry_sdk::resource::TelemetryResourceDetector))
+        .with_detector(Box::new(
+            opentelemetry_sdk::resource::TelemetryResourceDetector,
+        ))
         .with_attributes(attrs)
         .build()
 }
@@ -288,7 +325,11 @@ impl TelemetryGuard {
     /// delays exit by at most that. Returns whether everything was flushed; failures are
     /// logged.
     pub async fn shutdown(self) -> bool {
-        let Self { resolved, tracer_provider, meter_provider } = self;
+        let Self {
+            resolved,
+            tracer_provider,
+            meter_provider,
+        } = self;
         let timeout = resolved.export_timeout;
         let traces = tracer_provider.map(|tp| {
             tokio::task::spawn_blocking(move || {
@@ -317,7 +358,10 @@ impl TelemetryGuard {
         match tokio::time::timeout(timeout + Duration::from_secs(1), joined).await {
             Ok(ok) => ok,
             Err(_) => {
-                tracing::warn!(?timeout, "Telemetry shutdown timed out; queued telemetry is dropped.");
+                tracing::warn!(
+                    ?timeout,
+                    "Telemetry shutdown timed out; queued telemetry is dropped."
+                );
                 false
             }
         }

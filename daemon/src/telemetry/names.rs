@@ -179,6 +179,8 @@ mod remote_ops_tests {
         assert_eq!(REMOTE_OPS.first(), Some(&SANDBOX_CREATE));
         assert_eq!(REMOTE_OPS.last(), Some(&FS_REMOVE));
         assert_eq!(REMOTE_OPS.len(), 16);
-        assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.") || op.starts_with("process.") || op.starts_with("fs.")));
+        assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.")
+            || op.starts_with("process.")
+            || op.starts_with("fs.")));
     }
 }

@@ -109,7 +109,8 @@ mod tests {
     const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     fn subscriber(provider: &SdkTracerProvider) -> impl tracing::Subscriber + Send + Sync {
-        tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
+        tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
     }
 
     fn headers(pairs: &[(&'static str, &str)]) -> http::HeaderMap {
@@ -123,7 +124,9 @@ mod tests {
     #[test]
     fn traceparent_round_trips_through_a_span() {
         install_propagator();
-        let provider = SdkTracerProvider::builder().with_sampler(Sampler::AlwaysOn).build();
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(Sampler::AlwaysOn)
+            .build();
         tracing::subscriber::with_default(subscriber(&provider), || {
             let h = headers(&[(TRACEPARENT, PARENT), (TRACESTATE, "vendor=abc")]);
             let span = tracing::info_span!("http.request");
@@ -149,8 +152,9 @@ mod tests {
     #[test]
     fn the_parents_sampling_decision_is_followed() {
         install_propagator();
-        let provider =
-            SdkTracerProvider::builder().with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn))).build();
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)))
+            .build();
         tracing::subscriber::with_default(subscriber(&provider), || {
             let unsampled = PARENT.replace("-01", "-00");
             let span = tracing::info_span!("http.request");
@@ -187,8 +191,17 @@ mod tests {
 
     #[test]
     fn trace_env_names_the_variables() {
-        let tc = TraceContext { traceparent: Some(PARENT.into()), tracestate: Some("a=b".into()) };
-        assert_eq!(trace_env(&tc), vec![("TRACEPARENT", PARENT.to_owned()), ("TRACESTATE", "a=b".to_owned())]);
+        let tc = TraceContext {
+            traceparent: Some(PARENT.into()),
+            tracestate: Some("a=b".into()),
+        };
+        assert_eq!(
+            trace_env(&tc),
+            vec![
+                ("TRACEPARENT", PARENT.to_owned()),
+                ("TRACESTATE", "a=b".to_owned())
+            ]
+        );
     }
 
     #[tokio::test]
@@ -204,6 +217,10 @@ mod tests {
         }
         .instrument(span)
         .await;
-        assert!(tc.traceparent.unwrap().contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert!(
+            tc.traceparent
+                .unwrap()
+                .contains("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
     }
 }

@@ -12,7 +12,10 @@ use tracing::Instrument as _;
 use super::*;
 
 fn env(pairs: &[(&'static str, &str)]) -> HashMap<String, String> {
-    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
 }
 
 /// A simulated request: a root span, a batch, 50 tool calls each with a remote op and
@@ -21,17 +24,28 @@ async fn request(metrics: &Metrics) {
     let root = tracing::info_span!("http.request", request.id = "r1", session.id = "s1");
     async {
         for i in 0..50 {
-            let call =
-                tracing::info_span!("tool.call", tool.name = "bash", tool.call_id = i, outcome = tracing::field::Empty);
+            let call = tracing::info_span!(
+                "tool.call",
+                tool.name = "bash",
+                tool.call_id = i,
+                outcome = tracing::field::Empty
+            );
             async {
                 let op = tracing::info_span!("process.start", provider.kind = "local");
-                async { tokio::task::yield_now().await }.instrument(op).await;
+                async { tokio::task::yield_now().await }
+                    .instrument(op)
+                    .await;
                 tracing::Span::current().record("outcome", "ok");
             }
             .instrument(call)
             .await;
             metrics.tool_call("bash", "local", "ok", Duration::from_millis(2));
-            metrics.remote_op(names::PROCESS_START, "local", "ok", Duration::from_millis(1));
+            metrics.remote_op(
+                names::PROCESS_START,
+                "local",
+                "ok",
+                Duration::from_millis(1),
+            );
         }
         metrics.timeout(names::clocks::TOTAL, "local");
     }
@@ -47,13 +61,19 @@ fn nothing_configured_installs_no_exporter() {
     // No OTel layer: spans carry no OTel context.
     tracing::dispatcher::with_default(&t.dispatch, || {
         let span = tracing::info_span!("tool.call");
-        assert_eq!(current_trace_context(&span), tether_provider::TraceContext::default());
+        assert_eq!(
+            current_trace_context(&span),
+            tether_provider::TraceContext::default()
+        );
     });
 }
 
 #[test]
 fn sdk_disabled_installs_no_exporter_even_with_an_endpoint() {
-    let cfg = TelemetryConfig { otlp_endpoint: Some("http://127.0.0.1:4318".into()), ..Default::default() };
+    let cfg = TelemetryConfig {
+        otlp_endpoint: Some("http://127.0.0.1:4318".into()),
+        ..Default::default()
+    };
     let t = build(&cfg, &env(&[("OTEL_SDK_DISABLED", "true")])).unwrap();
     assert!(!t.guard.exports_traces() && !t.guard.exports_metrics());
 }
@@ -65,12 +85,18 @@ fn grpc_outside_a_runtime_is_refused_not_a_panic() {
         otlp_protocol: Some(OtlpProtocol::Grpc),
         ..Default::default()
     };
-    assert!(matches!(build(&cfg, &env(&[])), Err(TelemetryError::NoRuntime)));
+    assert!(matches!(
+        build(&cfg, &env(&[])),
+        Err(TelemetryError::NoRuntime)
+    ));
 }
 
 #[tokio::test]
 async fn an_endpoint_installs_both_exporters_and_the_otel_layer() {
-    let cfg = TelemetryConfig { otlp_endpoint: Some("http://127.0.0.1:9".into()), ..Default::default() };
+    let cfg = TelemetryConfig {
+        otlp_endpoint: Some("http://127.0.0.1:9".into()),
+        ..Default::default()
+    };
     let t = build(&cfg, &env(&[])).unwrap();
     assert!(t.guard.exports_traces() && t.guard.exports_metrics());
     tracing::dispatcher::with_default(&t.dispatch, || {
@@ -100,7 +126,11 @@ impl SilentCollector {
                 held.push(s);
             }
         });
-        Self { url, connections, task }
+        Self {
+            url,
+            connections,
+            task,
+        }
     }
 }
 
@@ -120,7 +150,11 @@ async fn dead_collector() -> String {
 
 /// Runs request rounds while exports are failing or stuck, and returns once done; `exports_attempted`
 /// (when given) must become true while the requests run, proving exports were in flight.
-async fn assert_requests_are_not_slowed(endpoint: String, protocol: OtlpProtocol, attempted: Option<Arc<AtomicUsize>>) {
+async fn assert_requests_are_not_slowed(
+    endpoint: String,
+    protocol: OtlpProtocol,
+    attempted: Option<Arc<AtomicUsize>>,
+) {
     let cfg = TelemetryConfig {
         otlp_endpoint: Some(endpoint.clone()),
         otlp_protocol: Some(protocol),
@@ -143,17 +177,26 @@ async fn assert_requests_are_not_slowed(endpoint: String, protocol: OtlpProtocol
     }
     eprintln!("{protocol} {endpoint}: slowest request {worst:?}");
     if let Some(n) = attempted {
-        assert!(n.load(Ordering::SeqCst) > 0, "no export reached the collector during the requests");
+        assert!(
+            n.load(Ordering::SeqCst) > 0,
+            "no export reached the collector during the requests"
+        );
     }
     // 50 tool calls with ~150 spans: microseconds of work each. A request that waited on
     // the collector even once would take at least the 400 ms export timeout.
-    assert!(worst < Duration::from_millis(250), "{protocol} {endpoint}: a request took {worst:?}");
+    assert!(
+        worst < Duration::from_millis(250),
+        "{protocol} {endpoint}: a request took {worst:?}"
+    );
 
     let started = Instant::now();
     let _flushed = t.guard.shutdown().await;
     let took = started.elapsed();
     eprintln!("{protocol} {endpoint}: shutdown took {took:?}");
-    assert!(took < Duration::from_millis(400 + 1000 + 500), "{protocol}: shutdown took {took:?}");
+    assert!(
+        took < Duration::from_millis(400 + 1000 + 500),
+        "{protocol}: shutdown took {took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,13 +212,23 @@ async fn a_dead_collector_does_not_slow_requests_grpc() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_collector_does_not_slow_requests_http() {
     let c = SilentCollector::start().await;
-    assert_requests_are_not_slowed(c.url.clone(), OtlpProtocol::HttpProtobuf, Some(c.connections.clone())).await;
+    assert_requests_are_not_slowed(
+        c.url.clone(),
+        OtlpProtocol::HttpProtobuf,
+        Some(c.connections.clone()),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_collector_does_not_slow_requests_grpc() {
     let c = SilentCollector::start().await;
-    assert_requests_are_not_slowed(c.url.clone(), OtlpProtocol::Grpc, Some(c.connections.clone())).await;
+    assert_requests_are_not_slowed(
+        c.url.clone(),
+        OtlpProtocol::Grpc,
+        Some(c.connections.clone()),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -117,7 +117,11 @@ impl Default for CancelToken {
 impl CancelToken {
     /// A fresh, uncancelled token.
     pub fn new() -> Self {
-        Self { token: CancellationToken::new(), reason: Arc::new(OnceLock::new()), parent: None }
+        Self {
+            token: CancellationToken::new(),
+            reason: Arc::new(OnceLock::new()),
+            parent: None,
+        }
     }
 
     /// A token cancelled whenever this one is (with this one's reason).
@@ -206,11 +210,18 @@ pub fn timeout_of<R: ReasonCarrier + ?Sized>(x: &R, code: Option<&str>) -> Optio
 ///
 /// A hint that is present must be positive and finite (`0` is never a public "disable"
 /// value); `default` and `max` are not validated.
-pub fn clamp_timeout(requested: Option<f64>, default_ms: f64, max_ms: f64, name: &str) -> Result<f64, ClockError> {
+pub fn clamp_timeout(
+    requested: Option<f64>,
+    default_ms: f64,
+    max_ms: f64,
+    name: &str,
+) -> Result<f64, ClockError> {
     if let Some(r) = requested
         && (!r.is_finite() || r <= 0.0)
     {
-        return Err(ClockError::InvalidHint { name: name.to_owned() });
+        return Err(ClockError::InvalidHint {
+            name: name.to_owned(),
+        });
     }
     Ok(requested.unwrap_or(default_ms).min(max_ms))
 }
@@ -276,16 +287,27 @@ impl Deadline {
 /// `timeout_ms <= 0` (including `-inf`) arms no timer and returns the upstream token (or a
 /// never-cancelled one). `NaN`, `+inf` and values above [`MAX_TIMER_DELAY_MS`] are errors.
 /// A pre-cancelled upstream yields an already-cancelled token with the upstream reason.
-pub fn deadline(upstream: Option<&CancelToken>, timeout_ms: f64, code: &'static str) -> Result<Deadline, ClockError> {
+pub fn deadline(
+    upstream: Option<&CancelToken>,
+    timeout_ms: f64,
+    code: &'static str,
+) -> Result<Deadline, ClockError> {
     if timeout_ms <= 0.0 {
         let token = upstream.cloned().unwrap_or_default();
-        return Ok(Deadline { token, expires_at: None, _timer: None });
+        return Ok(Deadline {
+            token,
+            expires_at: None,
+            _timer: None,
+        });
     }
     let delay = assert_timer_delay(timeout_ms, "deadline timeoutMs")?;
     let handle = tokio::runtime::Handle::try_current().map_err(|_| ClockError::NoRuntime)?;
     let token = upstream.map(CancelToken::child).unwrap_or_default();
     let expires_at = Instant::now() + delay;
-    let reason = TimeoutReason { code, timeout_ms: timeout_ms.ceil() as u64 };
+    let reason = TimeoutReason {
+        code,
+        timeout_ms: timeout_ms.ceil() as u64,
+    };
     let disposed = CancellationToken::new();
     if !token.is_cancelled() {
         let fused = token.clone();
@@ -303,7 +325,11 @@ pub fn deadline(upstream: Option<&CancelToken>, timeout_ms: f64, code: &'static 
             }
         });
     }
-    Ok(Deadline { token, expires_at: Some(expires_at), _timer: Some(disposed.drop_guard()) })
+    Ok(Deadline {
+        token,
+        expires_at: Some(expires_at),
+        _timer: Some(disposed.drop_guard()),
+    })
 }
 
 // === impl IdleWatchdog ===
@@ -342,12 +368,19 @@ impl Drop for Outstanding<'_> {
 
 impl IdleWatchdog {
     /// A watchdog of `timeout_ms` whose token is fused with `upstream`.
-    pub fn new(upstream: Option<&CancelToken>, timeout_ms: f64, code: &'static str) -> Result<Self, ClockError> {
+    pub fn new(
+        upstream: Option<&CancelToken>,
+        timeout_ms: f64,
+        code: &'static str,
+    ) -> Result<Self, ClockError> {
         let interval = assert_timer_delay(timeout_ms, "idleWatchdog timeoutMs")?;
         Ok(Self {
             token: upstream.map(CancelToken::child).unwrap_or_default(),
             interval,
-            reason: TimeoutReason { code, timeout_ms: timeout_ms.ceil() as u64 },
+            reason: TimeoutReason {
+                code,
+                timeout_ms: timeout_ms.ceil() as u64,
+            },
             arm: watch::channel(Arm::Idle).0,
             outstanding: AtomicBool::new(false),
             disposed: AtomicBool::new(false),
@@ -374,7 +407,8 @@ impl IdleWatchdog {
         }
         let _outstanding = Outstanding(self);
         let mut rx = self.arm.subscribe();
-        self.arm.send_replace(Arm::Until(Instant::now() + self.interval));
+        self.arm
+            .send_replace(Arm::Until(Instant::now() + self.interval));
         tokio::pin!(demand);
         loop {
             let arm = *rx.borrow_and_update();

@@ -54,7 +54,10 @@ impl CallCtx {
 
     /// An unbounded context under an existing token (e.g. the daemon's shutdown token).
     pub fn with_cancel(request_id: impl Into<String>, cancel: CancelToken) -> Self {
-        Self { cancel, ..Self::new(request_id) }
+        Self {
+            cancel,
+            ..Self::new(request_id)
+        }
     }
 
     /// Set the trace context.
@@ -72,7 +75,11 @@ impl CallCtx {
             return self.child();
         }
         let ms = limit.as_secs_f64() * 1000.0;
-        match deadline(Some(&self.cancel), ms.min(crate::clock::MAX_TIMER_DELAY_MS), code) {
+        match deadline(
+            Some(&self.cancel),
+            ms.min(crate::clock::MAX_TIMER_DELAY_MS),
+            code,
+        ) {
             Ok(d) => {
                 let expires = d.expires_at();
                 let deadline = match (self.deadline, expires) {
@@ -107,7 +114,8 @@ impl CallCtx {
 
     /// Time left before the deadline (`None`: unbounded).
     pub fn remaining(&self) -> Option<Duration> {
-        self.deadline.map(|d| d.saturating_duration_since(Instant::now()))
+        self.deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
     }
 
     /// `Err` with the cancellation's error if the context is already cancelled.
@@ -154,7 +162,10 @@ mod tests {
         let root = CallCtx::new("r1");
         let ctx = root.with_timeout(Duration::from_millis(50), "DEADLINE_EXCEEDED");
         assert_eq!(ctx.budget, Some(Duration::from_millis(50)));
-        let e = ctx.run(std::future::pending::<Result<()>>()).await.unwrap_err();
+        let e = ctx
+            .run(std::future::pending::<Result<()>>())
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::DeadlineExceeded);
         assert_eq!(e.clock(), Some("total"));
         assert!(!root.cancel.is_cancelled());

@@ -131,8 +131,12 @@ impl ProviderError {
             Self::CommandNotFound { .. } => ErrorCode::CommandNotFound,
             Self::Fs { code, .. } => *code,
             Self::Timeout { reason } => timeout_code(reason.code),
-            Self::Cancelled { reason: CancelReason::Timeout(t) } => timeout_code(t.code),
-            Self::Cancelled { reason: CancelReason::Shutdown } => ErrorCode::ShuttingDown,
+            Self::Cancelled {
+                reason: CancelReason::Timeout(t),
+            } => timeout_code(t.code),
+            Self::Cancelled {
+                reason: CancelReason::Shutdown,
+            } => ErrorCode::ShuttingDown,
             Self::Cancelled { .. } => ErrorCode::Cancelled,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::IsolationUnavailable { .. } => ErrorCode::IsolationUnavailable,
@@ -173,9 +177,10 @@ impl ProviderError {
     /// `connect` or `tool`.
     pub fn clock(&self) -> Option<&'static str> {
         match self {
-            Self::Timeout { reason } | Self::Cancelled { reason: CancelReason::Timeout(reason) } => {
-                Some(clock_name(reason.code))
-            }
+            Self::Timeout { reason }
+            | Self::Cancelled {
+                reason: CancelReason::Timeout(reason),
+            } => Some(clock_name(reason.code)),
             _ => None,
         }
     }
@@ -190,7 +195,12 @@ impl ProviderError {
 
     /// An `FS_*` error without an I/O source.
     pub fn fs(code: ErrorCode, path: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Fs { code, path: path.into(), message: message.into(), source: None }
+        Self::Fs {
+            code,
+            path: path.into(),
+            message: message.into(),
+            source: None,
+        }
     }
 
     /// Map an I/O error on `path` to the matching `FS_*` error.
@@ -210,13 +220,20 @@ impl ProviderError {
             },
         };
         let message = e.to_string();
-        Self::Fs { code, path: path.into(), message, source: Some(e) }
+        Self::Fs {
+            code,
+            path: path.into(),
+            message,
+            source: Some(e),
+        }
     }
 }
 
 /// Map a clock code to its wire code. Unknown codes read as the total deadline.
 pub fn timeout_code(code: &str) -> ErrorCode {
-    ErrorCode::parse(code).filter(|c| c.is_timeout()).unwrap_or(ErrorCode::DeadlineExceeded)
+    ErrorCode::parse(code)
+        .filter(|c| c.is_timeout())
+        .unwrap_or(ErrorCode::DeadlineExceeded)
 }
 
 /// The short clock name reported in `timeout.clock` and error bodies.
@@ -236,7 +253,12 @@ mod tests {
 
     #[test]
     fn codes_origins_and_retryability() {
-        let t = |code| ProviderError::Timeout { reason: TimeoutReason { code, timeout_ms: 5 } };
+        let t = |code| ProviderError::Timeout {
+            reason: TimeoutReason {
+                code,
+                timeout_ms: 5,
+            },
+        };
         assert_eq!(t("IDLE_TIMEOUT").code(), ErrorCode::IdleTimeout);
         assert_eq!(t("IDLE_TIMEOUT").clock(), Some("output_idle"));
         assert_eq!(t("CONNECT_TIMEOUT").code(), ErrorCode::ConnectTimeout);
@@ -247,11 +269,24 @@ mod tests {
         let e = ProviderError::from_io("/home/user/x", io);
         assert_eq!(e.code(), ErrorCode::FsNotFound);
         assert_eq!(e.origin(), Origin::Client);
-        assert_eq!(ProviderError::from_reason(CancelReason::Shutdown).code(), ErrorCode::ShuttingDown);
-        assert_eq!(ProviderError::from_reason(CancelReason::Caller("x")).code(), ErrorCode::Cancelled);
-        let u = ProviderError::Unavailable { message: "down".into(), retry_after: None, source: None };
+        assert_eq!(
+            ProviderError::from_reason(CancelReason::Shutdown).code(),
+            ErrorCode::ShuttingDown
+        );
+        assert_eq!(
+            ProviderError::from_reason(CancelReason::Caller("x")).code(),
+            ErrorCode::Cancelled
+        );
+        let u = ProviderError::Unavailable {
+            message: "down".into(),
+            retry_after: None,
+            source: None,
+        };
         assert!(u.retryable());
         assert_eq!(u.code(), ErrorCode::ProviderUnavailable);
-        assert_eq!(ProviderError::Unsupported { op: "pause" }.code(), ErrorCode::Unsupported);
+        assert_eq!(
+            ProviderError::Unsupported { op: "pause" }.code(),
+            ErrorCode::Unsupported
+        );
     }
 }

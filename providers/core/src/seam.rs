@@ -257,7 +257,13 @@ pub trait Fs: Send + Sync {
 
     /// Write a file atomically (readers see the old or the new content, never a mix),
     /// creating parent directories; `guard` is checked at publication.
-    async fn write(&self, ctx: &CallCtx, path: &str, data: ByteStream, guard: WriteGuard) -> Result<WriteOutcome>;
+    async fn write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome>;
 
     /// List a directory to `depth` levels (1 = direct children), sorted by path.
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>>;
@@ -272,7 +278,12 @@ pub trait Fs: Send + Sync {
     async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()>;
 
     /// Watch a directory for changes.
-    async fn watch(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<BoxStream<'static, Result<FsEvent>>> {
+    async fn watch(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        recursive: bool,
+    ) -> Result<BoxStream<'static, Result<FsEvent>>> {
         let _ = (ctx, path, recursive);
         Err(ProviderError::Unsupported { op: "watch" })
     }
@@ -287,7 +298,11 @@ pub trait Process: Send + Sync {
     async fn spawn(&self, ctx: &CallCtx, spec: ProcessSpec) -> Result<Arc<dyn ProcessHandle>>;
 
     /// Find a running or finished command again.
-    async fn attach(&self, ctx: &CallCtx, which: ProcessSelector) -> Result<Arc<dyn ProcessHandle>> {
+    async fn attach(
+        &self,
+        ctx: &CallCtx,
+        which: ProcessSelector,
+    ) -> Result<Arc<dyn ProcessHandle>> {
         let _ = (ctx, which);
         Err(ProviderError::Unsupported { op: "attach" })
     }

@@ -106,7 +106,8 @@ impl EnvelopeReader {
             let end = if payload.iter().all(u8::is_ascii_whitespace) {
                 EndOfStream::default()
             } else {
-                serde_json::from_slice(&payload).map_err(|e| format!("an undecodable end-of-stream frame: {e}"))?
+                serde_json::from_slice(&payload)
+                    .map_err(|e| format!("an undecodable end-of-stream frame: {e}"))?
             };
             return Ok(Some(Frame::End(end)));
         }
@@ -118,14 +119,23 @@ impl EnvelopeReader {
 
 /// Run the connect / first-byte phase of a call: bounded by the connect limit (and by
 /// `ctx`), reported as `CONNECT_TIMEOUT` when that limit is what fired.
-pub(crate) async fn within_connect<T>(ctx: &CallCtx, limit: Duration, f: impl Future<Output = Result<T>>) -> Result<T> {
+pub(crate) async fn within_connect<T>(
+    ctx: &CallCtx,
+    limit: Duration,
+    f: impl Future<Output = Result<T>>,
+) -> Result<T> {
     let cctx = ctx.with_timeout(limit, "CONNECT_TIMEOUT");
     cctx.run(f).await
 }
 
 /// Retry an idempotent call: exponential backoff with jitter, `Retry-After` honoured (up
 /// to the largest delay), only retryable errors, never past `ctx`'s deadline.
-pub(crate) async fn retry<T, F, Fut>(ctx: &CallCtx, policy: RetryConfig, what: &'static str, f: F) -> Result<T>
+pub(crate) async fn retry<T, F, Fut>(
+    ctx: &CallCtx,
+    policy: RetryConfig,
+    what: &'static str,
+    f: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
@@ -186,37 +196,67 @@ impl Http {
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(60))
             .build()
-            .map_err(|e| ProviderError::Internal { message: "cannot build the HTTP client".into(), source: Some(Box::new(e)) })
+            .map_err(|e| ProviderError::Internal {
+                message: "cannot build the HTTP client".into(),
+                source: Some(Box::new(e)),
+            })
     }
 
     /// Send a request; the connect / first-byte phase is bounded.
-    pub(crate) async fn send(&self, ctx: &CallCtx, req: reqwest::RequestBuilder, op: Op<'_>) -> Result<reqwest::Response> {
-        within_connect(ctx, self.connect, async { req.send().await.map_err(|e| from_reqwest(e, op)) }).await
+    pub(crate) async fn send(
+        &self,
+        ctx: &CallCtx,
+        req: reqwest::RequestBuilder,
+        op: Op<'_>,
+    ) -> Result<reqwest::Response> {
+        within_connect(ctx, self.connect, async {
+            req.send().await.map_err(|e| from_reqwest(e, op))
+        })
+        .await
     }
 
     /// A whole request/response call bounded by the total limit: the answer's status and
     /// body, whatever the status.
-    pub(crate) async fn call(&self, ctx: &CallCtx, req: reqwest::RequestBuilder, op: Op<'_>) -> Result<(StatusCode, HeaderMap, Bytes)> {
+    pub(crate) async fn call(
+        &self,
+        ctx: &CallCtx,
+        req: reqwest::RequestBuilder,
+        op: Op<'_>,
+    ) -> Result<(StatusCode, HeaderMap, Bytes)> {
         let tctx = ctx.with_timeout(self.request, "DEADLINE_EXCEEDED");
         let resp = self.send(&tctx, req, op).await?;
         let status = resp.status();
         let headers = resp.headers().clone();
-        let body = tctx.run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        let body = tctx
+            .run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) })
+            .await?;
         Ok((status, headers, body))
     }
 
     /// A watchdog of transport silence under `parent`.
     pub(crate) fn transport_watchdog(&self, parent: &CancelToken) -> Result<IdleWatchdog> {
-        IdleWatchdog::new(Some(parent), self.transport_idle_ms, "TRANSPORT_IDLE_TIMEOUT")
-            .map_err(|e| ProviderError::Internal { message: "cannot arm the transport watchdog".into(), source: Some(Box::new(e)) })
+        IdleWatchdog::new(
+            Some(parent),
+            self.transport_idle_ms,
+            "TRANSPORT_IDLE_TIMEOUT",
+        )
+        .map_err(|e| ProviderError::Internal {
+            message: "cannot arm the transport watchdog".into(),
+            source: Some(Box::new(e)),
+        })
     }
 }
 
 /// Decode a JSON body, empty meaning `{}`.
 pub(crate) fn decode<T: DeserializeOwned>(body: &[u8], what: &str) -> Result<T> {
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { body };
-    serde_json::from_slice(body).map_err(|e| {
-        ProviderError::Backend { message: format!("malformed answer to {what}"), source: Some(Box::new(WireError::Json(e))) }
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        body
+    };
+    serde_json::from_slice(body).map_err(|e| ProviderError::Backend {
+        message: format!("malformed answer to {what}"),
+        source: Some(Box::new(WireError::Json(e))),
     })
 }
 
@@ -233,13 +273,25 @@ pub(crate) struct ByteBody {
 
 impl std::fmt::Debug for ByteBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ByteBody").field("op", &self.op).field("done", &self.done).finish_non_exhaustive()
+        f.debug_struct("ByteBody")
+            .field("op", &self.op)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
     }
 }
 
 impl ByteBody {
-    pub(crate) fn new(resp: reqwest::Response, watchdog: IdleWatchdog, op: impl Into<String>) -> Self {
-        Self { body: resp.bytes_stream().boxed(), watchdog, op: op.into(), done: false }
+    pub(crate) fn new(
+        resp: reqwest::Response,
+        watchdog: IdleWatchdog,
+        op: impl Into<String>,
+    ) -> Self {
+        Self {
+            body: resp.bytes_stream().boxed(),
+            watchdog,
+            op: op.into(),
+            done: false,
+        }
     }
 
     /// The next chunk; `Ok(None)` at the end of the body.
@@ -265,11 +317,16 @@ impl ByteBody {
                 }
             })
             .await
-            .map_err(|e| ProviderError::Internal { message: "transport watchdog misuse".into(), source: Some(Box::new(e)) })?;
+            .map_err(|e| ProviderError::Internal {
+                message: "transport watchdog misuse".into(),
+                source: Some(Box::new(e)),
+            })?;
         match next {
             None => {
                 self.done = true;
-                Err(ProviderError::from_reason(token.reason().unwrap_or(CancelReason::Caller("stream"))))
+                Err(ProviderError::from_reason(
+                    token.reason().unwrap_or(CancelReason::Caller("stream")),
+                ))
             }
             Some(item) => self.take(item),
         }
@@ -304,7 +361,10 @@ pub(crate) struct ConnectStream {
 
 impl std::fmt::Debug for ConnectStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConnectStream").field("op", &self.op).field("ended", &self.ended).finish_non_exhaustive()
+        f.debug_struct("ConnectStream")
+            .field("op", &self.op)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
     }
 }
 
@@ -327,17 +387,29 @@ impl ConnectStream {
             }
             match self.reader.next_frame() {
                 Ok(Some(Frame::Message(m))) => {
-                    return serde_json::from_slice(&m).map(StreamItem::Message).map_err(|e| ProviderError::Backend {
-                        message: format!("malformed {} message", self.op),
-                        source: Some(Box::new(WireError::Json(e))),
-                    });
+                    return serde_json::from_slice(&m)
+                        .map(StreamItem::Message)
+                        .map_err(|e| ProviderError::Backend {
+                            message: format!("malformed {} message", self.op),
+                            source: Some(Box::new(WireError::Json(e))),
+                        });
                 }
                 Ok(Some(Frame::End(end))) => {
                     self.ended = true;
                     return match end.error {
                         None => Ok(StreamItem::End),
                         Some(e) => {
-                            let op = if self.fs { Op::Fs { op: self.op, path: &self.id } } else { Op::Process { op: self.op, id: &self.id } };
+                            let op = if self.fs {
+                                Op::Fs {
+                                    op: self.op,
+                                    path: &self.id,
+                                }
+                            } else {
+                                Op::Process {
+                                    op: self.op,
+                                    id: &self.id,
+                                }
+                            };
                             Err(from_connect(op, e.code, &e.message))
                         }
                     };
@@ -373,7 +445,9 @@ impl ApiClient {
     pub(crate) fn new(cfg: &E2bConfig, endpoints: Endpoints, http: Http) -> Result<Self> {
         let mut headers = HeaderMap::new();
         let header = |v: &str, what: &str| {
-            HeaderValue::from_str(v).map_err(|_| ProviderError::InvalidRequest { message: format!("e2b {what} is not a valid header value") })
+            HeaderValue::from_str(v).map_err(|_| ProviderError::InvalidRequest {
+                message: format!("e2b {what} is not a valid header value"),
+            })
         };
         if let Some(k) = &cfg.api_key {
             let mut v = header(k, "api_key")?;
@@ -385,7 +459,11 @@ impl ApiClient {
             v.set_sensitive(true);
             headers.insert(reqwest::header::AUTHORIZATION, v);
         }
-        Ok(Self { http, endpoints, headers })
+        Ok(Self {
+            http,
+            endpoints,
+            headers,
+        })
     }
 
     /// A request to `path` of the control plane.
@@ -394,7 +472,10 @@ impl ApiClient {
     }
 
     pub(crate) fn request_url(&self, method: Method, url: Url) -> reqwest::RequestBuilder {
-        self.http.client.request(method, url).headers(self.headers.clone())
+        self.http
+            .client
+            .request(method, url)
+            .headers(self.headers.clone())
     }
 
     /// One JSON call: `Ok` with the status, headers and body of a success (2xx), the
@@ -449,7 +530,11 @@ impl EnvdVersion {
         let core = s.trim().trim_start_matches('v').split(['-', '+']).next()?;
         let mut it = core.split('.').map(|p| p.parse::<u32>().ok());
         let major = it.next().flatten()?;
-        Some(Self(major, it.next().flatten().unwrap_or(0), it.next().flatten().unwrap_or(0)))
+        Some(Self(
+            major,
+            it.next().flatten().unwrap_or(0),
+            it.next().flatten().unwrap_or(0),
+        ))
     }
 
     /// `CloseStdin` exists (envd 0.5.2).
@@ -475,21 +560,42 @@ impl EnvdVersion {
 
 /// A user in envd's `Authorization: Basic` form.
 pub(crate) fn basic_user(user: &str) -> String {
-    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:")))
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:"))
+    )
 }
 
 impl Envd {
-    pub(crate) fn new(http: Http, base: Url, sandbox_id: &str, token: Option<&str>, keepalive_s: u32, version: EnvdVersion) -> Result<Self> {
+    pub(crate) fn new(
+        http: Http,
+        base: Url,
+        sandbox_id: &str,
+        token: Option<&str>,
+        keepalive_s: u32,
+        version: EnvdVersion,
+    ) -> Result<Self> {
         let mut headers = HeaderMap::new();
         if let Some(t) = token {
-            let mut v = HeaderValue::from_str(t).map_err(|_| malformed("an envd access token that is not a header value"))?;
+            let mut v = HeaderValue::from_str(t)
+                .map_err(|_| malformed("an envd access token that is not a header value"))?;
             v.set_sensitive(true);
             headers.insert(HeaderName::from_static("x-access-token"), v);
         }
-        let id = HeaderValue::from_str(sandbox_id).map_err(|_| malformed("a sandbox id that is not a header value"))?;
+        let id = HeaderValue::from_str(sandbox_id)
+            .map_err(|_| malformed("a sandbox id that is not a header value"))?;
         headers.insert(HeaderName::from_static("e2b-sandbox-id"), id);
-        headers.insert(HeaderName::from_static("e2b-sandbox-port"), HeaderValue::from(ENVD_PORT));
-        Ok(Self { http, base, headers, keepalive_s, version })
+        headers.insert(
+            HeaderName::from_static("e2b-sandbox-port"),
+            HeaderValue::from(ENVD_PORT),
+        );
+        Ok(Self {
+            http,
+            base,
+            headers,
+            keepalive_s,
+            version,
+        })
     }
 
     fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
@@ -497,7 +603,10 @@ impl Envd {
     }
 
     fn request_url(&self, method: Method, url: Url) -> reqwest::RequestBuilder {
-        self.http.client.request(method, url).headers(self.headers.clone())
+        self.http
+            .client
+            .request(method, url)
+            .headers(self.headers.clone())
     }
 
     /// The `/files` URL of `path`.
@@ -513,7 +622,12 @@ impl Envd {
         url
     }
 
-    fn rpc_request(&self, method: &str, user: Option<&str>, content_type: &'static str) -> reqwest::RequestBuilder {
+    fn rpc_request(
+        &self,
+        method: &str,
+        user: Option<&str>,
+        content_type: &'static str,
+    ) -> reqwest::RequestBuilder {
         let mut req = self
             .request(Method::POST, &format!("/{method}"))
             .header("connect-protocol-version", "1")
@@ -543,9 +657,14 @@ impl Envd {
         user: Option<&str>,
         op: Op<'_>,
     ) -> Result<Resp> {
-        let body = serde_json::to_vec(req).map_err(|e| ProviderError::Internal { message: "cannot encode a request".into(), source: Some(Box::new(e)) })?;
+        let body = serde_json::to_vec(req).map_err(|e| ProviderError::Internal {
+            message: "cannot encode a request".into(),
+            source: Some(Box::new(e)),
+        })?;
         let tctx = ctx.with_timeout(self.http.request, "DEADLINE_EXCEEDED");
-        let mut rb = self.rpc_request(method, user, "application/json").body(body);
+        let mut rb = self
+            .rpc_request(method, user, "application/json")
+            .body(body);
         if let Some(left) = tctx.remaining() {
             rb = rb.header("connect-timeout-ms", left.as_millis().max(1).to_string());
         }
@@ -568,7 +687,10 @@ impl Envd {
         user: Option<&str>,
         op: Op<'_>,
     ) -> Result<ConnectStream> {
-        let json = serde_json::to_vec(req).map_err(|e| ProviderError::Internal { message: "cannot encode a request".into(), source: Some(Box::new(e)) })?;
+        let json = serde_json::to_vec(req).map_err(|e| ProviderError::Internal {
+            message: "cannot encode a request".into(),
+            source: Some(Box::new(e)),
+        })?;
         let rb = self
             .rpc_request(method, user, CONNECT_STREAM_JSON)
             .header("connect-accept-encoding", "identity")
@@ -579,14 +701,22 @@ impl Envd {
         let status = resp.status();
         if status != StatusCode::OK {
             let headers = resp.headers().clone();
-            let body = within_connect(ctx, self.http.connect, async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) })
-                .await
-                .unwrap_or_default();
+            let body = within_connect(ctx, self.http.connect, async {
+                resp.bytes().await.map_err(|e| from_reqwest(e, op))
+            })
+            .await
+            .unwrap_or_default();
             return Err(from_status(op, status, &headers, &body));
         }
-        let ct = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        let ct = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
         if !ct.starts_with(CONNECT_STREAM_JSON) {
-            return Err(malformed(format!("a {method} stream of content type {ct:?}")));
+            return Err(malformed(format!(
+                "a {method} stream of content type {ct:?}"
+            )));
         }
         let (id, fs) = match op {
             Op::Process { id, .. } | Op::Sandbox { id, .. } => (id.to_owned(), false),
@@ -594,13 +724,27 @@ impl Envd {
             Op::Api(_) => (String::new(), false),
         };
         let watchdog = self.http.transport_watchdog(parent)?;
-        Ok(ConnectStream { body: ByteBody::new(resp, watchdog, method), reader: EnvelopeReader::default(), op: method_op(method), id, fs, ended: false })
+        Ok(ConnectStream {
+            body: ByteBody::new(resp, watchdog, method),
+            reader: EnvelopeReader::default(),
+            op: method_op(method),
+            id,
+            fs,
+            ended: false,
+        })
     }
 
     /// `GET /files`: the response (any status), with an optional byte range.
-    pub(crate) async fn get_file(&self, ctx: &CallCtx, path: &str, range: Option<(u64, Option<u64>)>, user: Option<&str>) -> Result<reqwest::Response> {
-        let mut rb =
-            self.request_url(Method::GET, self.files_url(path, user)).header(reqwest::header::ACCEPT_ENCODING, "identity");
+    pub(crate) async fn get_file(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        range: Option<(u64, Option<u64>)>,
+        user: Option<&str>,
+    ) -> Result<reqwest::Response> {
+        let mut rb = self
+            .request_url(Method::GET, self.files_url(path, user))
+            .header(reqwest::header::ACCEPT_ENCODING, "identity");
         if let Some((from, to)) = range {
             let v = match to {
                 Some(end) => format!("bytes={from}-{}", end.saturating_sub(1)),
@@ -633,10 +777,14 @@ impl Envd {
         }
         // The answer comes only once the whole body is in: the connect limit cannot bound
         // this call; the caller watches the body's progress instead.
-        let resp = ctx.run(async { rb.send().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        let resp = ctx
+            .run(async { rb.send().await.map_err(|e| from_reqwest(e, op)) })
+            .await?;
         let status = resp.status();
         let headers = resp.headers().clone();
-        let body = ctx.run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) }).await?;
+        let body = ctx
+            .run(async { resp.bytes().await.map_err(|e| from_reqwest(e, op)) })
+            .await?;
         if status.is_success() {
             Ok(())
         } else {
@@ -646,8 +794,15 @@ impl Envd {
 
     /// `GET /health`: `Ok` on 2xx.
     pub(crate) async fn health(&self, ctx: &CallCtx) -> Result<()> {
-        let (status, headers, body) = self.http.call(ctx, self.request(Method::GET, "/health"), Op::Api("health")).await?;
-        if status.is_success() { Ok(()) } else { Err(from_status(Op::Api("health"), status, &headers, &body)) }
+        let (status, headers, body) = self
+            .http
+            .call(ctx, self.request(Method::GET, "/health"), Op::Api("health"))
+            .await?;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(from_status(Op::Api("health"), status, &headers, &body))
+        }
     }
 }
 

@@ -47,8 +47,15 @@ pub const DEBUG_SANDBOX_ID: &str = "debug_sandbox_id";
 
 /// Domains served by E2B itself, whose envd traffic goes through one shared host
 /// (`https://sandbox.<domain>`) routed by headers (the SDKs' `SUPPORTED_SANDBOX_DOMAINS`).
-pub const SHARED_HOST_DOMAINS: &[&str] =
-    &["e2b.app", "e2b.dev", "e2b.pro", "e2b-staging.dev", "e2b-tango.dev", "e2b-juliett.dev", "foxtrot-2.e2b.dev"];
+pub const SHARED_HOST_DOMAINS: &[&str] = &[
+    "e2b.app",
+    "e2b.dev",
+    "e2b.pro",
+    "e2b-staging.dev",
+    "e2b-tango.dev",
+    "e2b-juliett.dev",
+    "foxtrot-2.e2b.dev",
+];
 
 /// Default limit of the connect / first-byte phase of a remote call.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
@@ -93,7 +100,11 @@ pub struct RetryConfig {
 
 impl Default for RetryConfig {
     fn default() -> Self {
-        Self { max_times: d_retries(), min_delay_ms: d_min_delay(), max_delay_ms: d_max_delay() }
+        Self {
+            max_times: d_retries(),
+            min_delay_ms: d_min_delay(),
+            max_delay_ms: d_max_delay(),
+        }
     }
 }
 
@@ -323,7 +334,9 @@ impl E2bConfig {
     /// A configuration from the `E2B_*` environment alone, if it names a backend (an API
     /// key, an access token, an API URL, or debug mode); `None` otherwise.
     pub fn from_env(lookup: &dyn Fn(&str) -> Option<String>) -> Option<Self> {
-        let names_a_backend = [ENV_API_KEY, ENV_ACCESS_TOKEN, ENV_API_URL].iter().any(|n| non_empty(lookup(n)).is_some())
+        let names_a_backend = [ENV_API_KEY, ENV_ACCESS_TOKEN, ENV_API_URL]
+            .iter()
+            .any(|n| non_empty(lookup(n)).is_some())
             || lookup(ENV_DEBUG).is_some_and(|v| truthy(&v));
         names_a_backend.then(|| Self::default().with_env(lookup))
     }
@@ -357,7 +370,10 @@ impl E2bConfig {
 
     /// The base domain.
     pub fn domain(&self) -> &str {
-        self.domain.as_deref().filter(|d| !d.is_empty()).unwrap_or(DEFAULT_DOMAIN)
+        self.domain
+            .as_deref()
+            .filter(|d| !d.is_empty())
+            .unwrap_or(DEFAULT_DOMAIN)
     }
 
     /// The in-sandbox directory of command output copies.
@@ -372,10 +388,16 @@ impl E2bConfig {
     pub fn validate(&self) -> Result<Endpoints, ProviderError> {
         let invalid = |message: String| ProviderError::InvalidRequest { message };
         if !self.workspace.starts_with('/') {
-            return Err(invalid(format!("e2b workspace {:?} must be an absolute path", self.workspace)));
+            return Err(invalid(format!(
+                "e2b workspace {:?} must be an absolute path",
+                self.workspace
+            )));
         }
         if !self.state_dir().starts_with('/') {
-            return Err(invalid(format!("e2b state_dir {:?} must be an absolute path", self.state_dir())));
+            return Err(invalid(format!(
+                "e2b state_dir {:?} must be an absolute path",
+                self.state_dir()
+            )));
         }
         if self.template.trim().is_empty() {
             return Err(invalid("e2b template must not be empty".into()));
@@ -394,13 +416,18 @@ impl E2bConfig {
                 return Err(invalid(format!("e2b {name} must be positive")));
             }
         }
-        if self.keepalive_interval_s == 0 || u64::from(self.keepalive_interval_s) * 1000 >= self.transport_idle_ms {
+        if self.keepalive_interval_s == 0
+            || u64::from(self.keepalive_interval_s) * 1000 >= self.transport_idle_ms
+        {
             return Err(invalid(
-                "e2b keepalive_interval_s must be positive and shorter than transport_idle_ms".into(),
+                "e2b keepalive_interval_s must be positive and shorter than transport_idle_ms"
+                    .into(),
             ));
         }
         if self.retry.min_delay_ms > self.retry.max_delay_ms {
-            return Err(invalid("e2b retry.min_delay_ms must not exceed retry.max_delay_ms".into()));
+            return Err(invalid(
+                "e2b retry.min_delay_ms must not exceed retry.max_delay_ms".into(),
+            ));
         }
         Endpoints::resolve(self)
     }
@@ -429,10 +456,13 @@ pub struct Endpoints {
 }
 
 fn parse_url(what: &str, s: &str) -> Result<Url, ProviderError> {
-    let u = Url::parse(s.trim())
-        .map_err(|e| ProviderError::InvalidRequest { message: format!("e2b {what} {s:?} is not a URL: {e}") })?;
+    let u = Url::parse(s.trim()).map_err(|e| ProviderError::InvalidRequest {
+        message: format!("e2b {what} {s:?} is not a URL: {e}"),
+    })?;
     if !matches!(u.scheme(), "http" | "https") || u.host_str().is_none() {
-        return Err(ProviderError::InvalidRequest { message: format!("e2b {what} {s:?} must be an http(s) URL") });
+        return Err(ProviderError::InvalidRequest {
+            message: format!("e2b {what} {s:?} must be an http(s) URL"),
+        });
     }
     Ok(u)
 }
@@ -452,7 +482,12 @@ impl Endpoints {
             None if debug => Some(parse_url("sandbox_url", DEBUG_ENVD_URL)?),
             None => None,
         };
-        Ok(Self { api, sandbox_url, domain, debug })
+        Ok(Self {
+            api,
+            sandbox_url,
+            domain,
+            debug,
+        })
     }
 
     /// The envd base URL of a sandbox whose create/connect answer named `domain` (if any).
@@ -464,7 +499,10 @@ impl Endpoints {
         let url = if SHARED_HOST_DOMAINS.contains(&domain) {
             format!("https://sandbox.{domain}")
         } else {
-            format!("https://{}-{sandbox_id}.{domain}", tether_protocol::e2b::ENVD_PORT)
+            format!(
+                "https://{}-{sandbox_id}.{domain}",
+                tether_protocol::e2b::ENVD_PORT
+            )
         };
         parse_url("envd URL", &url)
     }

@@ -91,7 +91,9 @@ impl Op<'_> {
             Self::Fs { path, .. } => ProviderError::fs(ErrorCode::FsNotFound, path, message),
             Self::Process { id, .. } => ProviderError::CommandNotFound { id: id.to_owned() },
             // A 404 on create is a missing template.
-            Self::Api(_) => ProviderError::InvalidRequest { message: message.to_owned() },
+            Self::Api(_) => ProviderError::InvalidRequest {
+                message: message.to_owned(),
+            },
         }
     }
 
@@ -111,11 +113,18 @@ impl Op<'_> {
 
 /// A backend error without a more specific code.
 pub(crate) fn backend(message: impl Into<String>, source: WireError) -> ProviderError {
-    ProviderError::Backend { message: message.into(), source: Some(Box::new(source)) }
+    ProviderError::Backend {
+        message: message.into(),
+        source: Some(Box::new(source)),
+    }
 }
 
 /// A retryable "cannot reach the backend" error.
-pub(crate) fn unavailable(message: impl Into<String>, retry_after: Option<Duration>, source: Option<WireError>) -> ProviderError {
+pub(crate) fn unavailable(
+    message: impl Into<String>,
+    retry_after: Option<Duration>,
+    source: Option<WireError>,
+) -> ProviderError {
     ProviderError::Unavailable {
         message: message.into(),
         retry_after,
@@ -126,7 +135,10 @@ pub(crate) fn unavailable(message: impl Into<String>, retry_after: Option<Durati
 /// A protocol violation by the backend.
 pub(crate) fn malformed(what: impl Into<String>) -> ProviderError {
     let what = what.into();
-    ProviderError::Backend { message: format!("malformed answer: {what}"), source: Some(Box::new(WireError::Malformed(what))) }
+    ProviderError::Backend {
+        message: format!("malformed answer: {what}"),
+        source: Some(Box::new(WireError::Malformed(what))),
+    }
 }
 
 /// A transport failure of reqwest. Always retryable as far as the transport goes; the
@@ -141,13 +153,21 @@ pub(crate) fn from_reqwest(e: reqwest::Error, op: Op<'_>) -> ProviderError {
     } else {
         "the HTTP call failed"
     };
-    unavailable(format!("{} ({what})", op.name()), None, Some(WireError::Http(e)))
+    unavailable(
+        format!("{} ({what})", op.name()),
+        None,
+        Some(WireError::Http(e)),
+    )
 }
 
 /// `Retry-After` as delta-seconds (an HTTP date is ignored: the backoff applies).
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
-    v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64)
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
 }
 
 /// The message and (if the body is a Connect error) the Connect code of an error body.
@@ -156,16 +176,32 @@ fn parse_body(body: &[u8]) -> (String, Option<ConnectCode>) {
         let text = String::from_utf8_lossy(body);
         return (text.chars().take(300).collect(), None);
     };
-    let message = v.get("message").and_then(|m| m.as_str()).unwrap_or_default().to_owned();
-    let code = v.get("code").and_then(|c| c.as_str()).and_then(|c| serde_json::from_value(serde_json::json!(c)).ok());
+    let message = v
+        .get("message")
+        .and_then(|m| m.as_str())
+        .unwrap_or_default()
+        .to_owned();
+    let code = v
+        .get("code")
+        .and_then(|c| c.as_str())
+        .and_then(|c| serde_json::from_value(serde_json::json!(c)).ok());
     (message, code)
 }
 
 /// An error answer of a REST endpoint (control plane, `/files`, `/health`), or a plain
 /// HTTP error in front of an RPC.
-pub(crate) fn from_status(op: Op<'_>, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> ProviderError {
+pub(crate) fn from_status(
+    op: Op<'_>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> ProviderError {
     let (message, connect_code) = parse_body(body);
-    let message = if message.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { message };
+    let message = if message.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        message
+    };
     // The edge proxy's answers (E2B's protocol: the SDKs key on these messages too).
     if status == StatusCode::BAD_GATEWAY && message.contains("was not found") {
         let id = match op {
@@ -177,11 +213,21 @@ pub(crate) fn from_status(op: Op<'_>, status: StatusCode, headers: &HeaderMap, b
     if let Some(code) = connect_code {
         return from_connect(op, code, &message);
     }
-    let should_retry = headers.get("should-retry").and_then(|v| v.to_str().ok()).map(|v| v.trim().eq_ignore_ascii_case("true"));
-    let wire = || WireError::Status { status: status.as_u16(), message: message.clone() };
+    let should_retry = headers
+        .get("should-retry")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().eq_ignore_ascii_case("true"));
+    let wire = || WireError::Status {
+        status: status.as_u16(),
+        message: message.clone(),
+    };
     let retry_status = matches!(status.as_u16(), 429 | 502 | 503 | 504);
     if should_retry == Some(true) || (retry_status && should_retry.is_none()) {
-        return unavailable(format!("{}: {message}", op.name()), retry_after(headers), Some(wire()));
+        return unavailable(
+            format!("{}: {message}", op.name()),
+            retry_after(headers),
+            Some(wire()),
+        );
     }
     match status.as_u16() {
         404 => op.not_found(&message),
@@ -195,8 +241,13 @@ pub(crate) fn from_status(op: Op<'_>, status: StatusCode, headers: &HeaderMap, b
         413 => op.fs_code(ErrorCode::FsTooLarge, &message, wire()),
         507 => op.fs_code(ErrorCode::FsIoError, &message, wire()),
         _ => match op {
-            Op::Fs { .. } if status.is_server_error() => op.fs_code(ErrorCode::FsIoError, &message, wire()),
-            _ => backend(format!("{}: HTTP {}: {message}", op.name(), status.as_u16()), wire()),
+            Op::Fs { .. } if status.is_server_error() => {
+                op.fs_code(ErrorCode::FsIoError, &message, wire())
+            }
+            _ => backend(
+                format!("{}: HTTP {}: {message}", op.name(), status.as_u16()),
+                wire(),
+            ),
         },
     }
 }
@@ -204,7 +255,10 @@ pub(crate) fn from_status(op: Op<'_>, status: StatusCode, headers: &HeaderMap, b
 /// An envd RPC error (unary error body, or the error of an end-of-stream frame).
 pub(crate) fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> ProviderError {
     use ConnectCode as K;
-    let wire = || WireError::Connect { code: code.as_str(), message: message.to_owned() };
+    let wire = || WireError::Connect {
+        code: code.as_str(),
+        message: message.to_owned(),
+    };
     match code {
         K::NotFound => op.not_found(message),
         K::InvalidArgument | K::OutOfRange => match op {
@@ -213,7 +267,9 @@ pub(crate) fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> Prov
                 message: message.to_owned(),
                 source: Some(std::io::Error::other(wire())),
             },
-            _ => ProviderError::InvalidRequest { message: message.to_owned() },
+            _ => ProviderError::InvalidRequest {
+                message: message.to_owned(),
+            },
         },
         K::AlreadyExists => op.fs_code(ErrorCode::FsAlreadyExists, message, wire()),
         K::PermissionDenied => op.fs_code(ErrorCode::FsPermissionDenied, message, wire()),
@@ -222,11 +278,24 @@ pub(crate) fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> Prov
         }
         K::Aborted => op.fs_code(ErrorCode::FsAborted, message, wire()),
         K::Unimplemented => ProviderError::Unsupported { op: op.name() },
-        K::Unavailable | K::ResourceExhausted => unavailable(format!("{}: {message}", op.name()), None, Some(wire())),
-        K::DeadlineExceeded => {
-            ProviderError::Timeout { reason: TimeoutReason { code: ErrorCode::DeadlineExceeded.as_str(), timeout_ms: 0 } }
+        K::Unavailable | K::ResourceExhausted => {
+            unavailable(format!("{}: {message}", op.name()), None, Some(wire()))
         }
-        K::Canceled => ProviderError::Cancelled { reason: CancelReason::Caller("cancelled by the backend") },
-        K::Unauthenticated => backend(format!("{}: the backend refused the credentials: {message}", op.name()), wire()),
+        K::DeadlineExceeded => ProviderError::Timeout {
+            reason: TimeoutReason {
+                code: ErrorCode::DeadlineExceeded.as_str(),
+                timeout_ms: 0,
+            },
+        },
+        K::Canceled => ProviderError::Cancelled {
+            reason: CancelReason::Caller("cancelled by the backend"),
+        },
+        K::Unauthenticated => backend(
+            format!(
+                "{}: the backend refused the credentials: {message}",
+                op.name()
+            ),
+            wire(),
+        ),
     }
 }

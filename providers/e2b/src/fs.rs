@@ -26,10 +26,13 @@ use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    EntryInfo, EntryResponse, EventType, FileType, ListDirRequest, ListDirResponse, MoveRequest, PathRequest,
-    WatchDirResponse, WatchRequest,
+    EntryInfo, EntryResponse, EventType, FileType, ListDirRequest, ListDirResponse, MoveRequest,
+    PathRequest, WatchDirResponse, WatchRequest,
 };
-use tether_protocol::fs::{ByteRange, DirEntry, FileKind, FileStat, FsEvent, FsEventKind, Version, WriteGuard, WriteOutcome};
+use tether_protocol::fs::{
+    ByteRange, DirEntry, FileKind, FileStat, FsEvent, FsEventKind, Version, WriteGuard,
+    WriteOutcome,
+};
 use tether_provider::clock::{CancelToken, TimeoutReason};
 use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
 
@@ -50,7 +53,10 @@ pub(crate) const READ_BACK_CHUNK: u64 = 1024 * 1024;
 pub fn version_of(e: &EntryInfo) -> Version {
     let mut h = Sha256::new();
     for part in [
-        e.metadata.get(VERSION_META).map(String::as_str).unwrap_or(""),
+        e.metadata
+            .get(VERSION_META)
+            .map(String::as_str)
+            .unwrap_or(""),
         kind_name(e),
         &e.size.to_string(),
         e.modified_time.as_deref().unwrap_or(""),
@@ -92,7 +98,11 @@ pub fn to_stat(e: &EntryInfo) -> FileStat {
         kind: kind_of(e),
         size: u64::try_from(e.size).unwrap_or(0),
         mode: e.mode & 0o777,
-        modified_ms: e.modified_time.as_deref().and_then(parse_time_ms).unwrap_or(0),
+        modified_ms: e
+            .modified_time
+            .as_deref()
+            .and_then(parse_time_ms)
+            .unwrap_or(0),
         version: version_of(e),
         symlink_target: e.symlink_target.clone(),
     }
@@ -133,7 +143,11 @@ fn parent_of(path: &str) -> (&str, &str) {
 }
 
 fn join_path(dir: &str, name: &str) -> String {
-    if dir == "/" { format!("/{name}") } else { format!("{dir}/{name}") }
+    if dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
 }
 
 fn fs_err(code: ErrorCode, path: &str, message: impl Into<String>) -> ProviderError {
@@ -163,10 +177,14 @@ impl E2bFs {
 
     /// `Stat` of an absolute path (retried: it is idempotent).
     pub(crate) async fn stat_entry(&self, ctx: &CallCtx, path: &str) -> Result<EntryInfo> {
-        let req = PathRequest { path: path.to_owned() };
+        let req = PathRequest {
+            path: path.to_owned(),
+        };
         let op = Op::Fs { op: "stat", path };
         let r: EntryResponse = retry(ctx, self.core.envd.http.retry, "stat", || {
-            self.core.envd.unary(ctx, "filesystem.Filesystem/Stat", &req, self.user(), op)
+            self.core
+                .envd
+                .unary(ctx, "filesystem.Filesystem/Stat", &req, self.user(), op)
         })
         .await
         .map_err(|e| self.refine_stat(e, path))?;
@@ -185,7 +203,11 @@ impl E2bFs {
     /// envd reports a path below a regular file as an invalid argument.
     fn refine_stat(&self, e: ProviderError, path: &str) -> ProviderError {
         match e.code() {
-            ErrorCode::InvalidRequest => fs_err(ErrorCode::FsNotDirectory, path, "a component of the path is not a directory"),
+            ErrorCode::InvalidRequest => fs_err(
+                ErrorCode::FsNotDirectory,
+                path,
+                "a component of the path is not a directory",
+            ),
             _ => e,
         }
     }
@@ -196,12 +218,18 @@ impl E2bFs {
             return e;
         }
         match self.stat_opt(ctx, path).await {
-            Ok(Some(entry)) if kind_of(&entry) == FileKind::Dir => fs_err(ErrorCode::FsIsDirectory, path, "is a directory"),
+            Ok(Some(entry)) if kind_of(&entry) == FileKind::Dir => {
+                fs_err(ErrorCode::FsIsDirectory, path, "is a directory")
+            }
             Ok(Some(_)) => fs_err(ErrorCode::FsNotDirectory, path, "not a directory"),
             Ok(None) => {
                 let (dir, _) = parent_of(path);
                 match self.stat_opt(ctx, dir).await {
-                    Ok(Some(p)) if kind_of(&p) != FileKind::Dir => fs_err(ErrorCode::FsNotDirectory, path, "the parent is not a directory"),
+                    Ok(Some(p)) if kind_of(&p) != FileKind::Dir => fs_err(
+                        ErrorCode::FsNotDirectory,
+                        path,
+                        "the parent is not a directory",
+                    ),
                     Ok(None) => fs_err(ErrorCode::FsNotFound, path, "no such file or directory"),
                     _ => e,
                 }
@@ -211,9 +239,24 @@ impl E2bFs {
     }
 
     async fn move_entry(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<EntryInfo> {
-        let req = MoveRequest { source: from.to_owned(), destination: to.to_owned() };
-        let r: EntryResponse =
-            self.core.envd.unary(ctx, "filesystem.Filesystem/Move", &req, self.user(), Op::Fs { op: "rename", path: from }).await?;
+        let req = MoveRequest {
+            source: from.to_owned(),
+            destination: to.to_owned(),
+        };
+        let r: EntryResponse = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "filesystem.Filesystem/Move",
+                &req,
+                self.user(),
+                Op::Fs {
+                    op: "rename",
+                    path: from,
+                },
+            )
+            .await?;
         Ok(r.entry)
     }
 
@@ -223,10 +266,22 @@ impl E2bFs {
         let core = self.core.clone();
         let path = path.to_owned();
         self.core.tasks.spawn(async move {
-            let ctx = CallCtx::with_cancel("cleanup", core.closed.clone()).with_timeout(core.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::with_cancel("cleanup", core.closed.clone())
+                .with_timeout(core.cfg.request_timeout(), "DEADLINE_EXCEEDED");
             let req = PathRequest { path: path.clone() };
-            let r: Result<serde_json::Value> =
-                core.envd.unary(&ctx, "filesystem.Filesystem/Remove", &req, core.user(), Op::Fs { op: "remove", path: &path }).await;
+            let r: Result<serde_json::Value> = core
+                .envd
+                .unary(
+                    &ctx,
+                    "filesystem.Filesystem/Remove",
+                    &req,
+                    core.user(),
+                    Op::Fs {
+                        op: "remove",
+                        path: &path,
+                    },
+                )
+                .await;
             if let Err(e) = r {
                 tracing::debug!(path = %path, error = %e, "Could not remove a temporary file");
             }
@@ -236,7 +291,13 @@ impl E2bFs {
     /// Upload `data` to `path` (streamed), returning its size and SHA-256 (zeros unless
     /// writes are verified). Stalls of the
     /// upload are bounded by the transport idle limit.
-    async fn upload(&self, ctx: &CallCtx, path: &str, data: ByteStream, version_id: &str) -> Result<(u64, [u8; 32])> {
+    async fn upload(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        version_id: &str,
+    ) -> Result<(u64, [u8; 32])> {
         let envd = &self.core.envd;
         let progress = Arc::new(Progress::default());
         let (tx, rx) = tokio::sync::oneshot::channel::<(u64, [u8; 32])>();
@@ -245,11 +306,27 @@ impl E2bFs {
         // The digest is needed only to verify the write; hashing 64 MiB is CPU the upload
         // shares with the connection otherwise.
         let hash = self.core.cfg.verify_writes;
-        let body = hashing_body(data, progress.clone(), tx, multipart.then(|| (boundary.clone(), path.to_owned())), hash);
-        let content_type =
-            if multipart { format!("multipart/form-data; boundary={boundary}") } else { "application/octet-stream".to_owned() };
+        let body = hashing_body(
+            data,
+            progress.clone(),
+            tx,
+            multipart.then(|| (boundary.clone(), path.to_owned())),
+            hash,
+        );
+        let content_type = if multipart {
+            format!("multipart/form-data; boundary={boundary}")
+        } else {
+            "application/octet-stream".to_owned()
+        };
         let meta = [(VERSION_META.to_owned(), version_id.to_owned())];
-        let send = envd.post_file(ctx, path, reqwest::Body::wrap_stream(body), &content_type, &meta, self.user());
+        let send = envd.post_file(
+            ctx,
+            path,
+            reqwest::Body::wrap_stream(body),
+            &content_type,
+            &meta,
+            self.user(),
+        );
         let cfg = &self.core.cfg;
         let idle = std::time::Duration::from_millis(cfg.transport_idle_ms);
         let connect = cfg.connect_timeout();
@@ -257,15 +334,25 @@ impl E2bFs {
             // Until the body is first pulled the connection is being made (connect limit);
             // then silence counts only while the upload waits on the network, not on the
             // caller's data (transport idle limit).
-            let mut tick = tokio::time::interval((connect.min(idle) / 8).max(std::time::Duration::from_millis(5)));
+            let mut tick = tokio::time::interval(
+                (connect.min(idle) / 8).max(std::time::Duration::from_millis(5)),
+            );
             loop {
                 tick.tick().await;
                 if !progress.started.load(Ordering::Acquire) {
                     if progress.start.elapsed() >= connect {
-                        return TimeoutReason { code: "CONNECT_TIMEOUT", timeout_ms: cfg.connect_timeout_ms };
+                        return TimeoutReason {
+                            code: "CONNECT_TIMEOUT",
+                            timeout_ms: cfg.connect_timeout_ms,
+                        };
                     }
-                } else if !progress.waiting_on_caller.load(Ordering::Acquire) && progress.silent_for() >= idle {
-                    return TimeoutReason { code: "TRANSPORT_IDLE_TIMEOUT", timeout_ms: cfg.transport_idle_ms };
+                } else if !progress.waiting_on_caller.load(Ordering::Acquire)
+                    && progress.silent_for() >= idle
+                {
+                    return TimeoutReason {
+                        code: "TRANSPORT_IDLE_TIMEOUT",
+                        timeout_ms: cfg.transport_idle_ms,
+                    };
                 }
             }
         };
@@ -273,27 +360,51 @@ impl E2bFs {
             r = send => r?,
             reason = stall => return Err(ProviderError::Timeout { reason }),
         }
-        rx.await.map_err(|_| ProviderError::Internal { message: "the upload body was not read to its end".into(), source: None })
+        rx.await.map_err(|_| ProviderError::Internal {
+            message: "the upload body was not read to its end".into(),
+            source: None,
+        })
     }
 
     /// Publish with a hard link, which fails if the target exists.
     async fn link_no_replace(&self, ctx: &CallCtx, tmp: &str, target: &str) -> Result<bool> {
-        let out = self.core.control(ctx, None, "ln -T -- \"$1\" \"$2\" 2>/dev/null", &[tmp, target]).await?;
+        let out = self
+            .core
+            .control(
+                ctx,
+                None,
+                "ln -T -- \"$1\" \"$2\" 2>/dev/null",
+                &[tmp, target],
+            )
+            .await?;
         Ok(out.status.code == Some(0))
     }
 
     async fn verify(&self, ctx: &CallCtx, tmp: &str, sha: &[u8; 32]) -> Result<()> {
         let expected = hex::encode(sha);
         let script = "s=$(sha256sum < \"$1\") && [ \"${s%% *}\" = \"$2\" ]";
-        let out = self.core.control(ctx, None, script, &[tmp, &expected]).await?;
+        let out = self
+            .core
+            .control(ctx, None, script, &[tmp, &expected])
+            .await?;
         if out.status.code == Some(0) {
             Ok(())
         } else {
-            Err(fs_err(ErrorCode::FsIoError, tmp, "the written file's SHA-256 differs from the data sent"))
+            Err(fs_err(
+                ErrorCode::FsIoError,
+                tmp,
+                "the written file's SHA-256 differs from the data sent",
+            ))
         }
     }
 
-    async fn write_inner(&self, ctx: &CallCtx, path: &str, data: ByteStream, guard: WriteGuard) -> Result<WriteOutcome> {
+    async fn write_inner(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
         if path == "/" {
             return Err(fs_err(ErrorCode::FsIsDirectory, path, "is a directory"));
         }
@@ -317,7 +428,12 @@ impl E2bFs {
         };
         let published = self.publish(ctx, path, &tmp, &guard, &sha).await;
         match published {
-            Ok(entry) => Ok(WriteOutcome { path: path.to_owned(), version: version_of(&entry), size, created: prior.is_none() }),
+            Ok(entry) => Ok(WriteOutcome {
+                path: path.to_owned(),
+                version: version_of(&entry),
+                size,
+                created: prior.is_none(),
+            }),
             Err(e) => {
                 self.remove_quiet(&tmp);
                 Err(e)
@@ -326,7 +442,10 @@ impl E2bFs {
     }
 
     async fn classify_write(&self, ctx: &CallCtx, path: &str, e: ProviderError) -> ProviderError {
-        if !matches!(e.code(), ErrorCode::InvalidRequest | ErrorCode::FsIoError | ErrorCode::FsNotFound) {
+        if !matches!(
+            e.code(),
+            ErrorCode::InvalidRequest | ErrorCode::FsIoError | ErrorCode::FsNotFound
+        ) {
             return e;
         }
         let (dir, _) = parent_of(path);
@@ -334,7 +453,13 @@ impl E2bFs {
         let mut d = dir.to_owned();
         loop {
             match self.stat_opt(ctx, &d).await {
-                Ok(Some(p)) if kind_of(&p) != FileKind::Dir => return fs_err(ErrorCode::FsNotDirectory, path, "a parent is not a directory"),
+                Ok(Some(p)) if kind_of(&p) != FileKind::Dir => {
+                    return fs_err(
+                        ErrorCode::FsNotDirectory,
+                        path,
+                        "a parent is not a directory",
+                    );
+                }
                 Ok(Some(_)) => return e,
                 Ok(None) if d != "/" => d = parent_of(&d).0.to_owned(),
                 _ => return e,
@@ -344,21 +469,39 @@ impl E2bFs {
 
     /// Check the guard again and make the temporary file the target. Runs under its own
     /// bounded context: a caller's cancellation must not leave its outcome unknown.
-    async fn publish(&self, ctx: &CallCtx, path: &str, tmp: &str, guard: &WriteGuard, sha: &[u8; 32]) -> Result<EntryInfo> {
+    async fn publish(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        tmp: &str,
+        guard: &WriteGuard,
+        sha: &[u8; 32],
+    ) -> Result<EntryInfo> {
         ctx.check().map_err(|e| match e.code() {
-            ErrorCode::Cancelled => fs_err(ErrorCode::FsAborted, path, "the write was cancelled before publication"),
+            ErrorCode::Cancelled => fs_err(
+                ErrorCode::FsAborted,
+                path,
+                "the write was cancelled before publication",
+            ),
             _ => e,
         })?;
-        let pctx = CallCtx::new(ctx.request_id.clone()).with_trace(ctx.trace.clone()).with_timeout(self.core.cfg.request_timeout() * 2, "DEADLINE_EXCEEDED");
+        let pctx = CallCtx::new(ctx.request_id.clone())
+            .with_trace(ctx.trace.clone())
+            .with_timeout(self.core.cfg.request_timeout() * 2, "DEADLINE_EXCEEDED");
         if self.core.cfg.verify_writes {
             self.verify(&pctx, tmp, sha).await?;
         }
         match guard {
-            WriteGuard::None => self.move_entry(&pctx, tmp, path).await.map_err(|e| map_publish(e, path)),
+            WriteGuard::None => self
+                .move_entry(&pctx, tmp, path)
+                .await
+                .map_err(|e| map_publish(e, path)),
             WriteGuard::ReplaceIfVersion { .. } => {
                 let now = self.stat_opt(&pctx, path).await?;
                 check_guard(path, now.as_ref(), guard)?;
-                self.move_entry(&pctx, tmp, path).await.map_err(|e| map_publish(e, path))
+                self.move_entry(&pctx, tmp, path)
+                    .await
+                    .map_err(|e| map_publish(e, path))
             }
             WriteGuard::CreateIfAbsent => {
                 if !self.link_no_replace(&pctx, tmp, path).await? {
@@ -376,7 +519,11 @@ impl E2bFs {
 
 fn map_publish(e: ProviderError, path: &str) -> ProviderError {
     match e.code() {
-        ErrorCode::InvalidRequest | ErrorCode::FsIoError => fs_err(ErrorCode::FsIsDirectory, path, "cannot replace a directory with a file"),
+        ErrorCode::InvalidRequest | ErrorCode::FsIoError => fs_err(
+            ErrorCode::FsIsDirectory,
+            path,
+            "cannot replace a directory with a file",
+        ),
         _ => e,
     }
 }
@@ -390,8 +537,16 @@ fn check_guard(path: &str, current: Option<&EntryInfo>, guard: &WriteGuard) -> R
         },
         WriteGuard::ReplaceIfVersion { version } => match current {
             Some(e) if &version_of(e) == version => Ok(()),
-            Some(_) => Err(fs_err(ErrorCode::FsVersionMismatch, path, "the file changed since that version")),
-            None => Err(fs_err(ErrorCode::FsVersionMismatch, path, "the file does not exist")),
+            Some(_) => Err(fs_err(
+                ErrorCode::FsVersionMismatch,
+                path,
+                "the file changed since that version",
+            )),
+            None => Err(fs_err(
+                ErrorCode::FsVersionMismatch,
+                path,
+                "the file does not exist",
+            )),
         },
     }
 }
@@ -419,7 +574,8 @@ impl Default for Progress {
 
 impl Progress {
     fn touch(&self) {
-        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Release);
+        self.last_ms
+            .store(self.start.elapsed().as_millis() as u64, Ordering::Release);
     }
 
     fn silent_for(&self) -> std::time::Duration {
@@ -458,7 +614,15 @@ fn hashing_body(
         }
         None => (None, None),
     };
-    let st = St { data, hasher: hash.then(Sha256::new), size: 0, progress, done: Some(done), head, tail };
+    let st = St {
+        data,
+        hasher: hash.then(Sha256::new),
+        size: 0,
+        progress,
+        done: Some(done),
+        head,
+        tail,
+    };
     futures_util::stream::unfold(st, |mut st| async move {
         st.progress.started.store(true, Ordering::Release);
         st.progress.touch();
@@ -468,7 +632,9 @@ fn hashing_body(
         if st.done.is_some() {
             st.progress.waiting_on_caller.store(true, Ordering::Release);
             let next = st.data.next().await;
-            st.progress.waiting_on_caller.store(false, Ordering::Release);
+            st.progress
+                .waiting_on_caller
+                .store(false, Ordering::Release);
             st.progress.touch();
             match next {
                 Some(Ok(chunk)) => {
@@ -484,7 +650,11 @@ fn hashing_body(
                 }
                 None => {
                     if let Some(tx) = st.done.take() {
-                        let digest: [u8; 32] = st.hasher.take().map(|h| h.finalize().into()).unwrap_or_default();
+                        let digest: [u8; 32] = st
+                            .hasher
+                            .take()
+                            .map(|h| h.finalize().into())
+                            .unwrap_or_default();
                         let _ = tx.send((st.size, digest));
                     }
                 }
@@ -496,10 +666,20 @@ fn hashing_body(
 }
 
 /// Read `[from, to)` of a file (a range read; `to` `None` reads to the end), streamed.
-pub(crate) async fn open_read(core: &SandboxCore, ctx: &CallCtx, parent: &CancelToken, path: &str, from: u64, to: Option<u64>) -> Result<ByteStream> {
+pub(crate) async fn open_read(
+    core: &SandboxCore,
+    ctx: &CallCtx,
+    parent: &CancelToken,
+    path: &str,
+    from: u64,
+    to: Option<u64>,
+) -> Result<ByteStream> {
     let envd = &core.envd;
     let range = (from > 0 || to.is_some()).then_some((from, to));
-    let resp = retry(ctx, envd.http.retry, "read", || envd.get_file(ctx, path, range, core.user())).await?;
+    let resp = retry(ctx, envd.http.retry, "read", || {
+        envd.get_file(ctx, path, range, core.user())
+    })
+    .await?;
     let status = resp.status();
     let skip = match status {
         StatusCode::PARTIAL_CONTENT => 0,
@@ -507,8 +687,16 @@ pub(crate) async fn open_read(core: &SandboxCore, ctx: &CallCtx, parent: &Cancel
         StatusCode::RANGE_NOT_SATISFIABLE => return Ok(futures_util::stream::empty().boxed()),
         _ => {
             let headers = resp.headers().clone();
-            let body = within_connect(ctx, envd.http.connect, async { Ok(resp.bytes().await.unwrap_or_default()) }).await?;
-            return Err(from_status(Op::Fs { op: "read", path }, status, &headers, &body));
+            let body = within_connect(ctx, envd.http.connect, async {
+                Ok(resp.bytes().await.unwrap_or_default())
+            })
+            .await?;
+            return Err(from_status(
+                Op::Fs { op: "read", path },
+                status,
+                &headers,
+                &body,
+            ));
         }
     };
     let limit = to.map(|t| t.saturating_sub(from));
@@ -518,7 +706,11 @@ pub(crate) async fn open_read(core: &SandboxCore, ctx: &CallCtx, parent: &Cancel
         skip: u64,
         left: Option<u64>,
     }
-    let st = St { body, skip, left: limit };
+    let st = St {
+        body,
+        skip,
+        left: limit,
+    };
     Ok(futures_util::stream::unfold(st, |mut st| async move {
         loop {
             if st.left == Some(0) {
@@ -576,7 +768,13 @@ impl Fs for E2bFs {
     }
 
     #[tracing::instrument(name = "fs.write", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
-    async fn write(&self, ctx: &CallCtx, path: &str, data: ByteStream, guard: WriteGuard) -> Result<WriteOutcome> {
+    async fn write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
         ctx.check()?;
         let path = self.resolve(path);
         self.write_inner(ctx, &path, data, guard).await
@@ -587,15 +785,29 @@ impl Fs for E2bFs {
         ctx.check()?;
         let path = self.resolve(path);
         let depth = depth.max(1);
-        let req = ListDirRequest { path: path.clone(), depth };
-        let op = Op::Fs { op: "list", path: &path };
-        let r: Result<ListDirResponse> =
-            retry(ctx, self.core.envd.http.retry, "list", || self.core.envd.unary(ctx, "filesystem.Filesystem/ListDir", &req, self.user(), op)).await;
+        let req = ListDirRequest {
+            path: path.clone(),
+            depth,
+        };
+        let op = Op::Fs {
+            op: "list",
+            path: &path,
+        };
+        let r: Result<ListDirResponse> = retry(ctx, self.core.envd.http.retry, "list", || {
+            self.core
+                .envd
+                .unary(ctx, "filesystem.Filesystem/ListDir", &req, self.user(), op)
+        })
+        .await;
         let r = match r {
             Ok(r) => r,
             Err(e) => return Err(self.classify(ctx, &path, e).await),
         };
-        let prefix = if path == "/" { "/".to_owned() } else { format!("{path}/") };
+        let prefix = if path == "/" {
+            "/".to_owned()
+        } else {
+            format!("{path}/")
+        };
         let mut out: Vec<DirEntry> = r
             .entries
             .iter()
@@ -603,7 +815,10 @@ impl Fs for E2bFs {
             .filter_map(|e| {
                 let rel = e.path.strip_prefix(&prefix)?;
                 let d = rel.split('/').filter(|c| !c.is_empty()).count() as u32;
-                (d >= 1 && d <= depth).then(|| DirEntry { stat: to_stat(e), depth: d })
+                (d >= 1 && d <= depth).then(|| DirEntry {
+                    stat: to_stat(e),
+                    depth: d,
+                })
             })
             .collect();
         out.sort_by(|a, b| a.stat.path.cmp(&b.stat.path));
@@ -617,20 +832,46 @@ impl Fs for E2bFs {
         if !parents {
             let (dir, _) = parent_of(&path);
             match self.stat_opt(ctx, dir).await? {
-                None => return Err(fs_err(ErrorCode::FsNotFound, &path, "the parent directory does not exist")),
-                Some(p) if kind_of(&p) != FileKind::Dir => return Err(fs_err(ErrorCode::FsNotDirectory, &path, "the parent is not a directory")),
+                None => {
+                    return Err(fs_err(
+                        ErrorCode::FsNotFound,
+                        &path,
+                        "the parent directory does not exist",
+                    ));
+                }
+                Some(p) if kind_of(&p) != FileKind::Dir => {
+                    return Err(fs_err(
+                        ErrorCode::FsNotDirectory,
+                        &path,
+                        "the parent is not a directory",
+                    ));
+                }
                 Some(_) => {}
             }
         }
         let req = PathRequest { path: path.clone() };
-        let r: Result<EntryResponse> =
-            self.core.envd.unary(ctx, "filesystem.Filesystem/MakeDir", &req, self.user(), Op::Fs { op: "mkdir", path: &path }).await;
+        let r: Result<EntryResponse> = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "filesystem.Filesystem/MakeDir",
+                &req,
+                self.user(),
+                Op::Fs {
+                    op: "mkdir",
+                    path: &path,
+                },
+            )
+            .await;
         match r {
             Ok(r) => Ok(to_stat(&r.entry)),
-            Err(e) if e.code() == ErrorCode::InvalidRequest => match self.stat_opt(ctx, &path).await? {
-                Some(_) => Err(fs_err(ErrorCode::FsAlreadyExists, &path, "the path exists")),
-                None => Err(self.classify_write(ctx, &path, e).await),
-            },
+            Err(e) if e.code() == ErrorCode::InvalidRequest => {
+                match self.stat_opt(ctx, &path).await? {
+                    Some(_) => Err(fs_err(ErrorCode::FsAlreadyExists, &path, "the path exists")),
+                    None => Err(self.classify_write(ctx, &path, e).await),
+                }
+            }
             Err(e) => Err(e),
         }
     }
@@ -641,7 +882,9 @@ impl Fs for E2bFs {
         let (from, to) = (self.resolve(from), self.resolve(to));
         match self.move_entry(ctx, &from, &to).await {
             Ok(e) => Ok(to_stat(&e)),
-            Err(e) if e.code() == ErrorCode::InvalidRequest => Err(self.classify(ctx, &from, e).await),
+            Err(e) if e.code() == ErrorCode::InvalidRequest => {
+                Err(self.classify(ctx, &from, e).await)
+            }
             Err(e) => Err(e),
         }
     }
@@ -653,37 +896,115 @@ impl Fs for E2bFs {
         let entry = self.stat_entry(ctx, &path).await?;
         if kind_of(&entry) == FileKind::Dir && !recursive {
             // envd removes recursively; a plain remove of a non-empty directory must not.
-            let req = ListDirRequest { path: path.clone(), depth: 1 };
-            let r: ListDirResponse =
-                self.core.envd.unary(ctx, "filesystem.Filesystem/ListDir", &req, self.user(), Op::Fs { op: "remove", path: &path }).await?;
+            let req = ListDirRequest {
+                path: path.clone(),
+                depth: 1,
+            };
+            let r: ListDirResponse = self
+                .core
+                .envd
+                .unary(
+                    ctx,
+                    "filesystem.Filesystem/ListDir",
+                    &req,
+                    self.user(),
+                    Op::Fs {
+                        op: "remove",
+                        path: &path,
+                    },
+                )
+                .await?;
             if !r.entries.is_empty() {
-                return Err(fs_err(ErrorCode::FsNotEmpty, &path, "the directory is not empty"));
+                return Err(fs_err(
+                    ErrorCode::FsNotEmpty,
+                    &path,
+                    "the directory is not empty",
+                ));
             }
         }
         let req = PathRequest { path: path.clone() };
-        let _: serde_json::Value =
-            self.core.envd.unary(ctx, "filesystem.Filesystem/Remove", &req, self.user(), Op::Fs { op: "remove", path: &path }).await?;
+        let _: serde_json::Value = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "filesystem.Filesystem/Remove",
+                &req,
+                self.user(),
+                Op::Fs {
+                    op: "remove",
+                    path: &path,
+                },
+            )
+            .await?;
         Ok(())
     }
 
     #[tracing::instrument(name = "fs.watch", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
-    async fn watch(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<BoxStream<'static, Result<FsEvent>>> {
+    async fn watch(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        recursive: bool,
+    ) -> Result<BoxStream<'static, Result<FsEvent>>> {
         ctx.check()?;
         let path = self.resolve(path);
         // Names that exist now: replacing one (a rename over it, which is how atomic
         // writes publish) is reported as a write, not a creation.
-        let seed = self.list(ctx, &path, if recursive { 16 } else { 1 }).await?;
-        let prefix = if path == "/" { "/".to_owned() } else { format!("{path}/") };
-        let known: HashSet<String> = seed.iter().filter_map(|e| e.stat.path.strip_prefix(&prefix).map(str::to_owned)).collect();
-        let req = WatchRequest { path: path.clone(), recursive, include_entry: false, allow_network_mounts: false };
+        let seed = self
+            .list(ctx, &path, if recursive { 16 } else { 1 })
+            .await?;
+        let prefix = if path == "/" {
+            "/".to_owned()
+        } else {
+            format!("{path}/")
+        };
+        let known: HashSet<String> = seed
+            .iter()
+            .filter_map(|e| e.stat.path.strip_prefix(&prefix).map(str::to_owned))
+            .collect();
+        let req = WatchRequest {
+            path: path.clone(),
+            recursive,
+            include_entry: false,
+            allow_network_mounts: false,
+        };
         // The watch outlives the call that opened it; it ends with the sandbox or when dropped.
         let parent = self.core.closed.child();
-        let op = Op::Fs { op: "watch", path: &path };
-        let mut stream = self.core.envd.server_stream(ctx, &parent, "filesystem.Filesystem/WatchDir", &req, self.user(), op).await?;
-        match within_connect(ctx, self.core.envd.http.connect, stream.next::<WatchDirResponse>()).await? {
+        let op = Op::Fs {
+            op: "watch",
+            path: &path,
+        };
+        let mut stream = self
+            .core
+            .envd
+            .server_stream(
+                ctx,
+                &parent,
+                "filesystem.Filesystem/WatchDir",
+                &req,
+                self.user(),
+                op,
+            )
+            .await?;
+        match within_connect(
+            ctx,
+            self.core.envd.http.connect,
+            stream.next::<WatchDirResponse>(),
+        )
+        .await?
+        {
             StreamItem::Message(WatchDirResponse::Start(_)) => {}
-            StreamItem::Message(_) => return Err(crate::error::malformed("a watch that did not start with its start event")),
-            StreamItem::End => return Err(crate::error::malformed("a watch that ended before it started")),
+            StreamItem::Message(_) => {
+                return Err(crate::error::malformed(
+                    "a watch that did not start with its start event",
+                ));
+            }
+            StreamItem::End => {
+                return Err(crate::error::malformed(
+                    "a watch that ended before it started",
+                ));
+            }
         }
         struct St {
             stream: crate::client::ConnectStream,
@@ -691,7 +1012,12 @@ impl Fs for E2bFs {
             done: bool,
             _parent: CancelToken,
         }
-        let st = St { stream, known, done: false, _parent: parent };
+        let st = St {
+            stream,
+            known,
+            done: false,
+            _parent: parent,
+        };
         Ok(futures_util::stream::unfold(st, |mut st| async move {
             loop {
                 if st.done {
@@ -721,7 +1047,13 @@ impl Fs for E2bFs {
                             EventType::Chmod => FsEventKind::Chmod,
                             EventType::Unspecified => continue,
                         };
-                        return Some((Ok(FsEvent { kind, name: ev.name }), st));
+                        return Some((
+                            Ok(FsEvent {
+                                kind,
+                                name: ev.name,
+                            }),
+                            st,
+                        ));
                     }
                     Ok(StreamItem::Message(_)) => {}
                     Ok(StreamItem::End) => return None,

@@ -38,15 +38,28 @@ async fn the_conformance_suite_passes_against_e2b() {
         return;
     };
     let opts = ConformanceOptions {
-        spec: SandboxSpec { ttl: Some(Duration::from_secs(600)), ..SandboxSpec::default() },
+        spec: SandboxSpec {
+            ttl: Some(Duration::from_secs(600)),
+            ..SandboxSpec::default()
+        },
         fs_confined_to_workspace: false,
         case_timeout: Duration::from_secs(180),
     };
     let report = run_conformance(Arc::new(p), opts).await;
     for c in &report.cases {
-        eprintln!("{:<40} {:>8.2}s {:?}", c.name, c.elapsed.as_secs_f64(), c.outcome);
+        eprintln!(
+            "{:<40} {:>8.2}s {:?}",
+            c.name,
+            c.elapsed.as_secs_f64(),
+            c.outcome
+        );
     }
-    let failed: Vec<_> = report.cases.iter().filter(|c| matches!(c.outcome, Outcome::Failed(_))).map(|c| c.name).collect();
+    let failed: Vec<_> = report
+        .cases
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Failed(_)))
+        .map(|c| c.name)
+        .collect();
     assert!(failed.is_empty(), "failed against E2B: {failed:?}");
 }
 
@@ -58,13 +71,22 @@ async fn pause_resume_and_leases_against_e2b() {
     };
     let ctx = CallCtx::new("e2b-live");
     let mut spec = SandboxSpec::default();
-    spec.metadata.insert("tether.session".into(), "live-test".into());
+    spec.metadata
+        .insert("tether.session".into(), "live-test".into());
     let sb = p.create(&ctx, spec).await.expect("create");
     let id = sb.info().id;
     let listed = p.list(&ctx).await.expect("list");
-    let mine = listed.iter().find(|s| s.id == id).expect("the new sandbox is listed");
-    assert_eq!(mine.metadata.get("tether.session").map(String::as_str), Some("live-test"));
-    p.renew(&ctx, &id, Duration::from_secs(300)).await.expect("renew");
+    let mine = listed
+        .iter()
+        .find(|s| s.id == id)
+        .expect("the new sandbox is listed");
+    assert_eq!(
+        mine.metadata.get("tether.session").map(String::as_str),
+        Some("live-test")
+    );
+    p.renew(&ctx, &id, Duration::from_secs(300))
+        .await
+        .expect("renew");
     match p.pause(&ctx, &id).await {
         Ok(()) => {
             let again = p.resume(&ctx, &id).await.expect("resume");
@@ -73,5 +95,7 @@ async fn pause_resume_and_leases_against_e2b() {
         Err(e) => assert_eq!(e.code(), tether_protocol::ErrorCode::Unsupported, "{e}"),
     }
     p.destroy(&ctx, &id).await.expect("destroy");
-    p.destroy(&ctx, &id).await.expect("destroying twice succeeds");
+    p.destroy(&ctx, &id)
+        .await
+        .expect("destroying twice succeeds");
 }

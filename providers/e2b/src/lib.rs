@@ -25,7 +25,9 @@ mod tests;
 #[cfg(all(test, feature = "e2b-live"))]
 mod integration_tests;
 
-pub use client::{CONNECT_STREAM_JSON, EnvdVersion, EnvelopeReader, FLAG_END_STREAM, Frame, envelope};
+pub use client::{
+    CONNECT_STREAM_JSON, EnvdVersion, EnvelopeReader, FLAG_END_STREAM, Frame, envelope,
+};
 pub use config::{E2bConfig, Endpoints, RetryConfig};
 pub use error::WireError;
 pub use fs::{E2bFs, TEMP_PREFIX, VERSION_META, resolve, to_stat, version_of};

@@ -35,15 +35,18 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    DataEvent, Empty, EndEvent, ListDirRequest, ListDirResponse, ListResponse, PathRequest, ProcessConfig,
-    ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg, ProcessInput, ProcessSelector as Selector, PtyMsg,
-    PtySizeMsg, SelectRequest, SendInputRequest, SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
+    DataEvent, Empty, EndEvent, ListDirRequest, ListDirResponse, ListResponse, PathRequest,
+    ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg, ProcessInput,
+    ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest, SendInputRequest,
+    SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
 };
-use tether_protocol::process::{Command, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode, StreamKind};
+use tether_protocol::process::{
+    Command, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode, StreamKind,
+};
 use tether_provider::clock::{CancelReason, CancelToken, IdleWatchdog, TimeoutReason};
 use tether_provider::{
-    CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal, StreamOffsets,
-    TerminateReport,
+    CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal,
+    StreamOffsets, TerminateReport,
 };
 use tokio::sync::{Notify, watch};
 
@@ -219,24 +222,44 @@ fn signal_number(name: &str) -> Option<i32> {
         "I/O possible" => 29,
         "power failure" => 30,
         "bad system call" => 31,
-        other => return other.strip_prefix("signal ").and_then(|n| n.trim().parse().ok()),
+        other => {
+            return other
+                .strip_prefix("signal ")
+                .and_then(|n| n.trim().parse().ok());
+        }
     })
 }
 
 /// The exit status of envd's end event (Go's `ProcessState`).
 pub(crate) fn exit_status(e: &EndEvent) -> ExitStatus {
     if e.exited {
-        return ExitStatus { code: Some(e.exit_code), signal: None };
+        return ExitStatus {
+            code: Some(e.exit_code),
+            signal: None,
+        };
     }
     if let Some(name) = e.status.strip_prefix("signal: ")
         && let Some(n) = signal_number(name)
     {
-        return ExitStatus { code: None, signal: Some(n) };
+        return ExitStatus {
+            code: None,
+            signal: Some(n),
+        };
     }
-    if let Some(code) = e.status.strip_prefix("exit status ").and_then(|c| c.trim().parse().ok()) {
-        return ExitStatus { code: Some(code), signal: None };
+    if let Some(code) = e
+        .status
+        .strip_prefix("exit status ")
+        .and_then(|c| c.trim().parse().ok())
+    {
+        return ExitStatus {
+            code: Some(code),
+            signal: None,
+        };
     }
-    ExitStatus { code: (e.exit_code >= 0).then_some(e.exit_code), signal: None }
+    ExitStatus {
+        code: (e.exit_code >= 0).then_some(e.exit_code),
+        signal: None,
+    }
 }
 
 fn signal_name(s: Signal) -> &'static str {
@@ -258,7 +281,9 @@ fn dir_name(id: &str) -> String {
     let safe = !id.is_empty()
         && id.len() <= 96
         && !id.starts_with('.')
-        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if safe {
         id.to_owned()
     } else {
@@ -286,7 +311,11 @@ fn unwrap_config(c: &ProcessConfig) -> Option<Wrapped> {
     }
     let n: usize = a[8].parse().ok()?;
     let argv = a.get(9 + n..)?.to_vec();
-    Some(Wrapped { dir: a[4].clone(), tee: a[5] == "1", argv })
+    Some(Wrapped {
+        dir: a[4].clone(),
+        tee: a[5] == "1",
+        argv,
+    })
 }
 
 // === output windows ===
@@ -305,7 +334,10 @@ pub(crate) struct Window {
 impl Window {
     /// An empty window keeping at least `limit` bytes.
     pub(crate) fn with_limit(limit: u64) -> Self {
-        Self { limit, ..Self::default() }
+        Self {
+            limit,
+            ..Self::default()
+        }
     }
 
     /// Offset of the first byte held.
@@ -328,7 +360,9 @@ impl Window {
 
     fn trim(&mut self) {
         while self.len > self.limit {
-            let Some(front) = self.chunks.front() else { break };
+            let Some(front) = self.chunks.front() else {
+                break;
+            };
             let n = front.len() as u64;
             if self.len - n < self.limit {
                 break;
@@ -396,13 +430,19 @@ impl Failure {
             Self::Cancelled(r) => ProviderError::Cancelled { reason: r.clone() },
             Self::SandboxGone(id) => ProviderError::SandboxNotFound { id: id.clone() },
             Self::Unavailable(m) => unavailable(m.clone(), None, None),
-            Self::Other(m) => ProviderError::Backend { message: m.clone(), source: None },
+            Self::Other(m) => ProviderError::Backend {
+                message: m.clone(),
+                source: None,
+            },
         }
     }
 }
 
 /// An exit status when envd no longer knows how the command ended.
-const UNKNOWN_STATUS: ExitStatus = ExitStatus { code: None, signal: None };
+const UNKNOWN_STATUS: ExitStatus = ExitStatus {
+    code: None,
+    signal: None,
+};
 
 const STDIN_NONE: u8 = 0;
 const STDIN_PIPE: u8 = 1;
@@ -454,7 +494,10 @@ impl E2bCommand {
         let buffer = sandbox.cfg.output_buffer_bytes;
         // Without a copy in the sandbox, everything deliverable stays in memory.
         let limits = if n.tee { [buffer, buffer] } else { n.caps };
-        let windows = [Window::with_limit(limits[OUT]), Window::with_limit(limits[ERR])];
+        let windows = [
+            Window::with_limit(limits[OUT]),
+            Window::with_limit(limits[ERR]),
+        ];
         let stop = sandbox.closed.child();
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
@@ -477,7 +520,11 @@ impl E2bCommand {
     }
 
     fn out_kind(&self) -> StreamKind {
-        if self.info.pty { StreamKind::Pty } else { StreamKind::Stdout }
+        if self.info.pty {
+            StreamKind::Pty
+        } else {
+            StreamKind::Stdout
+        }
     }
 
     fn user(&self) -> Option<&str> {
@@ -485,7 +532,10 @@ impl E2bCommand {
     }
 
     fn fifo(&self) -> String {
-        self.dir.as_ref().map(|d| format!("{d}/ctl")).unwrap_or_default()
+        self.dir
+            .as_ref()
+            .map(|d| format!("{d}/ctl"))
+            .unwrap_or_default()
     }
 
     /// A context for the command's own background calls: cancelled with the sandbox.
@@ -495,11 +545,16 @@ impl E2bCommand {
 
     /// A bounded context for one background call.
     fn call_ctx(&self) -> CallCtx {
-        self.bg_ctx().with_timeout(self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED")
+        self.bg_ctx()
+            .with_timeout(self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED")
     }
 
     fn selector(&self) -> Selector {
-        if self.id.starts_with("pid-") { Selector::Pid(self.pid) } else { Selector::Tag(self.id.clone()) }
+        if self.id.starts_with("pid-") {
+            Selector::Pid(self.pid)
+        } else {
+            Selector::Tag(self.id.clone())
+        }
     }
 
     fn op(&self, op: &'static str) -> Op<'_> {
@@ -513,7 +568,11 @@ impl E2bCommand {
         }
         let off = self.progress.borrow().total[s];
         let cap = self.caps[s];
-        let keep = if off < cap { (cap - off).min(data.len() as u64) as usize } else { 0 };
+        let keep = if off < cap {
+            (cap - off).min(data.len() as u64) as usize
+        } else {
+            0
+        };
         if keep > 0 {
             let mut w = self.windows.write().unwrap_or_else(|e| e.into_inner());
             w[s].push(data.slice(..keep));
@@ -537,7 +596,10 @@ impl E2bCommand {
     }
 
     fn finish(&self, status: ExitStatus) {
-        self.finished_seq.store(FINISH_SEQ.fetch_add(1, Ordering::Relaxed), Ordering::Release);
+        self.finished_seq.store(
+            FINISH_SEQ.fetch_add(1, Ordering::Relaxed),
+            Ordering::Release,
+        );
         if self.tee && self.dir.is_some() {
             // A finished command is read back from its copy: keep only a little in memory.
             let mut w = self.windows.write().unwrap_or_else(|e| e.into_inner());
@@ -575,7 +637,14 @@ impl E2bCommand {
                 }
             },
             // Adopted: there never was a stream of ours.
-            None => self.recover(unavailable("no stream to the adopted command could be opened", None, None)).await,
+            None => {
+                self.recover(unavailable(
+                    "no stream to the adopted command could be opened",
+                    None,
+                    None,
+                ))
+                .await
+            }
         };
         match status {
             Ok(s) => {
@@ -595,7 +664,13 @@ impl E2bCommand {
                     ProcessEventMsg::End(e) => return Ok(exit_status(&e)),
                     ProcessEventMsg::Start(_) | ProcessEventMsg::Keepalive(_) => {}
                 },
-                StreamItem::End => return Err(unavailable("the process stream ended without an end event", None, None)),
+                StreamItem::End => {
+                    return Err(unavailable(
+                        "the process stream ended without an end event",
+                        None,
+                        None,
+                    ));
+                }
             }
         }
     }
@@ -615,7 +690,9 @@ impl E2bCommand {
         let mut delay = Duration::from_millis(100);
         for attempt in 0..attempts {
             if self.stop.is_cancelled() {
-                return Err(ProviderError::SandboxNotFound { id: self.sandbox.id.clone() });
+                return Err(ProviderError::SandboxNotFound {
+                    id: self.sandbox.id.clone(),
+                });
             }
             if attempt > 0 {
                 tokio::select! {
@@ -625,8 +702,21 @@ impl E2bCommand {
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
             let ctx = self.bg_ctx();
-            let req = SelectRequest { process: Some(self.selector()) };
-            let opened = self.sandbox.envd.server_stream(&ctx, &self.stop, "process.Process/Connect", &req, self.user(), self.op("connect")).await;
+            let req = SelectRequest {
+                process: Some(self.selector()),
+            };
+            let opened = self
+                .sandbox
+                .envd
+                .server_stream(
+                    &ctx,
+                    &self.stop,
+                    "process.Process/Connect",
+                    &req,
+                    self.user(),
+                    self.op("connect"),
+                )
+                .await;
             let stream = match opened {
                 Ok(s) => s,
                 Err(e) if e.code() == ErrorCode::CommandNotFound => return Ok(None),
@@ -637,7 +727,9 @@ impl E2bCommand {
             };
             match self.follow(stream).await {
                 Ok(end) => return Ok(end),
-                Err(e) => tracing::debug!(command.id = %self.id, error = %e, attempt, "The re-attached stream broke"),
+                Err(e) => {
+                    tracing::debug!(command.id = %self.id, error = %e, attempt, "The re-attached stream broke")
+                }
             }
         }
         Err(first)
@@ -663,7 +755,13 @@ impl E2bCommand {
                         ProcessEventMsg::End(e) => return Ok(Some(exit_status(&e))),
                         ProcessEventMsg::Start(_) | ProcessEventMsg::Keepalive(_) => {}
                     },
-                    Ok(StreamItem::End) => return Err(unavailable("the re-attached stream ended without an end event", None, None)),
+                    Ok(StreamItem::End) => {
+                        return Err(unavailable(
+                            "the re-attached stream ended without an end event",
+                            None,
+                            None,
+                        ));
+                    }
                     Err(e) if e.code() == ErrorCode::CommandNotFound => return Ok(None),
                     Err(e) => return Err(e),
                 }
@@ -689,11 +787,28 @@ impl E2bCommand {
     /// Read what the output copies hold beyond what was delivered. `Ok(true)` once both
     /// copies are complete and fully read.
     async fn catch_up(&self, ctx: &CallCtx) -> Result<bool> {
-        let Some(dir) = self.dir.as_deref().filter(|_| self.tee) else { return Ok(true) };
-        let req = ListDirRequest { path: dir.to_owned(), depth: 1 };
+        let Some(dir) = self.dir.as_deref().filter(|_| self.tee) else {
+            return Ok(true);
+        };
+        let req = ListDirRequest {
+            path: dir.to_owned(),
+            depth: 1,
+        };
         let cctx = ctx.with_timeout(self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED");
-        let listing: ListDirResponse =
-            self.sandbox.envd.unary(&cctx, "filesystem.Filesystem/ListDir", &req, self.user(), Op::Fs { op: "list", path: dir }).await?;
+        let listing: ListDirResponse = self
+            .sandbox
+            .envd
+            .unary(
+                &cctx,
+                "filesystem.Filesystem/ListDir",
+                &req,
+                self.user(),
+                Op::Fs {
+                    op: "list",
+                    path: dir,
+                },
+            )
+            .await?;
         let mut sizes = [0u64; 2];
         let mut done = [false; 2];
         for e in &listing.entries {
@@ -714,7 +829,8 @@ impl E2bCommand {
             if total < cap {
                 let path = format!("{dir}/{name}");
                 let to = sizes[s].min(cap);
-                let mut body = open_read(&self.sandbox, &cctx, &self.stop, &path, total, Some(to)).await?;
+                let mut body =
+                    open_read(&self.sandbox, &cctx, &self.stop, &path, total, Some(to)).await?;
                 while let Some(chunk) = body.next().await {
                     self.append(s, chunk?);
                 }
@@ -731,7 +847,8 @@ impl E2bCommand {
             return;
         }
         let ctx = self.bg_ctx();
-        let until = tokio::time::Instant::now() + Duration::from_millis(self.sandbox.cfg.drain_after_exit_ms);
+        let until = tokio::time::Instant::now()
+            + Duration::from_millis(self.sandbox.cfg.drain_after_exit_ms);
         let mut step = Duration::from_millis(5);
         loop {
             match self.catch_up(&ctx).await {
@@ -739,7 +856,9 @@ impl E2bCommand {
                 Ok(false) => {}
                 // No copies at all: the wrapper could not make its directory.
                 Err(e) if e.code() == ErrorCode::FsNotFound => return,
-                Err(e) => tracing::debug!(command.id = %self.id, error = %e, "Could not read a command's output copy"),
+                Err(e) => {
+                    tracing::debug!(command.id = %self.id, error = %e, "Could not read a command's output copy")
+                }
             }
             if tokio::time::Instant::now() >= until || self.stop.is_cancelled() {
                 return;
@@ -760,7 +879,13 @@ impl E2bCommand {
             w[s].start
         };
         let Some(dir) = self.dir.as_deref().filter(|_| self.tee) else {
-            return Err(ProviderError::Internal { message: format!("output of command {} at offset {pos} is no longer held", self.id), source: None });
+            return Err(ProviderError::Internal {
+                message: format!(
+                    "output of command {} at offset {pos} is no longer held",
+                    self.id
+                ),
+                source: None,
+            });
         };
         let path = format!("{dir}/{}", if s == OUT { "out" } else { "err" });
         let end = start.min(avail).min(pos + READ_BACK_CHUNK);
@@ -772,7 +897,8 @@ impl E2bCommand {
             let ctx = self.call_ctx();
             let mut buf = Vec::new();
             let read = async {
-                let mut body = open_read(&self.sandbox, &ctx, &ctx.cancel, &path, pos, Some(end)).await?;
+                let mut body =
+                    open_read(&self.sandbox, &ctx, &ctx.cancel, &path, pos, Some(end)).await?;
                 while let Some(chunk) = body.next().await {
                     buf.extend_from_slice(&chunk?);
                 }
@@ -792,7 +918,11 @@ impl E2bCommand {
             }
             tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt + 1))).await;
         }
-        Err(last_err.unwrap_or_else(|| malformed(format!("the output copy {path} is shorter than {end} bytes"))))
+        Err(last_err.unwrap_or_else(|| {
+            malformed(format!(
+                "the output copy {path} is shorter than {end} bytes"
+            ))
+        }))
     }
 
     // --- control ---
@@ -806,7 +936,10 @@ impl E2bCommand {
         let pid = self.pid.to_string();
         let fifo = self.fifo();
         let script = format!("{AWAIT_RELAY}{SIGNAL_SCRIPT}");
-        let out = self.sandbox.control(ctx, self.user(), &script, &[&fifo, &pid, name]).await?;
+        let out = self
+            .sandbox
+            .control(ctx, self.user(), &script, &[&fifo, &pid, name])
+            .await?;
         Ok(out.status.code == Some(0))
     }
 
@@ -814,26 +947,46 @@ impl E2bCommand {
         if self.pid <= 1 {
             return Ok(TerminateReport::default());
         }
-        let step = if grace <= Duration::from_secs(1) { Duration::from_millis(20) } else { Duration::from_millis(50) };
+        let step = if grace <= Duration::from_secs(1) {
+            Duration::from_millis(20)
+        } else {
+            Duration::from_millis(50)
+        };
         let steps = |d: Duration| (d.as_millis().div_ceil(step.as_millis().max(1))).to_string();
         let (gs, vs) = (steps(grace), steps(KILL_VERIFY));
         let st = format!("{:.3}", step.as_secs_f64());
         let pid = self.pid.to_string();
         let fifo = self.fifo();
-        let tctx = ctx.with_timeout(grace + KILL_VERIFY + self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+        let tctx = ctx.with_timeout(
+            grace + KILL_VERIFY + self.sandbox.cfg.request_timeout(),
+            "DEADLINE_EXCEEDED",
+        );
         let script = format!("{AWAIT_RELAY}{LADDER_SCRIPT}");
-        let out = self.sandbox.control(&tctx, self.user(), &script, &[&fifo, &pid, &gs, &vs, &st]).await?;
+        let out = self
+            .sandbox
+            .control(&tctx, self.user(), &script, &[&fifo, &pid, &gs, &vs, &st])
+            .await?;
         let rc = out.status.code.unwrap_or(4);
         let survivors = if rc & 4 != 0 {
-            String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(1)
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse()
+                .unwrap_or(1)
         } else {
             0
         };
-        Ok(TerminateReport { term_sent: rc & 1 != 0, killed: rc & 2 != 0, survivors })
+        Ok(TerminateReport {
+            term_sent: rc & 1 != 0,
+            killed: rc & 2 != 0,
+            survivors,
+        })
     }
 
     fn info_now(&self) -> ProcessInfo {
-        ProcessInfo { exit: self.try_status(), ..self.info.clone() }
+        ProcessInfo {
+            exit: self.try_status(),
+            ..self.info.clone()
+        }
     }
 }
 
@@ -851,11 +1004,27 @@ impl ProcessHandle for E2bCommand {
         let Some(me) = self.me.upgrade() else {
             return futures_util::stream::empty().boxed();
         };
-        let started = (from == StreamOffsets::default()).then(|| ProcessEvent::Started { command_id: self.id.clone(), pid: self.pid });
+        let started = (from == StreamOffsets::default()).then(|| ProcessEvent::Started {
+            command_id: self.id.clone(),
+            pid: self.pid,
+        });
         let idle_ms = self.sandbox.cfg.output_idle_ms;
-        let watchdog = (idle_ms > 0).then(|| IdleWatchdog::new(None, idle_ms as f64, "IDLE_TIMEOUT").ok()).flatten();
-        let reader = Reader { cmd: me, rx: self.progress.subscribe(), pos: [from.stdout, from.stderr], started, done: false, watchdog };
-        futures_util::stream::unfold(reader, |mut r| async move { r.next().await.map(|ev| (ev, r)) }).boxed()
+        let watchdog = (idle_ms > 0)
+            .then(|| IdleWatchdog::new(None, idle_ms as f64, "IDLE_TIMEOUT").ok())
+            .flatten();
+        let reader = Reader {
+            cmd: me,
+            rx: self.progress.subscribe(),
+            pos: [from.stdout, from.stderr],
+            started,
+            done: false,
+            watchdog,
+        };
+        futures_util::stream::unfold(
+            reader,
+            |mut r| async move { r.next().await.map(|ev| (ev, r)) },
+        )
+        .boxed()
     }
 
     async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()> {
@@ -863,12 +1032,33 @@ impl ProcessHandle for E2bCommand {
         let pty = match self.stdin.load(Ordering::Acquire) {
             STDIN_PIPE => false,
             STDIN_PTY => true,
-            _ => return Err(ProviderError::InvalidRequest { message: format!("command {} has no open stdin", self.id) }),
+            _ => {
+                return Err(ProviderError::InvalidRequest {
+                    message: format!("command {} has no open stdin", self.id),
+                });
+            }
         };
         for chunk in data.chunks(STDIN_CHUNK) {
-            let input = if pty { ProcessInput::Pty(chunk.to_vec()) } else { ProcessInput::Stdin(chunk.to_vec()) };
-            let req = SendInputRequest { process: Some(Selector::Pid(self.pid)), input: Some(input) };
-            let _: Empty = self.sandbox.envd.unary(ctx, "process.Process/SendInput", &req, self.user(), self.op("write_stdin")).await?;
+            let input = if pty {
+                ProcessInput::Pty(chunk.to_vec())
+            } else {
+                ProcessInput::Stdin(chunk.to_vec())
+            };
+            let req = SendInputRequest {
+                process: Some(Selector::Pid(self.pid)),
+                input: Some(input),
+            };
+            let _: Empty = self
+                .sandbox
+                .envd
+                .unary(
+                    ctx,
+                    "process.Process/SendInput",
+                    &req,
+                    self.user(),
+                    self.op("write_stdin"),
+                )
+                .await?;
         }
         Ok(())
     }
@@ -880,8 +1070,20 @@ impl ProcessHandle for E2bCommand {
                 if !self.sandbox.envd.version.close_stdin() {
                     return Err(ProviderError::Unsupported { op: "close_stdin" });
                 }
-                let req = SelectRequest { process: Some(Selector::Pid(self.pid)) };
-                let r: Result<Empty> = self.sandbox.envd.unary(ctx, "process.Process/CloseStdin", &req, self.user(), self.op("close_stdin")).await;
+                let req = SelectRequest {
+                    process: Some(Selector::Pid(self.pid)),
+                };
+                let r: Result<Empty> = self
+                    .sandbox
+                    .envd
+                    .unary(
+                        ctx,
+                        "process.Process/CloseStdin",
+                        &req,
+                        self.user(),
+                        self.op("close_stdin"),
+                    )
+                    .await;
                 match r {
                     Ok(_) | Err(ProviderError::CommandNotFound { .. }) => {
                         self.stdin.store(STDIN_CLOSED, Ordering::Release);
@@ -900,11 +1102,32 @@ impl ProcessHandle for E2bCommand {
     async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()> {
         ctx.check()?;
         let delivered = self.send_signal(ctx, signal_name(signal)).await?;
-        if !delivered && self.pid > 1 && matches!(signal, Signal::Term | Signal::Kill) && self.try_status().is_none() {
+        if !delivered
+            && self.pid > 1
+            && matches!(signal, Signal::Term | Signal::Kill)
+            && self.try_status().is_none()
+        {
             // No relay and no permission: envd itself can still send these two.
-            let sig = if signal == Signal::Kill { SignalMsg::Sigkill } else { SignalMsg::Sigterm };
-            let req = SendSignalRequest { process: Some(Selector::Pid(self.pid)), signal: sig };
-            let _: Empty = self.sandbox.envd.unary(ctx, "process.Process/SendSignal", &req, self.user(), self.op("signal")).await?;
+            let sig = if signal == Signal::Kill {
+                SignalMsg::Sigkill
+            } else {
+                SignalMsg::Sigterm
+            };
+            let req = SendSignalRequest {
+                process: Some(Selector::Pid(self.pid)),
+                signal: sig,
+            };
+            let _: Empty = self
+                .sandbox
+                .envd
+                .unary(
+                    ctx,
+                    "process.Process/SendSignal",
+                    &req,
+                    self.user(),
+                    self.op("signal"),
+                )
+                .await?;
         }
         Ok(())
     }
@@ -912,16 +1135,35 @@ impl ProcessHandle for E2bCommand {
     async fn resize(&self, ctx: &CallCtx, size: PtySize) -> Result<()> {
         ctx.check()?;
         if !self.info.pty {
-            return Err(ProviderError::InvalidRequest { message: format!("command {} has no pty", self.id) });
+            return Err(ProviderError::InvalidRequest {
+                message: format!("command {} has no pty", self.id),
+            });
         }
         if size.rows == 0 || size.cols == 0 {
-            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "pty size must be positive".into(),
+            });
         }
         let req = UpdateRequest {
             process: Some(Selector::Pid(self.pid)),
-            pty: Some(PtyMsg { size: Some(PtySizeMsg { cols: u32::from(size.cols), rows: u32::from(size.rows) }) }),
+            pty: Some(PtyMsg {
+                size: Some(PtySizeMsg {
+                    cols: u32::from(size.cols),
+                    rows: u32::from(size.rows),
+                }),
+            }),
         };
-        let _: Empty = self.sandbox.envd.unary(ctx, "process.Process/Update", &req, self.user(), self.op("resize")).await?;
+        let _: Empty = self
+            .sandbox
+            .envd
+            .unary(
+                ctx,
+                "process.Process/Update",
+                &req,
+                self.user(),
+                self.op("resize"),
+            )
+            .await?;
         Ok(())
     }
 
@@ -941,8 +1183,21 @@ impl ProcessHandle for E2bCommand {
         if report.survivors > 0 && self.pid > 1 && self.try_status().is_none() {
             // The relay is gone and a direct kill is refused: envd's own SIGKILL is the
             // last resort (a backend that confines commands applies it to the group).
-            let req = SendSignalRequest { process: Some(Selector::Pid(self.pid)), signal: SignalMsg::Sigkill };
-            let r: Result<Empty> = self.sandbox.envd.unary(&tctx, "process.Process/SendSignal", &req, self.user(), self.op("terminate")).await;
+            let req = SendSignalRequest {
+                process: Some(Selector::Pid(self.pid)),
+                signal: SignalMsg::Sigkill,
+            };
+            let r: Result<Empty> = self
+                .sandbox
+                .envd
+                .unary(
+                    &tctx,
+                    "process.Process/SendSignal",
+                    &req,
+                    self.user(),
+                    self.op("terminate"),
+                )
+                .await;
             if r.is_ok() {
                 report.killed = true;
                 let again = self.ladder(&tctx, Duration::ZERO).await?;
@@ -954,7 +1209,11 @@ impl ProcessHandle for E2bCommand {
         }
         // The end event follows the kill: wait for it (bounded) so the status is known.
         let mut rx = self.progress.subscribe();
-        let _ = tokio::time::timeout(KILL_VERIFY, rx.wait_for(|p| p.exited.is_some() || p.failed.is_some())).await;
+        let _ = tokio::time::timeout(
+            KILL_VERIFY,
+            rx.wait_for(|p| p.exited.is_some() || p.failed.is_some()),
+        )
+        .await;
         *done = Some(report);
         Ok(report)
     }
@@ -1015,8 +1274,13 @@ impl Reader {
                 self.watchdog = Some(wd);
                 match r {
                     Ok(Some(r)) => r,
-                    Ok(None) => Err(ProviderError::from_reason(token.reason().unwrap_or(CancelReason::Caller("events")))),
-                    Err(e) => Err(ProviderError::Internal { message: "output watchdog misuse".into(), source: Some(Box::new(e)) }),
+                    Ok(None) => Err(ProviderError::from_reason(
+                        token.reason().unwrap_or(CancelReason::Caller("events")),
+                    )),
+                    Err(e) => Err(ProviderError::Internal {
+                        message: "output watchdog misuse".into(),
+                        source: Some(Box::new(e)),
+                    }),
                 }
             }
         };
@@ -1046,12 +1310,24 @@ impl Reader {
                     let data = self.cmd.read_at(s, self.pos[s], p.avail[s]).await?;
                     let offset = self.pos[s];
                     self.pos[s] += data.len() as u64;
-                    let stream = if s == OUT { self.cmd.out_kind() } else { StreamKind::Stderr };
-                    return Ok(Some(ProcessEvent::Output { stream, offset, data: data.to_vec() }));
+                    let stream = if s == OUT {
+                        self.cmd.out_kind()
+                    } else {
+                        StreamKind::Stderr
+                    };
+                    return Ok(Some(ProcessEvent::Output {
+                        stream,
+                        offset,
+                        data: data.to_vec(),
+                    }));
                 }
             }
             if let Some(status) = p.exited {
-                return Ok(Some(ProcessEvent::Exited { status, stdout_bytes: p.total[OUT], stderr_bytes: p.total[ERR] }));
+                return Ok(Some(ProcessEvent::Exited {
+                    status,
+                    stdout_bytes: p.total[OUT],
+                    stderr_bytes: p.total[ERR],
+                }));
             }
             if let Some(f) = &p.failed {
                 return Err(f.error());
@@ -1074,7 +1350,10 @@ pub struct E2bProcess {
 
 impl E2bProcess {
     pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
-        Self { core, table: tokio::sync::Mutex::new(HashMap::new()) }
+        Self {
+            core,
+            table: tokio::sync::Mutex::new(HashMap::new()),
+        }
     }
 
     /// Remember a command; forget the oldest finished ones beyond the limit (and remove
@@ -1121,7 +1400,13 @@ impl E2bProcess {
 
     /// After a start whose answer was lost: the command may be running. Look it up by
     /// its tag rather than starting it again.
-    async fn after_broken_start(&self, ctx: &CallCtx, id: &str, e: ProviderError, n: NewCommand) -> Result<Arc<dyn ProcessHandle>> {
+    async fn after_broken_start(
+        &self,
+        ctx: &CallCtx,
+        id: &str,
+        e: ProviderError,
+        n: NewCommand,
+    ) -> Result<Arc<dyn ProcessHandle>> {
         let maybe_started = matches!(
             e.code(),
             ErrorCode::ConnectTimeout
@@ -1134,13 +1419,31 @@ impl E2bProcess {
         if !maybe_started {
             return Err(e);
         }
-        let lctx = CallCtx::new(ctx.request_id.clone()).with_timeout(self.core.cfg.connect_timeout(), "CONNECT_TIMEOUT");
-        let found = self.lookup_running(&lctx, &ProcessSelector::CommandId(id.to_owned())).await.ok().flatten();
+        let lctx = CallCtx::new(ctx.request_id.clone())
+            .with_timeout(self.core.cfg.connect_timeout(), "CONNECT_TIMEOUT");
+        let found = self
+            .lookup_running(&lctx, &ProcessSelector::CommandId(id.to_owned()))
+            .await
+            .ok()
+            .flatten();
         let Some(p) = found else { return Err(e) };
         if ctx.cancel.is_cancelled() {
             // The caller gave up on the start: the command must not run on unobserved.
-            let req = SendSignalRequest { process: Some(Selector::Pid(p.pid)), signal: SignalMsg::Sigkill };
-            let _: Result<Empty> = self.core.envd.unary(&lctx, "process.Process/SendSignal", &req, n.user.as_deref(), Op::Process { op: "start", id }).await;
+            let req = SendSignalRequest {
+                process: Some(Selector::Pid(p.pid)),
+                signal: SignalMsg::Sigkill,
+            };
+            let _: Result<Empty> = self
+                .core
+                .envd
+                .unary(
+                    &lctx,
+                    "process.Process/SendSignal",
+                    &req,
+                    n.user.as_deref(),
+                    Op::Process { op: "start", id },
+                )
+                .await;
             return Err(e);
         }
         tracing::info!(command.id = %id, pid = p.pid, "A command's start answer was lost; adopting the running command");
@@ -1150,9 +1453,22 @@ impl E2bProcess {
         Ok(cmd)
     }
 
-    async fn lookup_running(&self, ctx: &CallCtx, which: &ProcessSelector) -> Result<Option<ProcessInfoMsg>> {
-        let list: ListResponse =
-            self.core.envd.unary(ctx, "process.Process/List", &Empty {}, self.core.user(), Op::Process { op: "list", id: "" }).await?;
+    async fn lookup_running(
+        &self,
+        ctx: &CallCtx,
+        which: &ProcessSelector,
+    ) -> Result<Option<ProcessInfoMsg>> {
+        let list: ListResponse = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "process.Process/List",
+                &Empty {},
+                self.core.user(),
+                Op::Process { op: "list", id: "" },
+            )
+            .await?;
         Ok(list.processes.into_iter().find(|p| match which {
             ProcessSelector::CommandId(id) => p.tag.as_deref() == Some(id.as_str()),
             ProcessSelector::Pid(pid) => p.pid == *pid,
@@ -1161,35 +1477,71 @@ impl E2bProcess {
 
     /// Find a command this handle did not start (after a restart, say) and follow it from
     /// offset 0.
-    async fn adopt(&self, ctx: &CallCtx, which: &ProcessSelector) -> Result<Option<Arc<E2bCommand>>> {
+    async fn adopt(
+        &self,
+        ctx: &CallCtx,
+        which: &ProcessSelector,
+    ) -> Result<Option<Arc<E2bCommand>>> {
         let cfg = &self.core.cfg;
         if let Some(p) = self.lookup_running(ctx, which).await? {
             let wrapped = unwrap_config(&p.config);
             let id = p.tag.clone().unwrap_or_else(|| format!("pid-{}", p.pid));
             let (dir, tee, argv) = match wrapped {
                 Some(w) => (Some(w.dir).filter(|d| !d.is_empty()), w.tee, w.argv),
-                None => (None, false, std::iter::once(p.config.cmd.clone()).chain(p.config.args.clone()).collect()),
+                None => (
+                    None,
+                    false,
+                    std::iter::once(p.config.cmd.clone())
+                        .chain(p.config.args.clone())
+                        .collect(),
+                ),
             };
             let cmd = self.new_command(NewCommand {
                 id: id.clone(),
                 pid: p.pid,
                 user: None,
-                info: ProcessInfo { command_id: id, pid: p.pid, command: Command::Argv(argv), cwd: p.config.cwd.clone(), pty: !tee && dir.is_some(), exit: None },
+                info: ProcessInfo {
+                    command_id: id,
+                    pid: p.pid,
+                    command: Command::Argv(argv),
+                    cwd: p.config.cwd.clone(),
+                    pty: !tee && dir.is_some(),
+                    exit: None,
+                },
                 dir,
                 tee,
                 caps: [cfg.max_output_bytes, cfg.max_output_bytes],
-                grace: Duration::from_millis(tether_protocol::process::DEFAULT_GRACE_MS.min(cfg.max_grace_ms)),
+                grace: Duration::from_millis(
+                    tether_protocol::process::DEFAULT_GRACE_MS.min(cfg.max_grace_ms),
+                ),
                 stdin: STDIN_NONE,
             });
             self.core.tasks.spawn(cmd.clone().pump(None));
             return Ok(Some(cmd));
         }
         // Not running: a finished command of ours, if its copies or its end remain.
-        let ProcessSelector::CommandId(id) = which else { return Ok(None) };
+        let ProcessSelector::CommandId(id) = which else {
+            return Ok(None);
+        };
         let state = cfg.state_dir();
-        let req = ListDirRequest { path: state.clone(), depth: 1 };
-        let listing: Result<ListDirResponse> =
-            self.core.envd.unary(ctx, "filesystem.Filesystem/ListDir", &req, self.core.user(), Op::Fs { op: "list", path: &state }).await;
+        let req = ListDirRequest {
+            path: state.clone(),
+            depth: 1,
+        };
+        let listing: Result<ListDirResponse> = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "filesystem.Filesystem/ListDir",
+                &req,
+                self.core.user(),
+                Op::Fs {
+                    op: "list",
+                    path: &state,
+                },
+            )
+            .await;
         let prefix = format!("{}.", dir_name(id));
         let dir = listing
             .ok()
@@ -1200,13 +1552,35 @@ impl E2bProcess {
                     .max_by(|a, b| a.modified_time.cmp(&b.modified_time))
             })
             .map(|e| e.path);
-        let sreq = SelectRequest { process: Some(Selector::Tag(id.clone())) };
-        let end = match self.core.envd.server_stream(ctx, &ctx.cancel, "process.Process/Connect", &sreq, self.core.user(), Op::Process { op: "connect", id }).await {
+        let sreq = SelectRequest {
+            process: Some(Selector::Tag(id.clone())),
+        };
+        let end = match self
+            .core
+            .envd
+            .server_stream(
+                ctx,
+                &ctx.cancel,
+                "process.Process/Connect",
+                &sreq,
+                self.core.user(),
+                Op::Process { op: "connect", id },
+            )
+            .await
+        {
             Ok(mut s) => {
                 let mut end = None;
                 loop {
-                    match within_connect(ctx, cfg.connect_timeout(), s.next::<ProcessEventResponse>()).await {
-                        Ok(StreamItem::Message(ProcessEventResponse { event: ProcessEventMsg::End(e) })) => {
+                    match within_connect(
+                        ctx,
+                        cfg.connect_timeout(),
+                        s.next::<ProcessEventResponse>(),
+                    )
+                    .await
+                    {
+                        Ok(StreamItem::Message(ProcessEventResponse {
+                            event: ProcessEventMsg::End(e),
+                        })) => {
                             end = Some(exit_status(&e));
                             break;
                         }
@@ -1225,7 +1599,14 @@ impl E2bProcess {
             id: id.clone(),
             pid: 0,
             user: None,
-            info: ProcessInfo { command_id: id.clone(), pid: 0, command: Command::Argv(Vec::new()), cwd: None, pty: false, exit: None },
+            info: ProcessInfo {
+                command_id: id.clone(),
+                pid: 0,
+                command: Command::Argv(Vec::new()),
+                cwd: None,
+                pty: false,
+                exit: None,
+            },
             tee: dir.is_some(),
             dir,
             caps: [cfg.max_output_bytes, cfg.max_output_bytes],
@@ -1249,18 +1630,28 @@ impl Process for E2bProcess {
         let core = &self.core;
         let cfg = &core.cfg;
         if core.closed.is_cancelled() {
-            return Err(ProviderError::SandboxNotFound { id: core.id.clone() });
+            return Err(ProviderError::SandboxNotFound {
+                id: core.id.clone(),
+            });
         }
         let argv = match &spec.command {
             Command::Argv(v) if v.first().is_some_and(|p| !p.is_empty()) => v.clone(),
-            Command::Argv(_) => return Err(ProviderError::InvalidRequest { message: "argv needs a program name at argv[0]".into() }),
+            Command::Argv(_) => {
+                return Err(ProviderError::InvalidRequest {
+                    message: "argv needs a program name at argv[0]".into(),
+                });
+            }
             Command::Shell(s) => vec![BASH.to_owned(), "-lc".to_owned(), s.clone()],
         };
         if argv.iter().any(|a| a.contains('\0')) {
-            return Err(ProviderError::InvalidRequest { message: "argv contains a NUL byte".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "argv contains a NUL byte".into(),
+            });
         }
         if let Some(PtySize { rows: 0, .. } | PtySize { cols: 0, .. }) = spec.pty {
-            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "pty size must be positive".into(),
+            });
         }
         let mut envs = BTreeMap::new();
         let mut unset = Vec::new();
@@ -1272,7 +1663,9 @@ impl Process for E2bProcess {
         }
         for (k, v) in &spec.env {
             if !valid_env_name(k) || v.as_ref().is_some_and(|v| v.contains('\0')) {
-                return Err(ProviderError::InvalidRequest { message: format!("invalid environment variable {k:?}") });
+                return Err(ProviderError::InvalidRequest {
+                    message: format!("invalid environment variable {k:?}"),
+                });
             }
             match v {
                 Some(v) => {
@@ -1284,13 +1677,19 @@ impl Process for E2bProcess {
                 }
             }
         }
-        let id = spec.command_id.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let id = spec
+            .command_id
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         tracing::Span::current().record("command.id", id.as_str());
         {
             let mut t = self.table.lock().await;
             if let Some(old) = t.get(&id) {
                 if old.try_status().is_none() && old.progress.borrow().failed.is_none() {
-                    return Err(ProviderError::InvalidRequest { message: format!("command id {id} is in use") });
+                    return Err(ProviderError::InvalidRequest {
+                        message: format!("command id {id} is in use"),
+                    });
                 }
                 if let Some(old) = t.remove(&id) {
                     self.forget_copies(&old);
@@ -1299,7 +1698,10 @@ impl Process for E2bProcess {
         }
         let pty = spec.pty.is_some();
         let tee = !pty;
-        let caps = [spec.stdout_max_bytes.unwrap_or(cfg.max_output_bytes), spec.stderr_max_bytes.unwrap_or(cfg.max_output_bytes)];
+        let caps = [
+            spec.stdout_max_bytes.unwrap_or(cfg.max_output_bytes),
+            spec.stderr_max_bytes.unwrap_or(cfg.max_output_bytes),
+        ];
         let nonce = &uuid::Uuid::new_v4().simple().to_string()[..8];
         let dir = format!("{}/{}.{nonce}", cfg.state_dir(), dir_name(&id));
         let mut args = vec![
@@ -1316,7 +1718,11 @@ impl Process for E2bProcess {
         args.extend(unset);
         args.extend(argv.iter().cloned());
         let workspace = cfg.workspace.trim_end_matches('/');
-        let cwd = spec.cwd.as_deref().map(|c| resolve(workspace, c)).unwrap_or_else(|| workspace.to_owned());
+        let cwd = spec
+            .cwd
+            .as_deref()
+            .map(|c| resolve(workspace, c))
+            .unwrap_or_else(|| workspace.to_owned());
         let stdin = if pty {
             STDIN_PTY
         } else if matches!(spec.stdin, StdinMode::Ignore) {
@@ -1325,17 +1731,38 @@ impl Process for E2bProcess {
             STDIN_PIPE
         };
         let req = StartRequest {
-            process: Some(ProcessConfig { cmd: BASH.to_owned(), args, envs, cwd: Some(cwd.clone()) }),
-            pty: spec.pty.map(|s| PtyMsg { size: Some(PtySizeMsg { cols: u32::from(s.cols), rows: u32::from(s.rows) }) }),
+            process: Some(ProcessConfig {
+                cmd: BASH.to_owned(),
+                args,
+                envs,
+                cwd: Some(cwd.clone()),
+            }),
+            pty: spec.pty.map(|s| PtyMsg {
+                size: Some(PtySizeMsg {
+                    cols: u32::from(s.cols),
+                    rows: u32::from(s.rows),
+                }),
+            }),
             tag: Some(id.clone()),
             stdin: Some(stdin != STDIN_NONE),
         };
-        let user = spec.user.clone().filter(|u| !u.is_empty()).or_else(|| cfg.user.clone());
+        let user = spec
+            .user
+            .clone()
+            .filter(|u| !u.is_empty())
+            .or_else(|| cfg.user.clone());
         let new = NewCommand {
             id: id.clone(),
             pid: 0,
             user: user.clone(),
-            info: ProcessInfo { command_id: id.clone(), pid: 0, command: spec.command.clone(), cwd: Some(cwd), pty, exit: None },
+            info: ProcessInfo {
+                command_id: id.clone(),
+                pid: 0,
+                command: spec.command.clone(),
+                cwd: Some(cwd),
+                pty,
+                exit: None,
+            },
             dir: Some(dir),
             tee,
             caps,
@@ -1344,13 +1771,34 @@ impl Process for E2bProcess {
         };
         // The stream belongs to the command, not to the call: it ends with the sandbox.
         let stop = core.closed.child();
-        let op = Op::Process { op: "start", id: &id };
+        let op = Op::Process {
+            op: "start",
+            id: &id,
+        };
         let opened = async {
-            let mut s = core.envd.server_stream(ctx, &stop, "process.Process/Start", &req, user.as_deref(), op).await?;
-            match within_connect(ctx, cfg.connect_timeout(), s.next::<ProcessEventResponse>()).await? {
-                StreamItem::Message(ProcessEventResponse { event: ProcessEventMsg::Start(st) }) => Ok((s, st.pid)),
-                StreamItem::Message(_) => Err(malformed("a process stream that did not begin with its start event")),
-                StreamItem::End => Err(malformed("a process stream that ended before its start event")),
+            let mut s = core
+                .envd
+                .server_stream(
+                    ctx,
+                    &stop,
+                    "process.Process/Start",
+                    &req,
+                    user.as_deref(),
+                    op,
+                )
+                .await?;
+            match within_connect(ctx, cfg.connect_timeout(), s.next::<ProcessEventResponse>())
+                .await?
+            {
+                StreamItem::Message(ProcessEventResponse {
+                    event: ProcessEventMsg::Start(st),
+                }) => Ok((s, st.pid)),
+                StreamItem::Message(_) => Err(malformed(
+                    "a process stream that did not begin with its start event",
+                )),
+                StreamItem::End => Err(malformed(
+                    "a process stream that ended before its start event",
+                )),
             }
         }
         .await;
@@ -1358,7 +1806,11 @@ impl Process for E2bProcess {
             Ok(v) => v,
             Err(e) => return self.after_broken_start(ctx, &id, e, new).await,
         };
-        let cmd = self.new_command(NewCommand { pid, info: ProcessInfo { pid, ..new.info }, ..new });
+        let cmd = self.new_command(NewCommand {
+            pid,
+            info: ProcessInfo { pid, ..new.info },
+            ..new
+        });
         self.remember(cmd.clone()).await;
         core.tasks.spawn(cmd.clone().pump(Some(stream)));
         if let StdinMode::Data { data } = spec.stdin {
@@ -1380,13 +1832,21 @@ impl Process for E2bProcess {
     }
 
     #[tracing::instrument(name = "process.attach", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id))]
-    async fn attach(&self, ctx: &CallCtx, which: ProcessSelector) -> Result<Arc<dyn ProcessHandle>> {
+    async fn attach(
+        &self,
+        ctx: &CallCtx,
+        which: ProcessSelector,
+    ) -> Result<Arc<dyn ProcessHandle>> {
         ctx.check()?;
         {
             let t = self.table.lock().await;
             let found = match &which {
                 ProcessSelector::CommandId(id) => t.get(id).cloned(),
-                ProcessSelector::Pid(pid) => t.values().filter(|c| c.pid == *pid).max_by_key(|c| c.try_status().is_none()).cloned(),
+                ProcessSelector::Pid(pid) => t
+                    .values()
+                    .filter(|c| c.pid == *pid)
+                    .max_by_key(|c| c.try_status().is_none())
+                    .cloned(),
             };
             // A command whose stream was lost for good is looked up afresh.
             if let Some(c) = found.filter(|c| c.progress.borrow().failed.is_none()) {
@@ -1409,18 +1869,42 @@ impl Process for E2bProcess {
 
     async fn list(&self, ctx: &CallCtx) -> Result<Vec<ProcessInfo>> {
         ctx.check()?;
-        let mut out: Vec<ProcessInfo> = self.table.lock().await.values().map(|c| c.info_now()).collect();
-        let remote: ListResponse =
-            self.core.envd.unary(ctx, "process.Process/List", &Empty {}, self.core.user(), Op::Process { op: "list", id: "" }).await?;
+        let mut out: Vec<ProcessInfo> = self
+            .table
+            .lock()
+            .await
+            .values()
+            .map(|c| c.info_now())
+            .collect();
+        let remote: ListResponse = self
+            .core
+            .envd
+            .unary(
+                ctx,
+                "process.Process/List",
+                &Empty {},
+                self.core.user(),
+                Op::Process { op: "list", id: "" },
+            )
+            .await?;
         for p in remote.processes {
             let Some(tag) = p.tag.clone() else { continue };
             if out.iter().any(|o| o.command_id == tag) {
                 continue;
             }
-            let argv = unwrap_config(&p.config)
-                .map(|w| w.argv)
-                .unwrap_or_else(|| std::iter::once(p.config.cmd.clone()).chain(p.config.args.clone()).collect());
-            out.push(ProcessInfo { command_id: tag, pid: p.pid, command: Command::Argv(argv), cwd: p.config.cwd.clone(), pty: false, exit: None });
+            let argv = unwrap_config(&p.config).map(|w| w.argv).unwrap_or_else(|| {
+                std::iter::once(p.config.cmd.clone())
+                    .chain(p.config.args.clone())
+                    .collect()
+            });
+            out.push(ProcessInfo {
+                command_id: tag,
+                pid: p.pid,
+                command: Command::Argv(argv),
+                cwd: p.config.cwd.clone(),
+                pty: false,
+                exit: None,
+            });
         }
         out.sort_by_key(|p| p.pid);
         Ok(out)

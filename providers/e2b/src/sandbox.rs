@@ -18,13 +18,15 @@ use async_trait::async_trait;
 use reqwest::Method;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, EndEvent, ListedSandbox, NewSandboxRequest, ProcessConfig, ProcessEventMsg,
-    ProcessEventResponse, SandboxDetail, SandboxResponse, StartRequest, TimeoutRequest,
+    ConnectSandboxRequest, EndEvent, ListedSandbox, NewSandboxRequest, ProcessConfig,
+    ProcessEventMsg, ProcessEventResponse, SandboxDetail, SandboxResponse, StartRequest,
+    TimeoutRequest,
 };
 use tether_protocol::process::ExitStatus;
 use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox, SandboxInfo, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
+    SandboxInfo, SandboxSpec,
 };
 use tokio_util::task::TaskTracker;
 
@@ -79,7 +81,8 @@ fn now_ms() -> i64 {
 
 /// Milliseconds since the epoch of an RFC 3339 time.
 pub(crate) fn parse_time_ms(s: &str) -> Option<i64> {
-    let t = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339).ok()?;
+    let t = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339)
+        .ok()?;
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
@@ -159,14 +162,26 @@ impl ProviderInner {
         envd_version: &str,
         info: SandboxInfo,
     ) -> Result<Arc<dyn Sandbox>> {
-        if let Some(shared) = self.live.read().ok().and_then(|m| m.get(id).and_then(Weak::upgrade))
+        if let Some(shared) = self
+            .live
+            .read()
+            .ok()
+            .and_then(|m| m.get(id).and_then(Weak::upgrade))
             && !shared.core.closed.is_cancelled()
         {
             return Ok(Arc::new(E2bSandbox { shared, info }));
         }
-        let version = EnvdVersion::parse(envd_version).ok_or_else(|| crate::error::malformed(format!("envd version {envd_version:?}")))?;
+        let version = EnvdVersion::parse(envd_version)
+            .ok_or_else(|| crate::error::malformed(format!("envd version {envd_version:?}")))?;
         let base = self.api.endpoints.envd_url(id, domain)?;
-        let envd = Envd::new(self.http.clone(), base, id, token, self.cfg.keepalive_interval_s, version)?;
+        let envd = Envd::new(
+            self.http.clone(),
+            base,
+            id,
+            token,
+            self.cfg.keepalive_interval_s,
+            version,
+        )?;
         let core = Arc::new(SandboxCore {
             id: id.to_owned(),
             cfg: self.cfg.clone(),
@@ -174,7 +189,11 @@ impl ProviderInner {
             closed: CancelToken::new(),
             tasks: TaskTracker::new(),
         });
-        let shared = Arc::new(Shared { fs: E2bFs::new(core.clone()), process: E2bProcess::new(core.clone()), core });
+        let shared = Arc::new(Shared {
+            fs: E2bFs::new(core.clone()),
+            process: E2bProcess::new(core.clone()),
+            core,
+        });
         if let Ok(mut m) = self.live.write() {
             m.retain(|_, w| w.strong_count() > 0);
             m.insert(id.to_owned(), Arc::downgrade(&shared));
@@ -183,7 +202,12 @@ impl ProviderInner {
     }
 
     fn forget(&self, id: &str) {
-        let gone = self.live.write().ok().and_then(|mut m| m.remove(id)).and_then(|w| w.upgrade());
+        let gone = self
+            .live
+            .write()
+            .ok()
+            .and_then(|mut m| m.remove(id))
+            .and_then(|w| w.upgrade());
         if let Some(shared) = gone {
             shared.core.closed.cancel(CancelReason::SessionClosed);
         }
@@ -234,15 +258,35 @@ impl ProviderInner {
     // --- create ---
 
     async fn create_v1(&self, ctx: &CallCtx, body: &NewSandboxRequest) -> Result<SandboxResponse> {
-        let (_, _, b) = self.api.json_call(ctx, Method::POST, "/sandboxes", Some(body), &[], Op::Api("create")).await?;
+        let (_, _, b) = self
+            .api
+            .json_call(
+                ctx,
+                Method::POST,
+                "/sandboxes",
+                Some(body),
+                &[],
+                Op::Api("create"),
+            )
+            .await?;
         decode(&b, "create")
     }
 
     /// One create attempt: v2 with the idempotency key, else (an older backend) v1.
-    async fn create_once(&self, ctx: &CallCtx, v2: &NewSandboxRequest, v1: &NewSandboxRequest, key: &str) -> Result<SandboxResponse> {
+    async fn create_once(
+        &self,
+        ctx: &CallCtx,
+        v2: &NewSandboxRequest,
+        v1: &NewSandboxRequest,
+        key: &str,
+    ) -> Result<SandboxResponse> {
         if Probe::get(&self.probe.create_v2) != NO {
             let op = Op::Api("create");
-            let req = self.api.request(Method::POST, "/v2/sandboxes").json(v2).header("idempotency-key", key);
+            let req = self
+                .api
+                .request(Method::POST, "/v2/sandboxes")
+                .json(v2)
+                .header("idempotency-key", key);
             let (status, headers, body) = self.http.call(ctx, req, op).await?;
             match status.as_u16() {
                 200 | 201 => {
@@ -267,7 +311,11 @@ impl ProviderInner {
 
     /// The sandbox carrying `marker`, if the backend lists one.
     async fn find_by_marker(&self, ctx: &CallCtx, marker: &str) -> Result<Option<ListedSandbox>> {
-        Ok(self.list_all(ctx).await?.into_iter().find(|s| s.metadata.get(CREATE_MARKER).map(String::as_str) == Some(marker)))
+        Ok(self
+            .list_all(ctx)
+            .await?
+            .into_iter()
+            .find(|s| s.metadata.get(CREATE_MARKER).map(String::as_str) == Some(marker)))
     }
 
     /// After a create whose outcome is unknown: kill the sandbox it may have made.
@@ -289,7 +337,12 @@ impl ProviderInner {
 
     // --- list, get, kill ---
 
-    async fn list_page(&self, ctx: &CallCtx, next: Option<&str>, limit: u32) -> Result<(Vec<ListedSandbox>, Option<String>)> {
+    async fn list_page(
+        &self,
+        ctx: &CallCtx,
+        next: Option<&str>,
+        limit: u32,
+    ) -> Result<(Vec<ListedSandbox>, Option<String>)> {
         let op = Op::Api("list");
         if Probe::get(&self.probe.list_v2) != NO {
             let mut url = self.api.endpoints.api_path("/v2/sandboxes");
@@ -301,11 +354,18 @@ impl ProviderInner {
                     q.append_pair("nextToken", n);
                 }
             }
-            let (status, headers, body) = self.http.call(ctx, self.api.request_url(Method::GET, url), op).await?;
+            let (status, headers, body) = self
+                .http
+                .call(ctx, self.api.request_url(Method::GET, url), op)
+                .await?;
             match status.as_u16() {
                 200 => {
                     Probe::set(&self.probe.list_v2, YES);
-                    let next = headers.get("x-next-token").and_then(|v| v.to_str().ok()).map(str::to_owned).filter(|s| !s.is_empty());
+                    let next = headers
+                        .get("x-next-token")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                        .filter(|s| !s.is_empty());
                     return Ok((decode(&body, "list")?, next));
                 }
                 404 | 405 | 501 if Probe::get(&self.probe.list_v2) == UNKNOWN => {
@@ -314,7 +374,10 @@ impl ProviderInner {
                 _ => return Err(from_status(op, status, &headers, &body)),
             }
         }
-        let (_, _, body) = self.api.json_call::<()>(ctx, Method::GET, "/sandboxes", None, &[], op).await?;
+        let (_, _, body) = self
+            .api
+            .json_call::<()>(ctx, Method::GET, "/sandboxes", None, &[], op)
+            .await?;
         Ok((decode(&body, "list")?, None))
     }
 
@@ -323,7 +386,10 @@ impl ProviderInner {
         let mut next: Option<String> = None;
         // Bounded: a backend that keeps handing out cursors cannot loop us forever.
         for _ in 0..1000 {
-            let (page, n) = retry(ctx, self.http.retry, "list", || self.list_page(ctx, next.as_deref(), 100)).await?;
+            let (page, n) = retry(ctx, self.http.retry, "list", || {
+                self.list_page(ctx, next.as_deref(), 100)
+            })
+            .await?;
             out.extend(page);
             match n {
                 Some(n) if Some(&n) != next.as_ref() => next = Some(n),
@@ -336,14 +402,22 @@ impl ProviderInner {
     async fn detail(&self, ctx: &CallCtx, id: &str) -> Result<SandboxDetail> {
         let op = Op::Sandbox { op: "get", id };
         let path = format!("/sandboxes/{id}");
-        let (_, _, body) = retry(ctx, self.http.retry, "get", || self.api.json_call::<()>(ctx, Method::GET, &path, None, &[], op)).await?;
+        let (_, _, body) = retry(ctx, self.http.retry, "get", || {
+            self.api
+                .json_call::<()>(ctx, Method::GET, &path, None, &[], op)
+        })
+        .await?;
         decode(&body, "get")
     }
 
     async fn kill(&self, ctx: &CallCtx, id: &str) -> Result<()> {
         let op = Op::Sandbox { op: "destroy", id };
         let path = format!("/sandboxes/{id}");
-        let r = retry(ctx, self.http.retry, "destroy", || self.api.json_call::<()>(ctx, Method::DELETE, &path, None, &[], op)).await;
+        let r = retry(ctx, self.http.retry, "destroy", || {
+            self.api
+                .json_call::<()>(ctx, Method::DELETE, &path, None, &[], op)
+        })
+        .await;
         match r {
             Ok(_) => Ok(()),
             // Already gone is what destroy wants.
@@ -355,16 +429,28 @@ impl ProviderInner {
     // --- connect ---
 
     /// The connect endpoint's answer; `Ok(None)` when the backend has no such endpoint.
-    async fn connect_call(&self, ctx: &CallCtx, id: &str, ttl_s: i64) -> Result<Option<SandboxResponse>> {
+    async fn connect_call(
+        &self,
+        ctx: &CallCtx,
+        id: &str,
+        ttl_s: i64,
+    ) -> Result<Option<SandboxResponse>> {
         let op = Op::Sandbox { op: "connect", id };
-        let body = ConnectSandboxRequest { timeout: Some(ttl_s) };
-        for (v2, path) in [(true, format!("/v2/sandboxes/{id}/connect")), (false, format!("/sandboxes/{id}/connect"))] {
+        let body = ConnectSandboxRequest {
+            timeout: Some(ttl_s),
+        };
+        for (v2, path) in [
+            (true, format!("/v2/sandboxes/{id}/connect")),
+            (false, format!("/sandboxes/{id}/connect")),
+        ] {
             if v2 && Probe::get(&self.probe.connect_v2) == NO {
                 continue;
             }
-            let (status, headers, b) =
-                retry(ctx, self.http.retry, "connect", || self.http.call(ctx, self.api.request(Method::POST, &path).json(&body), op))
-                    .await?;
+            let (status, headers, b) = retry(ctx, self.http.retry, "connect", || {
+                self.http
+                    .call(ctx, self.api.request(Method::POST, &path).json(&body), op)
+            })
+            .await?;
             match status.as_u16() {
                 200 | 201 => {
                     if v2 {
@@ -409,11 +495,22 @@ impl Provider for E2bProvider {
         let i = &self.inner;
         if i.debug() {
             let base = i.api.endpoints.envd_url(DEBUG_SANDBOX_ID, None)?;
-            let envd = Envd::new(i.http.clone(), base, DEBUG_SANDBOX_ID, None, i.cfg.keepalive_interval_s, DEBUG_ENVD_VERSION)?;
+            let envd = Envd::new(
+                i.http.clone(),
+                base,
+                DEBUG_SANDBOX_ID,
+                None,
+                i.cfg.keepalive_interval_s,
+                DEBUG_ENVD_VERSION,
+            )?;
             return retry(ctx, i.http.retry, "health", || envd.health(ctx)).await;
         }
         // One page of the listing: reachability, credentials and the listing's version.
-        retry(ctx, i.http.retry, "healthcheck", || i.list_page(ctx, None, 1)).await.map(|_| ())
+        retry(ctx, i.http.retry, "healthcheck", || {
+            i.list_page(ctx, None, 1)
+        })
+        .await
+        .map(|_| ())
     }
 
     #[tracing::instrument(name = "sandbox.create", skip_all, fields(provider.kind = "e2b"))]
@@ -425,7 +522,11 @@ impl Provider for E2bProvider {
             info.metadata = spec.metadata.clone();
             return i.sandbox(DEBUG_SANDBOX_ID, None, None, "99.99.99", info);
         }
-        let template = spec.template.clone().filter(|t| !t.is_empty()).unwrap_or_else(|| i.cfg.template.clone());
+        let template = spec
+            .template
+            .clone()
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| i.cfg.template.clone());
         let ttl = spec.ttl.unwrap_or(Duration::from_millis(i.cfg.ttl_ms));
         let ttl_s = secs_ceil(ttl);
         let marker = uuid::Uuid::new_v4().to_string();
@@ -442,7 +543,10 @@ impl Provider for E2bProvider {
             allow_internet_access: Some(network),
         };
         // v1: `secure` for an access token, and an explicit timeout (its default is 15 s).
-        let v1 = NewSandboxRequest { secure: Some(true), ..v2.clone() };
+        let v1 = NewSandboxRequest {
+            secure: Some(true),
+            ..v2.clone()
+        };
         let attempt = std::sync::atomic::AtomicUsize::new(0);
         let r = retry(ctx, i.http.retry, "create", || async {
             let n = attempt.fetch_add(1, Ordering::AcqRel);
@@ -454,7 +558,9 @@ impl Provider for E2bProvider {
             {
                 return Ok(Adopted::Listed(s));
             }
-            i.create_once(ctx, &v2, &v1, &marker).await.map(Adopted::Created)
+            i.create_once(ctx, &v2, &v1, &marker)
+                .await
+                .map(Adopted::Created)
         })
         .await;
         let resp = match r {
@@ -466,7 +572,15 @@ impl Provider for E2bProvider {
             Err(e) => {
                 // The request may have reached the backend: make sure its sandbox does
                 // not outlive this failure.
-                if matches!(e.code(), ErrorCode::DeadlineExceeded | ErrorCode::Cancelled | ErrorCode::ShuttingDown | ErrorCode::ProviderUnavailable | ErrorCode::TransportIdleTimeout | ErrorCode::ConnectTimeout) {
+                if matches!(
+                    e.code(),
+                    ErrorCode::DeadlineExceeded
+                        | ErrorCode::Cancelled
+                        | ErrorCode::ShuttingDown
+                        | ErrorCode::ProviderUnavailable
+                        | ErrorCode::TransportIdleTimeout
+                        | ErrorCode::ConnectTimeout
+                ) {
                     i.cleanup_lost_create(marker);
                 }
                 return Err(e);
@@ -474,10 +588,14 @@ impl Provider for E2bProvider {
         };
         let version = EnvdVersion::parse(&resp.envd_version);
         if version.is_none_or(|v| v < EnvdVersion(0, 1, 0)) {
-            let kctx = CallCtx::new(ctx.request_id.clone()).with_timeout(i.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+            let kctx = CallCtx::new(ctx.request_id.clone())
+                .with_timeout(i.cfg.request_timeout(), "DEADLINE_EXCEEDED");
             let _ = i.kill(&kctx, &resp.sandbox_id).await;
             return Err(ProviderError::InvalidRequest {
-                message: format!("template {template} has envd {:?}, too old for this client", resp.envd_version),
+                message: format!(
+                    "template {template} has envd {:?}, too old for this client",
+                    resp.envd_version
+                ),
             });
         }
         let created = now_ms();
@@ -493,7 +611,13 @@ impl Provider for E2bProvider {
             network,
         };
         tracing::debug!(sandbox.id = %resp.sandbox_id, envd.version = %resp.envd_version, "Created an E2B sandbox");
-        i.sandbox(&resp.sandbox_id, resp.envd_access_token.as_deref(), resp.domain.as_deref(), &resp.envd_version, info)
+        i.sandbox(
+            &resp.sandbox_id,
+            resp.envd_access_token.as_deref(),
+            resp.domain.as_deref(),
+            &resp.envd_version,
+            info,
+        )
     }
 
     #[tracing::instrument(name = "sandbox.connect", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
@@ -511,8 +635,20 @@ impl Provider for E2bProvider {
         let detail = i.detail(ctx, id).await?;
         let info = i.info_from_detail(&detail);
         match conn {
-            Some(r) => i.sandbox(id, r.envd_access_token.as_deref(), r.domain.as_deref(), &r.envd_version, info),
-            None => i.sandbox(id, detail.envd_access_token.as_deref(), detail.domain.as_deref(), &detail.envd_version, info),
+            Some(r) => i.sandbox(
+                id,
+                r.envd_access_token.as_deref(),
+                r.domain.as_deref(),
+                &r.envd_version,
+                info,
+            ),
+            None => i.sandbox(
+                id,
+                detail.envd_access_token.as_deref(),
+                detail.domain.as_deref(),
+                &detail.envd_version,
+                info,
+            ),
         }
     }
 
@@ -523,7 +659,11 @@ impl Provider for E2bProvider {
         if i.debug() {
             return Ok(Vec::new());
         }
-        Ok(i.list_all(ctx).await?.iter().map(|s| i.info_from_listed(s)).collect())
+        Ok(i.list_all(ctx)
+            .await?
+            .iter()
+            .map(|s| i.info_from_listed(s))
+            .collect())
     }
 
     #[tracing::instrument(name = "sandbox.destroy", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
@@ -546,8 +686,15 @@ impl Provider for E2bProvider {
         }
         let op = Op::Sandbox { op: "renew", id };
         let path = format!("/sandboxes/{id}/timeout");
-        let body = TimeoutRequest { timeout: secs_ceil(ttl) };
-        retry(ctx, i.http.retry, "renew", || i.api.json_call(ctx, Method::POST, &path, Some(&body), &[], op)).await.map(|_| ())
+        let body = TimeoutRequest {
+            timeout: secs_ceil(ttl),
+        };
+        retry(ctx, i.http.retry, "renew", || {
+            i.api
+                .json_call(ctx, Method::POST, &path, Some(&body), &[], op)
+        })
+        .await
+        .map(|_| ())
     }
 
     #[tracing::instrument(name = "sandbox.pause", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
@@ -560,7 +707,16 @@ impl Provider for E2bProvider {
         let op = Op::Sandbox { op: "pause", id };
         let path = format!("/sandboxes/{id}/pause");
         let (status, headers, body) = retry(ctx, i.http.retry, "pause", || async {
-            let (s, h, b) = i.http.call(ctx, i.api.request(Method::POST, &path).json(&serde_json::json!({})), op).await?;
+            let (s, h, b) = i
+                .http
+                .call(
+                    ctx,
+                    i.api
+                        .request(Method::POST, &path)
+                        .json(&serde_json::json!({})),
+                    op,
+                )
+                .await?;
             // Retryable statuses go through the retry policy; everything else is judged below.
             if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
                 return Err(from_status(op, s, &h, &b));
@@ -636,29 +792,60 @@ impl SandboxCore {
 
     /// Run a short control command (`sh -c script tether args...`) to completion, bounded
     /// by the total limit of a call.
-    pub(crate) async fn control(&self, ctx: &CallCtx, user: Option<&str>, script: &str, args: &[&str]) -> Result<ControlOutcome> {
+    pub(crate) async fn control(
+        &self,
+        ctx: &CallCtx,
+        user: Option<&str>,
+        script: &str,
+        args: &[&str],
+    ) -> Result<ControlOutcome> {
         let tctx = ctx.with_timeout(self.cfg.request_timeout(), "DEADLINE_EXCEEDED");
         let mut argv = vec!["-c".to_owned(), script.to_owned(), "tether".to_owned()];
         argv.extend(args.iter().map(|a| (*a).to_owned()));
         let req = StartRequest {
-            process: Some(ProcessConfig { cmd: "/bin/sh".into(), args: argv, envs: BTreeMap::new(), cwd: Some(self.cfg.workspace.clone()) }),
+            process: Some(ProcessConfig {
+                cmd: "/bin/sh".into(),
+                args: argv,
+                envs: BTreeMap::new(),
+                cwd: Some(self.cfg.workspace.clone()),
+            }),
             pty: None,
             tag: None,
             stdin: Some(false),
         };
-        let op = Op::Process { op: "control", id: "control" };
-        let mut stream = self.envd.server_stream(&tctx, &tctx.cancel, "process.Process/Start", &req, user.or(self.user()), op).await?;
+        let op = Op::Process {
+            op: "control",
+            id: "control",
+        };
+        let mut stream = self
+            .envd
+            .server_stream(
+                &tctx,
+                &tctx.cancel,
+                "process.Process/Start",
+                &req,
+                user.or(self.user()),
+                op,
+            )
+            .await?;
         let mut stdout = Vec::new();
         let mut end: Option<EndEvent> = None;
         while let StreamItem::Message(m) = tctx.run(stream.next::<ProcessEventResponse>()).await? {
             match m.event {
-                ProcessEventMsg::Data(tether_protocol::e2b::DataEvent::Stdout(b)) => stdout.extend_from_slice(&b),
+                ProcessEventMsg::Data(tether_protocol::e2b::DataEvent::Stdout(b)) => {
+                    stdout.extend_from_slice(&b)
+                }
                 ProcessEventMsg::End(e) => end = Some(e),
                 _ => {}
             }
         }
-        let end = end.ok_or_else(|| crate::error::malformed("a control command ended without an end event"))?;
-        Ok(ControlOutcome { status: exit_status(&end), stdout })
+        let end = end.ok_or_else(|| {
+            crate::error::malformed("a control command ended without an end event")
+        })?;
+        Ok(ControlOutcome {
+            status: exit_status(&end),
+            stdout,
+        })
     }
 }
 

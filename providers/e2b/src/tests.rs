@@ -41,7 +41,10 @@ fn envelopes_decode_whatever_the_chunking() {
             }
         }
         assert_eq!(frames.len(), 4, "split {split}");
-        assert_eq!(frames[0], Frame::Message(Bytes::from_static(br#"{"event":{"start":{"pid":7}}}"#)));
+        assert_eq!(
+            frames[0],
+            Frame::Message(Bytes::from_static(br#"{"event":{"start":{"pid":7}}}"#))
+        );
         assert_eq!(frames[1], Frame::Message(Bytes::new()));
         assert!(matches!(&frames[2], Frame::Message(m) if m.len() == 70_000));
         assert!(matches!(&frames[3], Frame::End(e) if e.error.is_none()));
@@ -52,9 +55,14 @@ fn envelopes_decode_whatever_the_chunking() {
 #[test]
 fn an_end_frame_carries_the_calls_error_and_corruption_is_refused() {
     let mut r = EnvelopeReader::default();
-    r.push(&envelope(FLAG_END_STREAM, br#"{"error":{"code":"invalid_argument","message":"cwd '/x' does not exist"}}"#));
+    r.push(&envelope(
+        FLAG_END_STREAM,
+        br#"{"error":{"code":"invalid_argument","message":"cwd '/x' does not exist"}}"#,
+    ));
     match r.next_frame().unwrap() {
-        Some(Frame::End(e)) => assert_eq!(e.error.map(|e| e.code), Some(ConnectCode::InvalidArgument)),
+        Some(Frame::End(e)) => {
+            assert_eq!(e.error.map(|e| e.code), Some(ConnectCode::InvalidArgument))
+        }
         other => panic!("{other:?}"),
     }
     // An empty end frame is a clean end too.
@@ -77,12 +85,20 @@ fn an_end_frame_carries_the_calls_error_and_corruption_is_refused() {
 // --- configuration ---
 
 fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-    move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned())
+    move |k| {
+        pairs
+            .iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| (*v).to_owned())
+    }
 }
 
 #[test]
 fn the_environment_names_a_backend_as_the_sdks_read_it() {
-    assert!(E2bConfig::from_env(&env_of(&[("E2B_DOMAIN", "example.org")])).is_none(), "a domain alone names no backend");
+    assert!(
+        E2bConfig::from_env(&env_of(&[("E2B_DOMAIN", "example.org")])).is_none(),
+        "a domain alone names no backend"
+    );
     let c = E2bConfig::from_env(&env_of(&[
         ("E2B_API_KEY", "e2b_k"),
         ("E2B_DOMAIN", "example.org"),
@@ -95,20 +111,41 @@ fn the_environment_names_a_backend_as_the_sdks_read_it() {
     assert!(!c.is_debug());
     let ep = c.validate().unwrap();
     assert_eq!(ep.api.as_str(), "https://api.example.org/");
-    assert_eq!(ep.envd_url("iabc", None).unwrap().as_str(), "http://127.0.0.1:9/");
+    assert_eq!(
+        ep.envd_url("iabc", None).unwrap().as_str(),
+        "http://127.0.0.1:9/"
+    );
     // An explicit value beats the variable; `inherit_env = false` ignores them all.
-    let explicit = E2bConfig { api_key: Some("mine".into()), ..E2bConfig::default() }.with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
+    let explicit = E2bConfig {
+        api_key: Some("mine".into()),
+        ..E2bConfig::default()
+    }
+    .with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
     assert_eq!(explicit.api_key.as_deref(), Some("mine"));
-    let sealed = E2bConfig { inherit_env: false, ..E2bConfig::default() }.with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
+    let sealed = E2bConfig {
+        inherit_env: false,
+        ..E2bConfig::default()
+    }
+    .with_env(&env_of(&[("E2B_API_KEY", "theirs")]));
     assert_eq!(sealed.api_key, None);
     // Debug mode: no key needed, the SDKs' local URLs.
     let d = E2bConfig::from_env(&env_of(&[("E2B_DEBUG", "True")])).unwrap();
     let ep = d.validate().unwrap();
     assert!(ep.debug);
     assert_eq!(ep.api.as_str(), "http://localhost:3000/");
-    assert_eq!(ep.envd_url("x", None).unwrap().as_str(), "http://localhost:49983/");
+    assert_eq!(
+        ep.envd_url("x", None).unwrap().as_str(),
+        "http://localhost:49983/"
+    );
     // Credentials stay out of debug output.
-    let shown = format!("{:?}", E2bConfig { api_key: Some("e2b_secret".into()), access_token: Some("sk_secret".into()), ..E2bConfig::default() });
+    let shown = format!(
+        "{:?}",
+        E2bConfig {
+            api_key: Some("e2b_secret".into()),
+            access_token: Some("sk_secret".into()),
+            ..E2bConfig::default()
+        }
+    );
     assert!(!shown.contains("secret"), "{shown}");
 }
 
@@ -117,34 +154,103 @@ fn envd_urls_follow_the_sandbox_domain() {
     let ep = Endpoints::resolve(&E2bConfig::default()).unwrap();
     assert_eq!(ep.api.as_str(), "https://api.e2b.app/");
     // E2B's own domains share one host, routed by headers.
-    assert_eq!(ep.envd_url("iabc", None).unwrap().as_str(), "https://sandbox.e2b.app/");
-    assert_eq!(ep.envd_url("iabc", Some("e2b.dev")).unwrap().as_str(), "https://sandbox.e2b.dev/");
+    assert_eq!(
+        ep.envd_url("iabc", None).unwrap().as_str(),
+        "https://sandbox.e2b.app/"
+    );
+    assert_eq!(
+        ep.envd_url("iabc", Some("e2b.dev")).unwrap().as_str(),
+        "https://sandbox.e2b.dev/"
+    );
     // Other domains: one host per sandbox and port; a domain from create/connect wins.
-    assert_eq!(ep.envd_url("iabc", Some("sandboxes.example.org")).unwrap().as_str(), "https://49983-iabc.sandboxes.example.org/");
-    let self_hosted = Endpoints::resolve(&E2bConfig { domain: Some("corp.test".into()), ..E2bConfig::default() }).unwrap();
-    assert_eq!(self_hosted.envd_url("i1", None).unwrap().as_str(), "https://49983-i1.corp.test/");
+    assert_eq!(
+        ep.envd_url("iabc", Some("sandboxes.example.org"))
+            .unwrap()
+            .as_str(),
+        "https://49983-iabc.sandboxes.example.org/"
+    );
+    let self_hosted = Endpoints::resolve(&E2bConfig {
+        domain: Some("corp.test".into()),
+        ..E2bConfig::default()
+    })
+    .unwrap();
+    assert_eq!(
+        self_hosted.envd_url("i1", None).unwrap().as_str(),
+        "https://49983-i1.corp.test/"
+    );
     // A base path of the API URL is kept.
-    let prefixed = Endpoints::resolve(&E2bConfig { api_url: Some("http://127.0.0.1:8/e2b/".into()), ..E2bConfig::default() }).unwrap();
-    assert_eq!(prefixed.api_path("/v2/sandboxes").as_str(), "http://127.0.0.1:8/e2b/v2/sandboxes");
+    let prefixed = Endpoints::resolve(&E2bConfig {
+        api_url: Some("http://127.0.0.1:8/e2b/".into()),
+        ..E2bConfig::default()
+    })
+    .unwrap();
+    assert_eq!(
+        prefixed.api_path("/v2/sandboxes").as_str(),
+        "http://127.0.0.1:8/e2b/v2/sandboxes"
+    );
 }
 
 #[test]
 fn invalid_configurations_are_refused() {
     let bad = |c: E2bConfig| c.validate().map(|_| ()).unwrap_err().code();
-    assert_eq!(bad(E2bConfig { api_url: Some("not a url".into()), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
-    assert_eq!(bad(E2bConfig { sandbox_url: Some("ftp://x".into()), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
-    assert_eq!(bad(E2bConfig { workspace: "home/user".into(), ..E2bConfig::default() }), ErrorCode::InvalidRequest);
-    assert_eq!(bad(E2bConfig { connect_timeout_ms: 0, ..E2bConfig::default() }), ErrorCode::InvalidRequest);
-    // Keepalives must come more often than the transport is declared dead.
-    assert_eq!(bad(E2bConfig { transport_idle_ms: 10_000, keepalive_interval_s: 10, ..E2bConfig::default() }), ErrorCode::InvalidRequest);
     assert_eq!(
-        bad(E2bConfig { retry: RetryConfig { max_times: 1, min_delay_ms: 500, max_delay_ms: 100 }, ..E2bConfig::default() }),
+        bad(E2bConfig {
+            api_url: Some("not a url".into()),
+            ..E2bConfig::default()
+        }),
         ErrorCode::InvalidRequest
     );
-    let toml_like: E2bConfig = serde_json::from_value(serde_json::json!({"template": "code-interpreter", "ttl_ms": 60000})).unwrap();
+    assert_eq!(
+        bad(E2bConfig {
+            sandbox_url: Some("ftp://x".into()),
+            ..E2bConfig::default()
+        }),
+        ErrorCode::InvalidRequest
+    );
+    assert_eq!(
+        bad(E2bConfig {
+            workspace: "home/user".into(),
+            ..E2bConfig::default()
+        }),
+        ErrorCode::InvalidRequest
+    );
+    assert_eq!(
+        bad(E2bConfig {
+            connect_timeout_ms: 0,
+            ..E2bConfig::default()
+        }),
+        ErrorCode::InvalidRequest
+    );
+    // Keepalives must come more often than the transport is declared dead.
+    assert_eq!(
+        bad(E2bConfig {
+            transport_idle_ms: 10_000,
+            keepalive_interval_s: 10,
+            ..E2bConfig::default()
+        }),
+        ErrorCode::InvalidRequest
+    );
+    assert_eq!(
+        bad(E2bConfig {
+            retry: RetryConfig {
+                max_times: 1,
+                min_delay_ms: 500,
+                max_delay_ms: 100
+            },
+            ..E2bConfig::default()
+        }),
+        ErrorCode::InvalidRequest
+    );
+    let toml_like: E2bConfig = serde_json::from_value(
+        serde_json::json!({"template": "code-interpreter", "ttl_ms": 60000}),
+    )
+    .unwrap();
     assert_eq!(toml_like.template, "code-interpreter");
     assert_eq!(toml_like.state_dir(), "/home/user/.cache/tether");
-    assert!(serde_json::from_value::<E2bConfig>(serde_json::json!({"bogus": 1})).is_err(), "unknown fields are refused");
+    assert!(
+        serde_json::from_value::<E2bConfig>(serde_json::json!({"bogus": 1})).is_err(),
+        "unknown fields are refused"
+    );
 }
 
 #[test]
@@ -172,57 +278,168 @@ fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
 
 #[test]
 fn http_errors_map_onto_stable_codes() {
-    let sb = Op::Sandbox { op: "get", id: "i1" };
+    let sb = Op::Sandbox {
+        op: "get",
+        id: "i1",
+    };
     let none = HeaderMap::new();
-    let e = from_status(sb, StatusCode::NOT_FOUND, &none, br#"{"code":404,"message":"sandbox not found"}"#);
+    let e = from_status(
+        sb,
+        StatusCode::NOT_FOUND,
+        &none,
+        br#"{"code":404,"message":"sandbox not found"}"#,
+    );
     assert_eq!(e.code(), ErrorCode::SandboxNotFound);
     // The edge proxy's answer for a sandbox that is gone.
-    let fs = Op::Fs { op: "read", path: "/home/user/a" };
-    let e = from_status(fs, StatusCode::BAD_GATEWAY, &none, br#"{"sandboxId":"i1","message":"The sandbox was not found","code":502}"#);
+    let fs = Op::Fs {
+        op: "read",
+        path: "/home/user/a",
+    };
+    let e = from_status(
+        fs,
+        StatusCode::BAD_GATEWAY,
+        &none,
+        br#"{"sandboxId":"i1","message":"The sandbox was not found","code":502}"#,
+    );
     assert_eq!(e.code(), ErrorCode::SandboxNotFound);
     // Rate limits and overload: retryable, with the advised delay.
-    let e = from_status(sb, StatusCode::TOO_MANY_REQUESTS, &headers(&[("retry-after", "2")]), br#"{"code":429,"message":"slow down"}"#);
+    let e = from_status(
+        sb,
+        StatusCode::TOO_MANY_REQUESTS,
+        &headers(&[("retry-after", "2")]),
+        br#"{"code":429,"message":"slow down"}"#,
+    );
     assert!(e.retryable());
-    assert!(matches!(e, tether_provider::ProviderError::Unavailable { retry_after: Some(d), .. } if d == Duration::from_secs(2)));
+    assert!(
+        matches!(e, tether_provider::ProviderError::Unavailable { retry_after: Some(d), .. } if d == Duration::from_secs(2))
+    );
     // `Should-Retry` overrides the status either way.
-    assert!(!from_status(sb, StatusCode::SERVICE_UNAVAILABLE, &headers(&[("should-retry", "false")]), b"{}").retryable());
-    assert!(from_status(sb, StatusCode::INTERNAL_SERVER_ERROR, &headers(&[("should-retry", "true")]), b"{}").retryable());
+    assert!(
+        !from_status(
+            sb,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &headers(&[("should-retry", "false")]),
+            b"{}"
+        )
+        .retryable()
+    );
+    assert!(
+        from_status(
+            sb,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &headers(&[("should-retry", "true")]),
+            b"{}"
+        )
+        .retryable()
+    );
     assert!(!from_status(sb, StatusCode::INTERNAL_SERVER_ERROR, &none, b"<html>").retryable());
-    assert_eq!(from_status(sb, StatusCode::NOT_IMPLEMENTED, &none, b"").code(), ErrorCode::Unsupported);
-    assert_eq!(from_status(fs, StatusCode::NOT_FOUND, &none, b"").code(), ErrorCode::FsNotFound);
-    assert_eq!(from_status(fs, StatusCode::FORBIDDEN, &none, b"").code(), ErrorCode::FsPermissionDenied);
-    assert_eq!(from_status(fs, StatusCode::INSUFFICIENT_STORAGE, &none, b"").code(), ErrorCode::FsIoError);
+    assert_eq!(
+        from_status(sb, StatusCode::NOT_IMPLEMENTED, &none, b"").code(),
+        ErrorCode::Unsupported
+    );
+    assert_eq!(
+        from_status(fs, StatusCode::NOT_FOUND, &none, b"").code(),
+        ErrorCode::FsNotFound
+    );
+    assert_eq!(
+        from_status(fs, StatusCode::FORBIDDEN, &none, b"").code(),
+        ErrorCode::FsPermissionDenied
+    );
+    assert_eq!(
+        from_status(fs, StatusCode::INSUFFICIENT_STORAGE, &none, b"").code(),
+        ErrorCode::FsIoError
+    );
     // A Connect error body in front of an RPC wins over the status.
-    let p = Op::Process { op: "start", id: "c1" };
-    assert_eq!(from_status(p, StatusCode::BAD_REQUEST, &none, br#"{"code":"not_found","message":"x"}"#).code(), ErrorCode::CommandNotFound);
+    let p = Op::Process {
+        op: "start",
+        id: "c1",
+    };
+    assert_eq!(
+        from_status(
+            p,
+            StatusCode::BAD_REQUEST,
+            &none,
+            br#"{"code":"not_found","message":"x"}"#
+        )
+        .code(),
+        ErrorCode::CommandNotFound
+    );
 }
 
 #[test]
 fn connect_errors_map_by_operation() {
-    let fs = Op::Fs { op: "mkdir", path: "/d" };
-    let p = Op::Process { op: "start", id: "c" };
-    assert_eq!(from_connect(fs, ConnectCode::AlreadyExists, "").code(), ErrorCode::FsAlreadyExists);
-    assert_eq!(from_connect(fs, ConnectCode::NotFound, "").code(), ErrorCode::FsNotFound);
-    assert_eq!(from_connect(fs, ConnectCode::PermissionDenied, "").code(), ErrorCode::FsPermissionDenied);
-    assert_eq!(from_connect(p, ConnectCode::InvalidArgument, "cwd does not exist").code(), ErrorCode::SpawnFailed);
-    assert_eq!(from_connect(p, ConnectCode::NotFound, "").code(), ErrorCode::CommandNotFound);
-    assert_eq!(from_connect(p, ConnectCode::Unimplemented, "").code(), ErrorCode::Unsupported);
+    let fs = Op::Fs {
+        op: "mkdir",
+        path: "/d",
+    };
+    let p = Op::Process {
+        op: "start",
+        id: "c",
+    };
+    assert_eq!(
+        from_connect(fs, ConnectCode::AlreadyExists, "").code(),
+        ErrorCode::FsAlreadyExists
+    );
+    assert_eq!(
+        from_connect(fs, ConnectCode::NotFound, "").code(),
+        ErrorCode::FsNotFound
+    );
+    assert_eq!(
+        from_connect(fs, ConnectCode::PermissionDenied, "").code(),
+        ErrorCode::FsPermissionDenied
+    );
+    assert_eq!(
+        from_connect(p, ConnectCode::InvalidArgument, "cwd does not exist").code(),
+        ErrorCode::SpawnFailed
+    );
+    assert_eq!(
+        from_connect(p, ConnectCode::NotFound, "").code(),
+        ErrorCode::CommandNotFound
+    );
+    assert_eq!(
+        from_connect(p, ConnectCode::Unimplemented, "").code(),
+        ErrorCode::Unsupported
+    );
     assert!(from_connect(p, ConnectCode::Unavailable, "").retryable());
-    assert_eq!(from_connect(p, ConnectCode::DeadlineExceeded, "").code(), ErrorCode::DeadlineExceeded);
-    assert_eq!(from_connect(p, ConnectCode::Canceled, "").code(), ErrorCode::Cancelled);
+    assert_eq!(
+        from_connect(p, ConnectCode::DeadlineExceeded, "").code(),
+        ErrorCode::DeadlineExceeded
+    );
+    assert_eq!(
+        from_connect(p, ConnectCode::Canceled, "").code(),
+        ErrorCode::Cancelled
+    );
 }
 
 // --- processes ---
 
 fn end(exit_code: i32, exited: bool, status: &str) -> EndEvent {
-    EndEvent { exit_code, exited, status: status.into(), error: None }
+    EndEvent {
+        exit_code,
+        exited,
+        status: status.into(),
+        error: None,
+    }
 }
 
 #[test]
 fn exit_statuses_read_like_go_process_state() {
-    assert_eq!(exit_status(&end(0, true, "exit status 0")), tether_protocol::process::ExitStatus { code: Some(0), signal: None });
+    assert_eq!(
+        exit_status(&end(0, true, "exit status 0")),
+        tether_protocol::process::ExitStatus {
+            code: Some(0),
+            signal: None
+        }
+    );
     assert_eq!(exit_status(&end(3, true, "exit status 3")).code, Some(3));
-    for (status, n) in [("signal: killed", 9), ("signal: terminated", 15), ("signal: interrupt", 2), ("signal: user defined signal 1", 10), ("signal: segmentation fault (core dumped)", 11), ("signal: signal 40", 40)] {
+    for (status, n) in [
+        ("signal: killed", 9),
+        ("signal: terminated", 15),
+        ("signal: interrupt", 2),
+        ("signal: user defined signal 1", 10),
+        ("signal: segmentation fault (core dumped)", 11),
+        ("signal: signal 40", 40),
+    ] {
         let s = exit_status(&end(-1, false, status));
         assert_eq!((s.code, s.signal), (None, Some(n)), "{status}");
     }
@@ -253,7 +470,10 @@ fn the_output_window_keeps_the_recent_bytes_at_their_offsets() {
 #[test]
 fn paths_resolve_against_the_workspace() {
     assert_eq!(resolve("/home/user", "a/b.txt"), "/home/user/a/b.txt");
-    assert_eq!(resolve("/home/user", "./rel/../rel/x.txt"), "/home/user/rel/x.txt");
+    assert_eq!(
+        resolve("/home/user", "./rel/../rel/x.txt"),
+        "/home/user/rel/x.txt"
+    );
     assert_eq!(resolve("/home/user", "~/x"), "/home/user/x");
     assert_eq!(resolve("/home/user", "/etc/../tmp//f"), "/tmp/f");
     assert_eq!(resolve("/home/user", "../../../.."), "/");
@@ -284,10 +504,26 @@ fn entry(size: i64, mtime: &str, meta: Option<&str>) -> EntryInfo {
 #[test]
 fn versions_change_with_every_write_even_within_one_millisecond() {
     let t = "2026-11-30T08:16:00.123Z";
-    assert_eq!(version_of(&entry(3, t, Some("v1"))), version_of(&entry(3, t, Some("v1"))), "same facts, same version");
-    assert_ne!(version_of(&entry(3, t, Some("v1"))), version_of(&entry(3, t, Some("v2"))), "a new write id");
-    assert_ne!(version_of(&entry(3, t, None)), version_of(&entry(4, t, None)), "a new size");
-    assert_ne!(version_of(&entry(3, t, None)), version_of(&entry(3, "2026-11-30T08:16:00.124Z", None)), "a new time");
+    assert_eq!(
+        version_of(&entry(3, t, Some("v1"))),
+        version_of(&entry(3, t, Some("v1"))),
+        "same facts, same version"
+    );
+    assert_ne!(
+        version_of(&entry(3, t, Some("v1"))),
+        version_of(&entry(3, t, Some("v2"))),
+        "a new write id"
+    );
+    assert_ne!(
+        version_of(&entry(3, t, None)),
+        version_of(&entry(4, t, None)),
+        "a new size"
+    );
+    assert_ne!(
+        version_of(&entry(3, t, None)),
+        version_of(&entry(3, "2026-11-30T08:16:00.124Z", None)),
+        "a new time"
+    );
     let st = to_stat(&entry(3, t, None));
     assert_eq!((st.kind, st.size, st.mode), (FileKind::File, 3, 0o644));
     assert_eq!(st.modified_ms, 1_796_026_560_123);
@@ -299,11 +535,31 @@ fn versions_change_with_every_write_even_within_one_millisecond() {
 // --- the wrapper ---
 
 /// Run the wrapper locally, as envd would, and return (status, stdout, stderr, dir).
-async fn run_wrapper(argv: &[&str], caps: [&str; 2], unset: &[&str]) -> (std::process::ExitStatus, Vec<u8>, Vec<u8>, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("tether-e2b-wrapper-{}", uuid::Uuid::new_v4().simple()));
+async fn run_wrapper(
+    argv: &[&str],
+    caps: [&str; 2],
+    unset: &[&str],
+) -> (
+    std::process::ExitStatus,
+    Vec<u8>,
+    Vec<u8>,
+    std::path::PathBuf,
+) {
+    let dir = std::env::temp_dir().join(format!(
+        "tether-e2b-wrapper-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
     let mut cmd = tokio::process::Command::new("/bin/bash");
-    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir);
-    cmd.arg("1").args(caps).arg(unset.len().to_string()).args(unset).args(argv);
+    cmd.arg("-c")
+        .arg(crate::process::WRAPPER)
+        .arg("tether")
+        .arg(crate::process::RELAY)
+        .arg(&dir);
+    cmd.arg("1")
+        .args(caps)
+        .arg(unset.len().to_string())
+        .args(unset)
+        .args(argv);
     cmd.env("TETHER_WRAPPER_TEST", "set");
     let out = cmd.output().await.expect("run the wrapper");
     (out.status, out.stdout, out.stderr, dir)
@@ -325,7 +581,12 @@ async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
         return;
     }
     let script = "printf 'out-1\\n'; printf 'err-1\\n' >&2; head -c 100000 /dev/zero | tr '\\0' a; printf \"%s|%s\" \"${TETHER_WRAPPER_TEST-unset}\" \"$(ps -o pgid= -p $$ | tr -d ' ')-$$\"; exit 7";
-    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["1000000", "1000000"], &["TETHER_WRAPPER_TEST"]).await;
+    let (status, out, err, dir) = run_wrapper(
+        &["/bin/bash", "-c", script],
+        ["1000000", "1000000"],
+        &["TETHER_WRAPPER_TEST"],
+    )
+    .await;
     assert_eq!(status.code(), Some(7), "the exec'd command's own status");
     wait_for(&dir.join("out.done")).await;
     wait_for(&dir.join("err.done")).await;
@@ -342,7 +603,8 @@ async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
     assert_eq!(pgid, pid, "the command leads its own process group");
     let _ = std::fs::remove_dir_all(&dir);
     // The copies stop at the capture caps; envd still gets everything.
-    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["1000", "3"], &[]).await;
+    let (status, out, err, dir) =
+        run_wrapper(&["/bin/bash", "-c", script], ["1000", "3"], &[]).await;
     assert_eq!(status.code(), Some(7));
     wait_for(&dir.join("out.done")).await;
     wait_for(&dir.join("err.done")).await;
@@ -360,12 +622,17 @@ async fn caps_of_whole_kib_are_held_exactly_by_the_file_size_limit() {
     // 2 KiB and 1 KiB take the file size limit branch (`ulimit -f`): the copies still hold
     // exactly the first cap bytes, envd gets everything, and the cut copy says nothing.
     let script = "printf 'err-1\\n' >&2; head -c 100000 /dev/zero | tr '\\0' b; head -c 3000 /dev/zero | tr '\\0' c >&2; exit 3";
-    let (status, out, err, dir) = run_wrapper(&["/bin/bash", "-c", script], ["2048", "1024"], &[]).await;
+    let (status, out, err, dir) =
+        run_wrapper(&["/bin/bash", "-c", script], ["2048", "1024"], &[]).await;
     assert_eq!(status.code(), Some(3));
     wait_for(&dir.join("out.done")).await;
     wait_for(&dir.join("err.done")).await;
     assert_eq!(out.len(), 100_000, "envd got all of stdout");
-    assert_eq!(err.len(), 3006, "envd got all of stderr, and no diagnostics of the copies");
+    assert_eq!(
+        err.len(),
+        3006,
+        "envd got all of stderr, and no diagnostics of the copies"
+    );
     assert_eq!(std::fs::read(dir.join("out")).unwrap(), out[..2048]);
     assert_eq!(std::fs::read(dir.join("err")).unwrap(), err[..1024]);
     let _ = std::fs::remove_dir_all(&dir);
@@ -376,16 +643,29 @@ async fn a_signal_sent_while_the_relay_is_starting_waits_for_it() {
     if !std::path::Path::new("/bin/bash").exists() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("tether-e2b-early-{}", uuid::Uuid::new_v4().simple()));
+    let dir = std::env::temp_dir().join(format!(
+        "tether-e2b-early-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
     let mut cmd = tokio::process::Command::new("/bin/bash");
-    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir).args(["1", "64", "64", "0"]);
-    cmd.args(["/bin/sleep", "30"]).stdout(std::process::Stdio::null());
+    cmd.arg("-c")
+        .arg(crate::process::WRAPPER)
+        .arg("tether")
+        .arg(crate::process::RELAY)
+        .arg(&dir)
+        .args(["1", "64", "64", "0"]);
+    cmd.args(["/bin/sleep", "30"])
+        .stdout(std::process::Stdio::null());
     let mut child = cmd.spawn().unwrap();
     let fifo = dir.join("ctl");
     // As soon as the wrapper announced a relay (its FIFO may not exist yet), signal. The
     // group id given is no group at all, so only the relay can deliver it.
     wait_for(&dir.join("ctl.wait")).await;
-    let script = format!("{}{}", crate::process::AWAIT_RELAY, crate::process::SIGNAL_SCRIPT);
+    let script = format!(
+        "{}{}",
+        crate::process::AWAIT_RELAY,
+        crate::process::SIGNAL_SCRIPT
+    );
     let send = tokio::process::Command::new("/bin/sh")
         .arg("-c")
         .arg(script)
@@ -397,8 +677,14 @@ async fn a_signal_sent_while_the_relay_is_starting_waits_for_it() {
         .await
         .unwrap();
     assert!(send.success(), "handed to the relay");
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("the signal arrived").unwrap();
-    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(15));
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("the signal arrived")
+        .unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(15)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -407,11 +693,20 @@ async fn the_relay_signals_the_whole_group() {
     if !std::path::Path::new("/bin/bash").exists() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("tether-e2b-relay-{}", uuid::Uuid::new_v4().simple()));
+    let dir = std::env::temp_dir().join(format!(
+        "tether-e2b-relay-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
     let script = "trap 'echo got-usr1; exit 5' USR1; (trap '' USR1; sleep 30) & echo ready; while :; do sleep 0.02; done";
     let mut cmd = tokio::process::Command::new("/bin/bash");
-    cmd.arg("-c").arg(crate::process::WRAPPER).arg("tether").arg(crate::process::RELAY).arg(&dir).args(["1", "64", "64", "0"]);
-    cmd.args(["/bin/bash", "-c", script]).stdout(std::process::Stdio::piped());
+    cmd.arg("-c")
+        .arg(crate::process::WRAPPER)
+        .arg("tether")
+        .arg(crate::process::RELAY)
+        .arg(&dir)
+        .args(["1", "64", "64", "0"]);
+    cmd.args(["/bin/bash", "-c", script])
+        .stdout(std::process::Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     let pgid = child.id().expect("pid");
     let fifo = dir.join("ctl");
@@ -419,7 +714,9 @@ async fn the_relay_signals_the_whole_group() {
     // Signal once the command has set its trap.
     let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
-    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line).await.unwrap();
+    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line)
+        .await
+        .unwrap();
     assert_eq!(line, "ready\n");
     // Signal the group the way a control command does: one line into the FIFO.
     let send = tokio::process::Command::new("/bin/sh")
@@ -432,13 +729,22 @@ async fn the_relay_signals_the_whole_group() {
         .await
         .unwrap();
     assert!(send.success());
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("the signal arrived").unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("the signal arrived")
+        .unwrap();
     assert_eq!(status.code(), Some(5));
     let mut next = String::new();
-    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut next).await.unwrap();
+    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut next)
+        .await
+        .unwrap();
     assert_eq!(next, "got-usr1\n");
     // The relay leaves with the group's last process (the background sleep ignores USR1).
-    let _ = tokio::process::Command::new("/bin/sh").arg("-c").arg(format!("kill -KILL -{pgid}")).status().await;
+    let _ = tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!("kill -KILL -{pgid}"))
+        .status()
+        .await;
     for _ in 0..300 {
         if !fifo.exists() {
             let _ = std::fs::remove_dir_all(&dir);

@@ -23,7 +23,9 @@ use serde_json::{Value, json};
 use tether_protocol::ErrorCode;
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
 use tether_provider::{CallCtx, Provider, SandboxSpec, StreamOffsets};
-use tether_provider_e2b::{E2bConfig, E2bProvider, FLAG_END_STREAM, RetryConfig, WRAPPER, envelope};
+use tether_provider_e2b::{
+    E2bConfig, E2bProvider, FLAG_END_STREAM, RetryConfig, WRAPPER, envelope,
+};
 use tokio::time::Instant;
 
 /// What the fake saw and what it should answer.
@@ -60,8 +62,16 @@ type Shared = Arc<Fake>;
 
 impl Fake {
     fn hit(&self, route: &str, headers: &HeaderMap, body: Value) {
-        *self.hits.write().unwrap().entry(route.to_owned()).or_default() += 1;
-        self.seen.write().unwrap().insert(route.to_owned(), (headers.clone(), body));
+        *self
+            .hits
+            .write()
+            .unwrap()
+            .entry(route.to_owned())
+            .or_default() += 1;
+        self.seen
+            .write()
+            .unwrap()
+            .insert(route.to_owned(), (headers.clone(), body));
     }
 
     fn hits(&self, route: &str) -> usize {
@@ -69,7 +79,12 @@ impl Fake {
     }
 
     fn seen(&self, route: &str) -> (HeaderMap, Value) {
-        self.seen.read().unwrap().get(route).cloned().expect("the route was called")
+        self.seen
+            .read()
+            .unwrap()
+            .get(route)
+            .cloned()
+            .expect("the route was called")
     }
 }
 
@@ -93,7 +108,11 @@ fn body_json(b: &Bytes) -> Value {
 }
 
 fn api_error(status: u16, msg: &str) -> Response {
-    (StatusCode::from_u16(status).unwrap(), axum::Json(json!({"code": status, "message": msg}))).into_response()
+    (
+        StatusCode::from_u16(status).unwrap(),
+        axum::Json(json!({"code": status, "message": msg})),
+    )
+        .into_response()
 }
 
 async fn create_v2(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
@@ -107,12 +126,14 @@ async fn create_v2(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> 
     let n = f.creates.fetch_add(1, Ordering::SeqCst);
     if f.should_not_retry {
         let mut r = api_error(503, "busy");
-        r.headers_mut().insert("should-retry", "false".parse().unwrap());
+        r.headers_mut()
+            .insert("should-retry", "false".parse().unwrap());
         return r;
     }
     if f.rate_limit_first && n == 0 {
         let mut r = api_error(429, "slow down");
-        r.headers_mut().insert("retry-after", "0.3".parse().unwrap());
+        r.headers_mut()
+            .insert("retry-after", "0.3".parse().unwrap());
         return r;
     }
     (StatusCode::CREATED, axum::Json(sandbox_json("isbx1"))).into_response()
@@ -123,12 +144,18 @@ async fn create_v1(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> 
     (StatusCode::CREATED, axum::Json(sandbox_json("isbx1"))).into_response()
 }
 
-async fn list_v2(State(f): State<Shared>, headers: HeaderMap, Query(q): Query<BTreeMap<String, String>>) -> Response {
+async fn list_v2(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Response {
     f.hit("list_v2", &headers, json!(q));
     match q.get("nextToken").map(String::as_str) {
         None => {
-            let mut r = axum::Json(json!([listed("ia", json!({"tether.session": "s1"}))])).into_response();
-            r.headers_mut().insert("x-next-token", "page2".parse().unwrap());
+            let mut r =
+                axum::Json(json!([listed("ia", json!({"tether.session": "s1"}))])).into_response();
+            r.headers_mut()
+                .insert("x-next-token", "page2".parse().unwrap());
             r
         }
         Some("page2") => axum::Json(json!([listed("ib", json!({}))])).into_response(),
@@ -141,9 +168,17 @@ async fn kill(State(f): State<Shared>, headers: HeaderMap, Path(id): Path<String
     api_error(404, "sandbox not found")
 }
 
-async fn get_detail(State(f): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+async fn get_detail(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
     f.hit("detail", &headers, json!(id));
-    if id == "igone" { api_error(404, "sandbox not found") } else { axum::Json(detail(&id)).into_response() }
+    if id == "igone" {
+        api_error(404, "sandbox not found")
+    } else {
+        axum::Json(detail(&id)).into_response()
+    }
 }
 
 async fn no_route(State(f): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> Response {
@@ -169,44 +204,82 @@ fn stream_answer(frames: Vec<Bytes>, end: Option<Bytes>) -> Response {
         end.ok_or_else(|| std::io::Error::other("the connection broke"))
     });
     let body = Body::from_stream(futures_util::stream::iter(items).chain(last));
-    (StatusCode::OK, [("content-type", "application/connect+json")], body).into_response()
+    (
+        StatusCode::OK,
+        [("content-type", "application/connect+json")],
+        body,
+    )
+        .into_response()
 }
 
 fn msg(v: Value) -> Bytes {
     envelope(0, &serde_json::to_vec(&v).unwrap())
 }
 
-async fn rpc(State(f): State<Shared>, Path(method): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
-    let streaming = headers.get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"application/connect+json"));
-    let payload: Value = if streaming { serde_json::from_slice(&body[5..]).unwrap_or(Value::Null) } else { body_json(&body) };
+async fn rpc(
+    State(f): State<Shared>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let streaming = headers
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/connect+json"));
+    let payload: Value = if streaming {
+        serde_json::from_slice(&body[5..]).unwrap_or(Value::Null)
+    } else {
+        body_json(&body)
+    };
     f.hit(&method, &headers, payload.clone());
     match method.as_str() {
         "process.Process/Start" => {
             if let Some(e) = f.start_error.read().unwrap().clone() {
-                return stream_answer(vec![], Some(envelope(FLAG_END_STREAM, &serde_json::to_vec(&e).unwrap())));
+                return stream_answer(
+                    vec![],
+                    Some(envelope(FLAG_END_STREAM, &serde_json::to_vec(&e).unwrap())),
+                );
             }
-            let args = payload["process"]["args"].as_array().cloned().unwrap_or_default();
+            let args = payload["process"]["args"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
             if payload["process"]["cmd"] != json!("/bin/bash") {
                 // A control command of the provider: it succeeds, except a failing checksum.
                 let script = args.get(1).and_then(Value::as_str).unwrap_or_default();
-                let code = if f.sha_mismatch && script.contains("sha256sum") { 1 } else { 0 };
+                let code = if f.sha_mismatch && script.contains("sha256sum") {
+                    1
+                } else {
+                    0
+                };
                 return stream_answer(
                     vec![
                         msg(json!({"event": {"start": {"pid": 7}}})),
-                        msg(json!({"event": {"end": {"exitCode": code, "exited": true, "status": format!("exit status {code}")}}})),
+                        msg(
+                            json!({"event": {"end": {"exitCode": code, "exited": true, "status": format!("exit status {code}")}}}),
+                        ),
                     ],
                     Some(envelope(FLAG_END_STREAM, b"{}")),
                 );
             }
             *f.dir.write().unwrap() = args[4].as_str().unwrap().to_owned();
-            *f.started.write().unwrap() = Some(json!({"config": payload["process"], "pid": 42, "tag": payload["tag"]}));
+            *f.started.write().unwrap() =
+                Some(json!({"config": payload["process"], "pid": 42, "tag": payload["tag"]}));
             if f.stall_start {
-                let body = Body::from_stream(futures_util::stream::pending::<Result<Bytes, std::io::Error>>());
-                return (StatusCode::OK, [("content-type", "application/connect+json")], body).into_response();
+                let body = Body::from_stream(futures_util::stream::pending::<
+                    Result<Bytes, std::io::Error>,
+                >());
+                return (
+                    StatusCode::OK,
+                    [("content-type", "application/connect+json")],
+                    body,
+                )
+                    .into_response();
             }
             let mut frames = vec![msg(json!({"event": {"start": {"pid": 42}}}))];
             for chunk in f.live.read().unwrap().iter() {
-                frames.push(msg(json!({"event": {"data": {"stdout": base64_of(chunk)}}})));
+                frames.push(msg(
+                    json!({"event": {"data": {"stdout": base64_of(chunk)}}}),
+                ));
             }
             let live_end = f.live_end.read().unwrap().clone();
             match live_end {
@@ -218,9 +291,17 @@ async fn rpc(State(f): State<Shared>, Path(method): Path<String>, headers: Heade
             }
         }
         "process.Process/Connect" => {
-            let end = f.connect_end.read().unwrap().clone().unwrap_or(json!({"exited": true, "status": "exit status 0"}));
+            let end = f
+                .connect_end
+                .read()
+                .unwrap()
+                .clone()
+                .unwrap_or(json!({"exited": true, "status": "exit status 0"}));
             stream_answer(
-                vec![msg(json!({"event": {"start": {"pid": 42}}})), msg(json!({"event": {"end": end}}))],
+                vec![
+                    msg(json!({"event": {"start": {"pid": 42}}})),
+                    msg(json!({"event": {"end": end}})),
+                ],
                 Some(envelope(FLAG_END_STREAM, b"{}")),
             )
         }
@@ -235,19 +316,29 @@ async fn rpc(State(f): State<Shared>, Path(method): Path<String>, headers: Heade
         }
         "process.Process/List" => {
             let started = f.started.read().unwrap().clone();
-            axum::Json(json!({"processes": started.into_iter().collect::<Vec<_>>()})).into_response()
+            axum::Json(json!({"processes": started.into_iter().collect::<Vec<_>>()}))
+                .into_response()
         }
         "filesystem.Filesystem/Remove" => axum::Json(json!({})).into_response(),
         "filesystem.Filesystem/Move" => {
-            let to = payload["destination"].as_str().unwrap_or_default().to_owned();
+            let to = payload["destination"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
             axum::Json(json!({"entry": {"name": "f", "type": "FILE_TYPE_FILE", "path": to, "size": "3", "mode": 420,
                 "permissions": "-rw-r--r--", "owner": "user", "group": "user", "modifiedTime": "2026-11-30T08:00:00Z"}}))
             .into_response()
         }
-        "filesystem.Filesystem/Stat" => {
-            (StatusCode::NOT_FOUND, axum::Json(json!({"code": "not_found", "message": "no such file"}))).into_response()
-        }
-        _ => (StatusCode::NOT_IMPLEMENTED, axum::Json(json!({"code": "unimplemented", "message": method}))).into_response(),
+        "filesystem.Filesystem/Stat" => (
+            StatusCode::NOT_FOUND,
+            axum::Json(json!({"code": "not_found", "message": "no such file"})),
+        )
+            .into_response(),
+        _ => (
+            StatusCode::NOT_IMPLEMENTED,
+            axum::Json(json!({"code": "unimplemented", "message": method})),
+        )
+            .into_response(),
     }
 }
 
@@ -256,7 +347,11 @@ fn base64_of(b: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(b)
 }
 
-async fn files(State(f): State<Shared>, headers: HeaderMap, Query(q): Query<BTreeMap<String, String>>) -> Response {
+async fn files(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Response {
     f.hit("files_get", &headers, json!(q));
     let copy = f.out_copy.read().unwrap().clone();
     let from: usize = headers
@@ -270,8 +365,17 @@ async fn files(State(f): State<Shared>, headers: HeaderMap, Query(q): Query<BTre
     (StatusCode::PARTIAL_CONTENT, copy[from..].to_vec()).into_response()
 }
 
-async fn upload(State(f): State<Shared>, headers: HeaderMap, Query(q): Query<BTreeMap<String, String>>, body: Bytes) -> Response {
-    f.hit("files_post", &headers, json!({"query": q, "len": body.len()}));
+async fn upload(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<BTreeMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    f.hit(
+        "files_post",
+        &headers,
+        json!({"query": q, "len": body.len()}),
+    );
     axum::Json(json!([{"path": q.get("path"), "name": "f", "type": "file"}])).into_response()
 }
 
@@ -302,7 +406,11 @@ fn config(addr: SocketAddr) -> E2bConfig {
         sandbox_url: Some(format!("http://{addr}")),
         api_key: Some("e2b_fake".into()),
         inherit_env: false,
-        retry: RetryConfig { max_times: 3, min_delay_ms: 10, max_delay_ms: 1000 },
+        retry: RetryConfig {
+            max_times: 3,
+            min_delay_ms: 10,
+            max_delay_ms: 1000,
+        },
         drain_after_exit_ms: 200,
         ..E2bConfig::default()
     }
@@ -316,16 +424,30 @@ fn ctx() -> CallCtx {
 async fn create_falls_back_to_v1_once_and_sends_what_v1_needs() {
     let (addr, fake) = serve(Fake::default()).await;
     let p = E2bProvider::new(config(addr)).unwrap();
-    let mut spec = SandboxSpec { ttl: Some(Duration::from_millis(90_500)), ..SandboxSpec::default() };
+    let mut spec = SandboxSpec {
+        ttl: Some(Duration::from_millis(90_500)),
+        ..SandboxSpec::default()
+    };
     spec.metadata.insert("tether.session".into(), "s1".into());
     spec.env.insert("A".into(), "1".into());
     let sb = p.create(&ctx(), spec.clone()).await.expect("create");
     assert_eq!(sb.info().id, "isbx1");
-    assert_eq!(sb.info().metadata.get("tether.session").map(String::as_str), Some("s1"));
+    assert_eq!(
+        sb.info().metadata.get("tether.session").map(String::as_str),
+        Some("s1")
+    );
     let (headers, body) = fake.seen("create_v1");
     assert_eq!(headers.get("x-api-key").unwrap(), "e2b_fake");
-    assert_eq!(body["secure"], json!(true), "v1 needs secure for an access token");
-    assert_eq!(body["timeout"], json!(91), "an explicit timeout, rounded up (v1's default is 15 s)");
+    assert_eq!(
+        body["secure"],
+        json!(true),
+        "v1 needs secure for an access token"
+    );
+    assert_eq!(
+        body["timeout"],
+        json!(91),
+        "an explicit timeout, rounded up (v1's default is 15 s)"
+    );
     assert_eq!(body["autoPause"], json!(false), "auto_pause is always sent");
     assert_eq!(body["envVars"]["A"], json!("1"));
     assert_eq!(body["metadata"]["tether.session"], json!("s1"));
@@ -337,22 +459,45 @@ async fn create_falls_back_to_v1_once_and_sends_what_v1_needs() {
 
 #[tokio::test]
 async fn a_rate_limited_create_is_retried_after_the_advised_delay_with_the_same_key() {
-    let (addr, fake) = serve(Fake { v2: true, rate_limit_first: true, ..Fake::default() }).await;
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        rate_limit_first: true,
+        ..Fake::default()
+    })
+    .await;
     let p = E2bProvider::new(config(addr)).unwrap();
     let t = Instant::now();
-    let sb = p.create(&ctx(), SandboxSpec::default()).await.expect("create");
+    let sb = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("create");
     let took = t.elapsed();
     assert_eq!(sb.info().id, "isbx1");
     assert_eq!(fake.hits("create_v2"), 2);
-    assert!(took >= Duration::from_millis(300), "Retry-After was not honoured: {took:?}");
+    assert!(
+        took >= Duration::from_millis(300),
+        "Retry-After was not honoured: {took:?}"
+    );
     assert!(took < Duration::from_secs(2), "took {took:?}");
     let keys = fake.keys.read().unwrap().clone();
     assert_eq!(keys.len(), 2);
-    assert_eq!(keys[0], keys[1], "a retried create carries the same idempotency key");
+    assert_eq!(
+        keys[0], keys[1],
+        "a retried create carries the same idempotency key"
+    );
     // A backend that says not to retry is not retried.
-    let (addr, fake) = serve(Fake { v2: true, should_not_retry: true, ..Fake::default() }).await;
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        should_not_retry: true,
+        ..Fake::default()
+    })
+    .await;
     let p = E2bProvider::new(config(addr)).unwrap();
-    let e = p.create(&ctx(), SandboxSpec::default()).await.map(|_| ()).expect_err("create");
+    let e = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .map(|_| ())
+        .expect_err("create");
     assert_eq!(e.code(), ErrorCode::ProviderError);
     assert_eq!(fake.hits("create_v2"), 1);
 }
@@ -362,35 +507,76 @@ async fn list_pages_destroy_of_a_gone_sandbox_and_connect_without_a_connect_rout
     let (addr, fake) = serve(Fake::default()).await;
     let p = E2bProvider::new(config(addr)).unwrap();
     let all = p.list(&ctx()).await.expect("list");
-    assert_eq!(all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["ia", "ib"], "both pages");
-    assert_eq!(all[0].metadata.get("tether.session").map(String::as_str), Some("s1"), "metadata is listed for the reconciler");
+    assert_eq!(
+        all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        ["ia", "ib"],
+        "both pages"
+    );
+    assert_eq!(
+        all[0].metadata.get("tether.session").map(String::as_str),
+        Some("s1"),
+        "metadata is listed for the reconciler"
+    );
     assert_eq!(all[0].created_ms, 1_796_025_600_000);
     assert_eq!(all[0].expires_ms, Some(1_796_029_200_000));
     assert_eq!(fake.hits("list_v2"), 2);
-    p.destroy(&ctx(), "igone").await.expect("a 404 on kill means already gone");
+    p.destroy(&ctx(), "igone")
+        .await
+        .expect("a 404 on kill means already gone");
     // No connect route at all: the details' token is used.
     let sb = p.connect(&ctx(), "ia").await.expect("connect");
-    assert_eq!(sb.info().metadata.get("tether.session").map(String::as_str), Some("s1"));
+    assert_eq!(
+        sb.info().metadata.get("tether.session").map(String::as_str),
+        Some("s1")
+    );
     assert_eq!(fake.hits("connect"), 2, "v2, then v1");
-    let e = p.connect(&ctx(), "igone").await.map(|_| ()).expect_err("connect to a gone sandbox");
+    let e = p
+        .connect(&ctx(), "igone")
+        .await
+        .map(|_| ())
+        .expect_err("connect to a gone sandbox");
     assert_eq!(e.code(), ErrorCode::SandboxNotFound);
 }
 
 #[tokio::test]
 async fn pause_is_probed_once() {
-    for (status, expect) in [(501u16, ErrorCode::Unsupported), (404, ErrorCode::Unsupported)] {
-        let (addr, fake) = serve(Fake { pause_status: status, ..Fake::default() }).await;
+    for (status, expect) in [
+        (501u16, ErrorCode::Unsupported),
+        (404, ErrorCode::Unsupported),
+    ] {
+        let (addr, fake) = serve(Fake {
+            pause_status: status,
+            ..Fake::default()
+        })
+        .await;
         let p = E2bProvider::new(config(addr)).unwrap();
-        assert_eq!(p.pause(&ctx(), "ia").await.expect_err("pause").code(), expect, "status {status}");
+        assert_eq!(
+            p.pause(&ctx(), "ia").await.expect_err("pause").code(),
+            expect,
+            "status {status}"
+        );
         assert!(!p.capabilities().pause);
-        assert_eq!(p.pause(&ctx(), "ia").await.expect_err("pause").code(), ErrorCode::Unsupported);
+        assert_eq!(
+            p.pause(&ctx(), "ia").await.expect_err("pause").code(),
+            ErrorCode::Unsupported
+        );
         assert_eq!(fake.hits("pause"), 1, "the second pause made no request");
     }
     // A 404 for a sandbox that does not exist is a missing sandbox, not a missing route.
-    let (addr, _) = serve(Fake { pause_status: 404, ..Fake::default() }).await;
+    let (addr, _) = serve(Fake {
+        pause_status: 404,
+        ..Fake::default()
+    })
+    .await;
     let p = E2bProvider::new(config(addr)).unwrap();
-    assert_eq!(p.pause(&ctx(), "igone").await.expect_err("pause").code(), ErrorCode::SandboxNotFound);
-    assert!(p.capabilities().pause, "nothing was learned about the route");
+    assert_eq!(
+        p.pause(&ctx(), "igone").await.expect_err("pause").code(),
+        ErrorCode::SandboxNotFound
+    );
+    assert!(
+        p.capabilities().pause,
+        "nothing was learned about the route"
+    );
 }
 
 async fn collect(h: &dyn tether_provider::ProcessHandle) -> (Vec<u8>, Option<i32>) {
@@ -403,7 +589,11 @@ async fn collect(h: &dyn tether_provider::ProcessHandle) -> (Vec<u8>, Option<i32
                 assert_eq!(offset, out.len() as u64);
                 out.extend_from_slice(&data);
             }
-            ProcessEvent::Exited { status, stdout_bytes, .. } => {
+            ProcessEvent::Exited {
+                status,
+                stdout_bytes,
+                ..
+            } => {
                 assert_eq!(stdout_bytes, out.len() as u64);
                 code = status.code;
             }
@@ -415,10 +605,14 @@ async fn collect(h: &dyn tether_provider::ProcessHandle) -> (Vec<u8>, Option<i32
 
 #[tokio::test]
 async fn a_broken_start_stream_is_resumed_from_the_copy() {
-    let fake = Fake { v2: true, ..Fake::default() };
+    let fake = Fake {
+        v2: true,
+        ..Fake::default()
+    };
     *fake.live.write().unwrap() = vec![b"hello ".to_vec()];
     *fake.out_copy.write().unwrap() = b"hello world\n".to_vec();
-    *fake.connect_end.write().unwrap() = Some(json!({"exitCode": 3, "exited": true, "status": "exit status 3"}));
+    *fake.connect_end.write().unwrap() =
+        Some(json!({"exitCode": 3, "exited": true, "status": "exit status 3"}));
     let (addr, fake) = serve(fake).await;
     let p = E2bProvider::new(config(addr)).unwrap();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
@@ -426,9 +620,18 @@ async fn a_broken_start_stream_is_resumed_from_the_copy() {
     spec.command_id = Some("cmd-1".into());
     let h = sb.process().spawn(&ctx(), spec).await.expect("spawn");
     assert_eq!(h.pid(), 42);
-    let (out, code) = tokio::time::timeout(Duration::from_secs(10), collect(h.as_ref())).await.expect("output ends");
-    assert_eq!(out, b"hello world\n", "the live part, then exactly the rest from the copy");
-    assert_eq!(code, Some(3), "the status comes from the re-attached stream");
+    let (out, code) = tokio::time::timeout(Duration::from_secs(10), collect(h.as_ref()))
+        .await
+        .expect("output ends");
+    assert_eq!(
+        out, b"hello world\n",
+        "the live part, then exactly the rest from the copy"
+    );
+    assert_eq!(
+        code,
+        Some(3),
+        "the status comes from the re-attached stream"
+    );
     assert_eq!(fake.hits("process.Process/Connect"), 1);
     // What the start looked like on the wire.
     let (headers, body) = fake.seen("process.Process/Start");
@@ -437,42 +640,76 @@ async fn a_broken_start_stream_is_resumed_from_the_copy() {
     assert_eq!(headers.get("e2b-sandbox-port").unwrap(), "49983");
     assert_eq!(headers.get("connect-protocol-version").unwrap(), "1");
     assert!(headers.get("keepalive-ping-interval").is_some());
-    assert!(headers.get("connect-timeout-ms").is_none(), "no deadline: envd would kill the command at it");
+    assert!(
+        headers.get("connect-timeout-ms").is_none(),
+        "no deadline: envd would kill the command at it"
+    );
     assert_eq!(body["tag"], json!("cmd-1"));
     assert_eq!(body["stdin"], json!(false));
     assert_eq!(body["process"]["cmd"], json!("/bin/bash"));
     assert_eq!(body["process"]["args"][1], json!(WRAPPER));
     assert_eq!(body["process"]["cwd"], json!("/home/user"));
     let (_, connect) = fake.seen("process.Process/Connect");
-    assert_eq!(connect["process"]["tag"], json!("cmd-1"), "re-attached by tag");
+    assert_eq!(
+        connect["process"]["tag"],
+        json!("cmd-1"),
+        "re-attached by tag"
+    );
 }
 
 #[tokio::test]
 async fn a_tail_the_stream_dropped_is_read_from_the_copy() {
-    let fake = Fake { v2: true, ..Fake::default() };
+    let fake = Fake {
+        v2: true,
+        ..Fake::default()
+    };
     *fake.live.write().unwrap() = vec![b"abc".to_vec()];
     *fake.live_end.write().unwrap() = Some(json!({"exited": true, "status": "exit status 0"}));
     *fake.out_copy.write().unwrap() = b"abcdef".to_vec();
     let (addr, fake) = serve(fake).await;
     let p = E2bProvider::new(config(addr)).unwrap();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    let h = sb.process().spawn(&ctx(), ProcessSpec::argv(["printf", "abcdef"])).await.expect("spawn");
-    let (out, code) = tokio::time::timeout(Duration::from_secs(10), collect(h.as_ref())).await.expect("output ends");
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::argv(["printf", "abcdef"]))
+        .await
+        .expect("spawn");
+    let (out, code) = tokio::time::timeout(Duration::from_secs(10), collect(h.as_ref()))
+        .await
+        .expect("output ends");
     assert_eq!(out, b"abcdef");
     assert_eq!(code, Some(0));
-    assert_eq!(fake.hits("process.Process/Connect"), 0, "the stream ended normally: no re-attach");
+    assert_eq!(
+        fake.hits("process.Process/Connect"),
+        0,
+        "the stream ended normally: no re-attach"
+    );
     let (headers, _) = fake.seen("files_get");
-    assert_eq!(headers.get("range").unwrap(), "bytes=3-5", "only the missing bytes are fetched");
+    assert_eq!(
+        headers.get("range").unwrap(),
+        "bytes=3-5",
+        "only the missing bytes are fetched"
+    );
 }
 
 #[tokio::test]
 async fn a_refused_start_is_a_spawn_failure() {
-    let fake = Fake { v2: true, ..Fake::default() };
-    *fake.start_error.write().unwrap() = Some(json!({"error": {"code": "invalid_argument", "message": "cwd '/nope' does not exist"}}));
+    let fake = Fake {
+        v2: true,
+        ..Fake::default()
+    };
+    *fake.start_error.write().unwrap() = Some(
+        json!({"error": {"code": "invalid_argument", "message": "cwd '/nope' does not exist"}}),
+    );
     let (addr, _) = serve(fake).await;
     let p = E2bProvider::new(config(addr)).unwrap();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    let e = sb.process().spawn(&ctx(), ProcessSpec::shell("true")).await.map(|_| ()).expect_err("spawn");
+    let e = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("true"))
+        .await
+        .map(|_| ())
+        .expect_err("spawn");
     assert_eq!(e.code(), ErrorCode::SpawnFailed);
 }
 
@@ -493,13 +730,22 @@ async fn a_backend_that_accepts_and_never_answers_is_a_connect_timeout() {
     let t = Instant::now();
     let e = p.healthcheck(&ctx()).await.expect_err("healthcheck");
     assert_eq!(e.code(), ErrorCode::ConnectTimeout);
-    assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_millis(900), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_millis(900),
+        "took {:?}",
+        t.elapsed()
+    );
     held.abort();
 }
 
 #[tokio::test]
 async fn a_start_whose_answer_is_lost_is_looked_up_never_run_twice() {
-    let (addr, fake) = serve(Fake { v2: true, stall_start: true, ..Fake::default() }).await;
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        stall_start: true,
+        ..Fake::default()
+    })
+    .await;
     let mut cfg = config(addr);
     cfg.connect_timeout_ms = 300;
     let p = E2bProvider::new(cfg).unwrap();
@@ -507,62 +753,142 @@ async fn a_start_whose_answer_is_lost_is_looked_up_never_run_twice() {
     let mut spec = ProcessSpec::shell("echo once");
     spec.command_id = Some("cmd-once".into());
     let t = Instant::now();
-    let h = sb.process().spawn(&ctx(), spec).await.expect("the running command is adopted");
-    assert!(t.elapsed() >= Duration::from_millis(300), "the start waited for its first event");
+    let h = sb
+        .process()
+        .spawn(&ctx(), spec)
+        .await
+        .expect("the running command is adopted");
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "the start waited for its first event"
+    );
     assert_eq!((h.command_id(), h.pid()), ("cmd-once", 42));
-    assert_eq!(fake.hits("process.Process/Start"), 1, "the start was not sent again");
-    assert_eq!(fake.hits("process.Process/List"), 1, "it was looked up by its tag");
-    let st = tokio::time::timeout(Duration::from_secs(10), h.wait(&ctx())).await.expect("wait").expect("status");
+    assert_eq!(
+        fake.hits("process.Process/Start"),
+        1,
+        "the start was not sent again"
+    );
+    assert_eq!(
+        fake.hits("process.Process/List"),
+        1,
+        "it was looked up by its tag"
+    );
+    let st = tokio::time::timeout(Duration::from_secs(10), h.wait(&ctx()))
+        .await
+        .expect("wait")
+        .expect("status");
     assert_eq!(st.code, Some(0));
 }
 
 #[tokio::test]
 async fn a_write_whose_checksum_differs_is_not_published() {
-    let (addr, fake) = serve(Fake { v2: true, sha_mismatch: true, ..Fake::default() }).await;
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        sha_mismatch: true,
+        ..Fake::default()
+    })
+    .await;
     let mut cfg = config(addr);
     cfg.verify_writes = true;
     let p = E2bProvider::new(cfg).unwrap();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
     let data = tether_provider::util::once_bytes(&b"abc"[..]);
-    let e = sb.fs().write(&ctx(), "a.txt", data, tether_protocol::fs::WriteGuard::None).await.expect_err("write");
+    let e = sb
+        .fs()
+        .write(&ctx(), "a.txt", data, tether_protocol::fs::WriteGuard::None)
+        .await
+        .expect_err("write");
     assert_eq!(e.code(), ErrorCode::FsIoError);
-    assert_eq!(fake.hits("filesystem.Filesystem/Move"), 0, "nothing was published");
+    assert_eq!(
+        fake.hits("filesystem.Filesystem/Move"),
+        0,
+        "nothing was published"
+    );
     // The temporary file is removed in the background.
     let t = Instant::now();
     while fake.hits("filesystem.Filesystem/Remove") == 0 {
-        assert!(t.elapsed() < Duration::from_secs(5), "the temporary file was never removed");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the temporary file was never removed"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let (_, removed) = fake.seen("filesystem.Filesystem/Remove");
-    assert!(removed["path"].as_str().unwrap().contains(tether_provider_e2b::TEMP_PREFIX));
+    assert!(
+        removed["path"]
+            .as_str()
+            .unwrap()
+            .contains(tether_provider_e2b::TEMP_PREFIX)
+    );
     let (_, upload) = fake.seen("files_post");
     assert_eq!(upload["len"], json!(3));
-    assert!(upload["query"]["path"].as_str().unwrap().contains(tether_provider_e2b::TEMP_PREFIX), "uploaded next to the target first");
+    assert!(
+        upload["query"]["path"]
+            .as_str()
+            .unwrap()
+            .contains(tether_provider_e2b::TEMP_PREFIX),
+        "uploaded next to the target first"
+    );
     // With a matching checksum the same write is published.
-    let (addr, fake) = serve(Fake { v2: true, ..Fake::default() }).await;
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        ..Fake::default()
+    })
+    .await;
     let mut cfg = config(addr);
     cfg.verify_writes = true;
     let p = E2bProvider::new(cfg).unwrap();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    let w = sb.fs().write(&ctx(), "a.txt", tether_provider::util::once_bytes(&b"abc"[..]), tether_protocol::fs::WriteGuard::None).await.expect("write");
-    assert_eq!((w.path.as_str(), w.size, w.created), ("/home/user/a.txt", 3, true));
+    let w = sb
+        .fs()
+        .write(
+            &ctx(),
+            "a.txt",
+            tether_provider::util::once_bytes(&b"abc"[..]),
+            tether_protocol::fs::WriteGuard::None,
+        )
+        .await
+        .expect("write");
+    assert_eq!(
+        (w.path.as_str(), w.size, w.created),
+        ("/home/user/a.txt", 3, true)
+    );
     assert_eq!(fake.hits("filesystem.Filesystem/Move"), 1);
     let (headers, _) = fake.seen("files_post");
-    assert!(headers.get("x-metadata-tether-version").is_some(), "each write stores a version id");
+    assert!(
+        headers.get("x-metadata-tether-version").is_some(),
+        "each write stores a version id"
+    );
 }
 
 #[tokio::test]
 async fn debug_mode_skips_the_control_plane() {
     let (addr, fake) = serve(Fake::default()).await;
-    let cfg = E2bConfig { debug: Some(true), api_url: None, api_key: None, ..config(addr) };
+    let cfg = E2bConfig {
+        debug: Some(true),
+        api_url: None,
+        api_key: None,
+        ..config(addr)
+    };
     let p = E2bProvider::new(cfg).unwrap();
     p.healthcheck(&ctx()).await.expect("envd health");
-    let sb = p.create(&ctx(), SandboxSpec::default()).await.expect("create");
+    let sb = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("create");
     assert_eq!(sb.info().id, "debug_sandbox_id");
     assert_eq!(fake.hits("create_v2") + fake.hits("create_v1"), 0);
     assert!(p.list(&ctx()).await.unwrap().is_empty());
-    p.destroy(&ctx(), "debug_sandbox_id").await.expect("destroy is a no-op");
+    p.destroy(&ctx(), "debug_sandbox_id")
+        .await
+        .expect("destroy is a no-op");
     let caps = p.capabilities();
     assert!(!caps.pause && !caps.renew);
-    assert_eq!(p.renew(&ctx(), "debug_sandbox_id", Duration::from_secs(1)).await.expect_err("renew").code(), ErrorCode::Unsupported);
+    assert_eq!(
+        p.renew(&ctx(), "debug_sandbox_id", Duration::from_secs(1))
+            .await
+            .expect_err("renew")
+            .code(),
+        ErrorCode::Unsupported
+    );
 }

@@ -13,8 +13,8 @@ use nix::unistd::Pid;
 use tether_provider::{CallCtx, ProviderError, Result};
 use tokio::process::Command;
 
-use crate::confine::{CONFINE_SUBCOMMAND, ConfineSpec, ProbeReport};
 use crate::config::LocalConfig;
+use crate::confine::{CONFINE_SUBCOMMAND, ConfineSpec, ProbeReport};
 use crate::error::{internal, spawn_failed};
 
 /// The standalone trampoline's file name.
@@ -40,8 +40,13 @@ impl Launcher {
             }
             return Ok(Self { program: p.clone() });
         }
-        let exe = std::env::current_exe().map_err(|e| internal("cannot locate the running executable", e))?;
-        let candidates = exe.parent().into_iter().flat_map(|d| [Some(d), d.parent()]).flatten();
+        let exe = std::env::current_exe()
+            .map_err(|e| internal("cannot locate the running executable", e))?;
+        let candidates = exe
+            .parent()
+            .into_iter()
+            .flat_map(|d| [Some(d), d.parent()])
+            .flatten();
         for dir in candidates {
             let p = dir.join(CONFINE_BINARY);
             if p.is_file() {
@@ -60,46 +65,70 @@ impl Launcher {
     /// (nothing of the daemon's environment reaches the trampoline, let alone the command).
     pub(crate) fn command(&self, verb: &str, spec_path: &Path) -> Command {
         let mut cmd = Command::new(&self.program);
-        cmd.arg(CONFINE_SUBCOMMAND).arg(verb).arg(spec_path).env_clear().kill_on_drop(false);
+        cmd.arg(CONFINE_SUBCOMMAND)
+            .arg(verb)
+            .arg(spec_path)
+            .env_clear()
+            .kill_on_drop(false);
         cmd
     }
 
     /// Run the trampoline in probe mode with `spec`, written to `spec_path`.
-    pub(crate) async fn probe(&self, ctx: &CallCtx, spec: &ConfineSpec, spec_path: &Path) -> Result<ProbeReport> {
+    pub(crate) async fn probe(
+        &self,
+        ctx: &CallCtx,
+        spec: &ConfineSpec,
+        spec_path: &Path,
+    ) -> Result<ProbeReport> {
         write_spec(spec_path, spec).await?;
         let mut cmd = self.command("probe", spec_path);
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
         let out = ctx
             .run(async {
                 cmd.output().await.map_err(|e| {
-                    spawn_failed(format!("cannot run the confinement helper {}", self.program.display()), Some(e))
+                    spawn_failed(
+                        format!(
+                            "cannot run the confinement helper {}",
+                            self.program.display()
+                        ),
+                        Some(e),
+                    )
                 })
             })
             .await;
         let _ = tokio::fs::remove_file(spec_path).await;
         let out = out?;
-        let report: ProbeReport = serde_json::from_slice(&out.stdout).map_err(|e| ProviderError::Unavailable {
-            message: format!(
-                "the confinement helper {} did not report ({}): {}",
-                self.program.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            retry_after: None,
-            source: Some(Box::new(e)),
-        })?;
+        let report: ProbeReport =
+            serde_json::from_slice(&out.stdout).map_err(|e| ProviderError::Unavailable {
+                message: format!(
+                    "the confinement helper {} did not report ({}): {}",
+                    self.program.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+                retry_after: None,
+                source: Some(Box::new(e)),
+            })?;
         Ok(report)
     }
 }
 
 /// Write a trampoline spec, readable by the owner only (it carries the environment).
 pub(crate) async fn write_spec(path: &Path, spec: &ConfineSpec) -> Result<()> {
-    let json = serde_json::to_vec(spec).map_err(|e| internal("cannot encode the confinement spec", e))?;
+    let json =
+        serde_json::to_vec(spec).map_err(|e| internal("cannot encode the confinement spec", e))?;
     let path = path.to_owned();
     tokio::task::spawn_blocking(move || {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)?;
         f.write_all(&json)
     })
     .await
@@ -267,14 +296,26 @@ fn remove_tree(dir: &Path) {
 /// id only if it did not itself `setsid`). Used when no cgroup tracks the command.
 pub(crate) fn group_members(id: i32) -> Vec<i32> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
         // The comm field may contain spaces and parentheses: split after the last ')'.
-        let Some((_, rest)) = stat.rsplit_once(')') else { continue };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
         let fields: Vec<&str> = rest.split_whitespace().collect();
-        let (Some(state), Some(pgrp), Some(session)) = (fields.first(), fields.get(2), fields.get(3)) else { continue };
+        let (Some(state), Some(pgrp), Some(session)) =
+            (fields.first(), fields.get(2), fields.get(3))
+        else {
+            continue;
+        };
         if *state == "Z" || *state == "X" {
             continue;
         }
@@ -310,14 +351,26 @@ pub(crate) fn open_pty(rows: u16, cols: u16) -> std::io::Result<Pty> {
     unlockpt(&master)?;
     let name = ptsname(&master, Vec::new())?;
     set_winsize(&master, rows, cols)?;
-    let slave = rustix::fs::open(name.as_c_str(), OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC, Mode::empty())?;
-    rustix::fs::fcntl_setfl(&master, rustix::fs::fcntl_getfl(&master)? | OFlags::NONBLOCK)?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    rustix::fs::fcntl_setfl(
+        &master,
+        rustix::fs::fcntl_getfl(&master)? | OFlags::NONBLOCK,
+    )?;
     Ok(Pty { master, slave })
 }
 
 /// Set a pty's window size (the kernel sends SIGWINCH to its foreground group).
 pub(crate) fn set_winsize(fd: &OwnedFd, rows: u16, cols: u16) -> std::io::Result<()> {
-    let ws = rustix::termios::Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = rustix::termios::Winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     rustix::termios::tcsetwinsize(fd, ws)?;
     Ok(())
 }
@@ -330,7 +383,6 @@ pub(crate) fn shell_argv(cmd: &str) -> Vec<String> {
         vec!["/bin/sh".into(), "-c".into(), cmd.into()]
     }
 }
-
 
 /// Register an owned descriptor with the runtime's reactor.
 ///

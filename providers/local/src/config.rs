@@ -88,8 +88,15 @@ pub const DEFAULT_READ_ONLY_PATHS: &[&str] = &[
 /// Device nodes a confined command may read and write (ioctls included, for terminals).
 /// `/dev/pts` is deliberately absent: a command under a pty is granted its own terminal
 /// only, so that it cannot open the terminals of other sandboxes or of host sessions.
-pub const DEFAULT_DEVICE_PATHS: &[&str] =
-    &["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx"];
+pub const DEFAULT_DEVICE_PATHS: &[&str] = &[
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
+    "/dev/ptmx",
+];
 
 /// Host directories replaced by an empty, unreadable tmpfs inside the sandbox (besides the
 /// first component of the workspace path, always hidden). `/run` holds the host's
@@ -194,23 +201,41 @@ impl Default for LocalConfig {
 impl LocalConfig {
     /// A default configuration with sandboxes under `root`.
     pub fn with_root(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into(), ..Self::default() }
+        Self {
+            root: root.into(),
+            ..Self::default()
+        }
     }
 
     /// Check the configuration. Called by `LocalProvider::new`.
     pub fn validate(&self) -> Result<(), ProviderError> {
         let invalid = |message: String| ProviderError::InvalidRequest { message };
         if !self.root.is_absolute() {
-            return Err(invalid(format!("local provider root {} must be an absolute path", self.root.display())));
+            return Err(invalid(format!(
+                "local provider root {} must be an absolute path",
+                self.root.display()
+            )));
         }
         workspace_components(&self.workspace_path)?;
-        for p in self.read_only_paths.iter().chain(&self.device_paths).chain(&self.hidden_paths) {
+        for p in self
+            .read_only_paths
+            .iter()
+            .chain(&self.device_paths)
+            .chain(&self.hidden_paths)
+        {
             if !is_clean_absolute(p) {
-                return Err(invalid(format!("{} must be a normalized absolute path", p.display())));
+                return Err(invalid(format!(
+                    "{} must be a normalized absolute path",
+                    p.display()
+                )));
             }
         }
         // Sandboxes must not see each other's workspaces or output spools.
-        if let Some(p) = self.read_only_paths.iter().find(|p| self.root.starts_with(p) || p.starts_with(&self.root)) {
+        if let Some(p) = self
+            .read_only_paths
+            .iter()
+            .find(|p| self.root.starts_with(p) || p.starts_with(&self.root))
+        {
             return Err(invalid(format!(
                 "local provider root {} overlaps the confined commands' readable path {}",
                 self.root.display(),
@@ -249,7 +274,10 @@ pub(crate) fn workspace_components(path: &Path) -> Result<Vec<String>, ProviderE
     if comps.len() < 2 {
         return Err(invalid("needs at least two components (like /home/user)"));
     }
-    const SYSTEM: &[&str] = &["bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys", "tmp", "usr"];
+    const SYSTEM: &[&str] = &[
+        "bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys",
+        "tmp", "usr",
+    ];
     if SYSTEM.contains(&comps[0].as_str()) {
         return Err(invalid("must not live under a system directory"));
     }
@@ -257,7 +285,9 @@ pub(crate) fn workspace_components(path: &Path) -> Result<Vec<String>, ProviderE
 }
 
 fn is_clean_absolute(p: &Path) -> bool {
-    p.is_absolute() && p.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
+    p.is_absolute()
+        && p.components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
 }
 
 fn yes() -> bool {

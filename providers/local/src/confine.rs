@@ -35,8 +35,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use landlock::{
-    ABI, Access, AccessFs, AccessNet, CompatLevel, Compatible, Ruleset, RulesetAttr, RulesetCreatedAttr,
-    RulesetStatus, Scope, path_beneath_rules,
+    ABI, Access, AccessFs, AccessNet, CompatLevel, Compatible, Ruleset, RulesetAttr,
+    RulesetCreatedAttr, RulesetStatus, Scope, path_beneath_rules,
 };
 use nix::mount::{MsFlags, mount};
 use nix::sched::{CloneFlags, unshare};
@@ -167,7 +167,10 @@ fn run(path: &Path) -> ExitCode {
         Err(e) => return fail(&e),
     };
     if report.enforcement < spec.require {
-        return fail(&ConfineError::Weaker { reached: report.enforcement.as_str(), required: spec.require.as_str() });
+        return fail(&ConfineError::Weaker {
+            reached: report.enforcement.as_str(),
+            required: spec.require.as_str(),
+        });
     }
     exec(&spec)
 }
@@ -175,7 +178,10 @@ fn run(path: &Path) -> ExitCode {
 fn probe(path: &Path) -> ExitCode {
     let report = match read_spec(path, false).and_then(|spec| confine(&spec)) {
         Ok(r) => r,
-        Err(e) => ProbeReport { problems: vec![chain(&e)], ..ProbeReport::default() },
+        Err(e) => ProbeReport {
+            problems: vec![chain(&e)],
+            ..ProbeReport::default()
+        },
     };
     match serde_json::to_string(&report) {
         Ok(json) => {
@@ -203,7 +209,10 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 fn read_spec(path: &Path, consume: bool) -> Result<ConfineSpec, ConfineError> {
-    let err = |source: Box<dyn std::error::Error + Send + Sync>| ConfineError::Spec { path: path.display().to_string(), source };
+    let err = |source: Box<dyn std::error::Error + Send + Sync>| ConfineError::Spec {
+        path: path.display().to_string(),
+        source,
+    };
     let bytes = std::fs::read(path).map_err(|e| err(e.into()))?;
     if consume {
         // The spec carries the command's environment; it has no business lingering.
@@ -224,8 +233,9 @@ fn confine(spec: &ConfineSpec) -> Result<ProbeReport, ConfineError> {
     }
     if spec.pty {
         nix::unistd::setsid().map_err(|e| ConfineError::step("setsid", e))?;
-        rustix::process::ioctl_tiocsctty(std::io::stdin().as_fd())
-            .map_err(|e| ConfineError::step("acquire the controlling terminal", std::io::Error::from(e)))?;
+        rustix::process::ioctl_tiocsctty(std::io::stdin().as_fd()).map_err(|e| {
+            ConfineError::step("acquire the controlling terminal", std::io::Error::from(e))
+        })?;
     }
 
     // 2. Namespaces.
@@ -268,26 +278,54 @@ fn confine(spec: &ConfineSpec) -> Result<ProbeReport, ConfineError> {
         rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
-    .map_err(|e| ConfineError::step(format!("open the workspace {}", spec.workspace_host.display()), std::io::Error::from(e)))?;
+    .map_err(|e| {
+        ConfineError::step(
+            format!("open the workspace {}", spec.workspace_host.display()),
+            std::io::Error::from(e),
+        )
+    })?;
 
     let tmpfs_flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     for dir in &spec.hidden {
         if dir.is_dir() {
-            mount(Some("tmpfs"), dir, Some("tmpfs"), tmpfs_flags, Some("mode=0755,size=1m"))
-                .map_err(|e| ConfineError::step(format!("hide {}", dir.display()), e))?;
+            mount(
+                Some("tmpfs"),
+                dir,
+                Some("tmpfs"),
+                tmpfs_flags,
+                Some("mode=0755,size=1m"),
+            )
+            .map_err(|e| ConfineError::step(format!("hide {}", dir.display()), e))?;
         }
     }
     for dir in &spec.private_tmpfs {
         if dir.is_dir() {
-            mount(Some("tmpfs"), dir, Some("tmpfs"), tmpfs_flags, Some("mode=1777"))
-                .map_err(|e| ConfineError::step(format!("private {}", dir.display()), e))?;
+            mount(
+                Some("tmpfs"),
+                dir,
+                Some("tmpfs"),
+                tmpfs_flags,
+                Some("mode=1777"),
+            )
+            .map_err(|e| ConfineError::step(format!("private {}", dir.display()), e))?;
         }
     }
     std::fs::create_dir_all(&spec.workspace_path)
         .map_err(|e| ConfineError::step(format!("create {}", spec.workspace_path.display()), e))?;
     let source = format!("/proc/self/fd/{}", workspace.as_raw_fd());
-    mount(Some(source.as_str()), &spec.workspace_path, none, MsFlags::MS_BIND | MsFlags::MS_REC, none)
-        .map_err(|e| ConfineError::step(format!("mount the workspace at {}", spec.workspace_path.display()), e))?;
+    mount(
+        Some(source.as_str()),
+        &spec.workspace_path,
+        none,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        none,
+    )
+    .map_err(|e| {
+        ConfineError::step(
+            format!("mount the workspace at {}", spec.workspace_path.display()),
+            e,
+        )
+    })?;
     drop(workspace);
     report.mount_ns = true;
 
@@ -301,10 +339,15 @@ fn confine(spec: &ConfineSpec) -> Result<ProbeReport, ConfineError> {
             Err(e) => report.problems.push(format!("landlock: {}", chain(&e))),
         }
         if report.landlock != LandlockLevel::Full {
-            report.problems.push(format!("landlock is {:?} ({})", report.landlock, report.landlock_status));
+            report.problems.push(format!(
+                "landlock is {:?} ({})",
+                report.landlock, report.landlock_status
+            ));
         }
     } else {
-        report.problems.push("landlock is disabled by configuration".into());
+        report
+            .problems
+            .push("landlock is disabled by configuration".into());
     }
 
     report.enforcement = match (report.landlock, report.user_ns) {
@@ -316,7 +359,9 @@ fn confine(spec: &ConfineSpec) -> Result<ProbeReport, ConfineError> {
 
 fn restrict(spec: &ConfineSpec) -> Result<(LandlockLevel, String), landlock::RulesetError> {
     let abi = LANDLOCK_ABI;
-    let mut ruleset = Ruleset::default().set_compatibility(CompatLevel::BestEffort).handle_access(AccessFs::from_all(abi))?;
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(AccessFs::from_all(abi))?;
     if !spec.network {
         ruleset = ruleset.handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp)?;
     }
@@ -334,7 +379,10 @@ fn restrict(spec: &ConfineSpec) -> Result<(LandlockLevel, String), landlock::Rul
     }
     let status = ruleset
         .create()?
-        .add_rules(path_beneath_rules(&spec.read_only, AccessFs::from_read(abi)))?
+        .add_rules(path_beneath_rules(
+            &spec.read_only,
+            AccessFs::from_read(abi),
+        ))?
         .add_rules(path_beneath_rules(writable, AccessFs::from_all(abi)))?
         .add_rules(path_beneath_rules(&devices, AccessFs::from_all(abi)))?
         .restrict_self()?;
@@ -352,10 +400,21 @@ fn exec(spec: &ConfineSpec) -> ExitCode {
         return ExitCode::from(127);
     };
     if let Err(e) = std::env::set_current_dir(&spec.cwd) {
-        eprintln!("tether-confine: cannot change directory to {}: {e}", spec.cwd.display());
+        eprintln!(
+            "tether-confine: cannot change directory to {}: {e}",
+            spec.cwd.display()
+        );
         return ExitCode::from(126);
     }
-    let err = std::process::Command::new(program).args(args).env_clear().envs(spec.env.iter().cloned()).exec();
+    let err = std::process::Command::new(program)
+        .args(args)
+        .env_clear()
+        .envs(spec.env.iter().cloned())
+        .exec();
     eprintln!("tether-confine: cannot execute {program}: {err}");
-    ExitCode::from(if err.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 })
+    ExitCode::from(if err.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    })
 }

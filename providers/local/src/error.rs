@@ -21,9 +21,12 @@ pub const CONFINE_FAILED_PREFIX: &str = "tether-confine: confinement failed:";
 /// `RESOLVE_NO_SYMLINKS`) reads as `FS_PERMISSION_DENIED`.
 pub(crate) fn fs_io(path: &str, e: io::Error) -> ProviderError {
     match e.raw_os_error() {
-        Some(code) if code == rustix::io::Errno::XDEV.raw_os_error() => {
-            ProviderError::Fs { code: ErrorCode::FsPermissionDenied, path: path.to_owned(), message: "path leaves the workspace".into(), source: Some(e) }
-        }
+        Some(code) if code == rustix::io::Errno::XDEV.raw_os_error() => ProviderError::Fs {
+            code: ErrorCode::FsPermissionDenied,
+            path: path.to_owned(),
+            message: "path leaves the workspace".into(),
+            source: Some(e),
+        },
         _ => ProviderError::from_io(path, e),
     }
 }
@@ -35,22 +38,37 @@ pub(crate) fn fs_errno(path: &str, e: rustix::io::Errno) -> ProviderError {
 
 /// A path that names something outside the workspace.
 pub(crate) fn outside(path: &str) -> ProviderError {
-    ProviderError::fs(ErrorCode::FsPermissionDenied, path, "path is outside the workspace")
+    ProviderError::fs(
+        ErrorCode::FsPermissionDenied,
+        path,
+        "path is outside the workspace",
+    )
 }
 
 /// A malformed path.
 pub(crate) fn bad_path(path: &str, why: &str) -> ProviderError {
-    ProviderError::InvalidRequest { message: format!("{path:?}: {why}") }
+    ProviderError::InvalidRequest {
+        message: format!("{path:?}: {why}"),
+    }
 }
 
 /// An unexpected failure of the provider itself.
-pub(crate) fn internal(message: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ProviderError {
-    ProviderError::Internal { message: message.into(), source: Some(source.into()) }
+pub(crate) fn internal(
+    message: impl Into<String>,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> ProviderError {
+    ProviderError::Internal {
+        message: message.into(),
+        source: Some(source.into()),
+    }
 }
 
 /// A failed `spawn`.
 pub(crate) fn spawn_failed(message: impl Into<String>, source: Option<io::Error>) -> ProviderError {
-    ProviderError::SpawnFailed { message: message.into(), source }
+    ProviderError::SpawnFailed {
+        message: message.into(),
+        source,
+    }
 }
 
 /// A blocking task that panicked or was cancelled.
@@ -94,7 +112,13 @@ pub enum ConfineError {
 
 impl ConfineError {
     /// A failed step with its cause.
-    pub(crate) fn step(step: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        Self::Step { step: step.into(), source: source.into() }
+    pub(crate) fn step(
+        step: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Step {
+            step: step.into(),
+            source: source.into(),
+        }
     }
 }

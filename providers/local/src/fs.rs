@@ -38,7 +38,10 @@ use futures_util::stream::BoxStream;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags, ResolveFlags};
 use rustix::io::Errno;
 use tether_protocol::ErrorCode;
-use tether_protocol::fs::{ByteRange, DirEntry, FileKind, FileStat, FsEvent, FsEventKind, Version, WriteGuard, WriteOutcome};
+use tether_protocol::fs::{
+    ByteRange, DirEntry, FileKind, FileStat, FsEvent, FsEventKind, Version, WriteGuard,
+    WriteOutcome,
+};
 use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::{Mutex, broadcast, mpsc};
@@ -71,9 +74,21 @@ pub(crate) struct Workspace {
 
 impl Workspace {
     /// Open the workspace at `host`, seen inside as `sandbox_path` (components `prefix`).
-    pub(crate) fn open(host: &std::path::Path, sandbox_path: &str, prefix: &[String]) -> std::io::Result<Self> {
-        let root = rustix::fs::open(host, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
-        Ok(Self { root, prefix: prefix.iter().map(OsString::from).collect(), display: sandbox_path.to_owned() })
+    pub(crate) fn open(
+        host: &std::path::Path,
+        sandbox_path: &str,
+        prefix: &[String],
+    ) -> std::io::Result<Self> {
+        let root = rustix::fs::open(
+            host,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(Self {
+            root,
+            prefix: prefix.iter().map(OsString::from).collect(),
+            display: sandbox_path.to_owned(),
+        })
     }
 
     /// The workspace as sandbox paths see it (`/home/user`).
@@ -145,7 +160,8 @@ impl Workspace {
             if hops > MAX_SYMLINKS {
                 return Err(fs_errno(path, Errno::LOOP));
             }
-            let target = rustix::fs::readlinkat(&dir, c.as_os_str(), Vec::new()).map_err(|e| fs_errno(path, e))?;
+            let target = rustix::fs::readlinkat(&dir, c.as_os_str(), Vec::new())
+                .map_err(|e| fs_errno(path, e))?;
             let target = OsStr::from_bytes(target.as_bytes());
             let mut spliced: VecDeque<OsString> = VecDeque::new();
             if target.as_bytes().starts_with(b"/") {
@@ -171,47 +187,80 @@ impl Workspace {
     }
 
     /// `openat2` of workspace-relative components beneath the workspace.
-    pub(crate) fn open_beneath(&self, comps: &[OsString], flags: OFlags) -> rustix::io::Result<OwnedFd> {
+    pub(crate) fn open_beneath(
+        &self,
+        comps: &[OsString],
+        flags: OFlags,
+    ) -> rustix::io::Result<OwnedFd> {
         let rel = join_rel(comps);
         // openat2 refuses O_NOCTTY next to O_PATH (EINVAL): add it to real opens only.
-        let extra = if flags.contains(OFlags::PATH) { OFlags::CLOEXEC } else { OFlags::CLOEXEC | OFlags::NOCTTY };
+        let extra = if flags.contains(OFlags::PATH) {
+            OFlags::CLOEXEC
+        } else {
+            OFlags::CLOEXEC | OFlags::NOCTTY
+        };
         rustix::fs::openat2(
             &self.root,
             rel.as_os_str(),
             flags | extra,
             Mode::empty(),
-            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV,
+            ResolveFlags::BENEATH
+                | ResolveFlags::NO_SYMLINKS
+                | ResolveFlags::NO_MAGICLINKS
+                | ResolveFlags::NO_XDEV,
         )
     }
 
     /// The parent directory of non-empty components, and the last name.
     fn parent(&self, path: &str, comps: &[OsString]) -> Result<(OwnedFd, OsString)> {
         let Some((name, parent)) = comps.split_last() else {
-            return Err(ProviderError::fs(ErrorCode::FsPermissionDenied, path, "the workspace itself cannot be changed"));
+            return Err(ProviderError::fs(
+                ErrorCode::FsPermissionDenied,
+                path,
+                "the workspace itself cannot be changed",
+            ));
         };
         let dir = self.open_dir(parent).map_err(|e| fs_errno(path, e))?;
         Ok((dir, name.clone()))
     }
 
     /// Metadata of `name` in `dir` (no follow) as the seam reports it.
-    fn stat_at(&self, dir: BorrowedFd<'_>, name: &OsStr, comps: &[OsString]) -> rustix::io::Result<FileStat> {
+    fn stat_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &OsStr,
+        comps: &[OsString],
+    ) -> rustix::io::Result<FileStat> {
         let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
         let target = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
-            rustix::fs::readlinkat(dir, name, Vec::new()).ok().map(|t| t.to_string_lossy().into_owned())
+            rustix::fs::readlinkat(dir, name, Vec::new())
+                .ok()
+                .map(|t| t.to_string_lossy().into_owned())
         } else {
             None
         };
-        Ok(file_stat(&st, self.sandbox_path(comps), display_name(comps, &self.display), target))
+        Ok(file_stat(
+            &st,
+            self.sandbox_path(comps),
+            display_name(comps, &self.display),
+            target,
+        ))
     }
 
     /// Metadata of workspace-relative components (no follow of the last).
     fn stat_comps(&self, path: &str, comps: &[OsString]) -> Result<FileStat> {
         if comps.is_empty() {
             let st = rustix::fs::fstat(&self.root).map_err(|e| fs_errno(path, e))?;
-            return Ok(file_stat(&st, self.display.clone(), display_name(comps, &self.display), None));
+            return Ok(file_stat(
+                &st,
+                self.display.clone(),
+                display_name(comps, &self.display),
+                None,
+            ));
         }
         let (dir, name) = self.parent(path, comps)?;
-        self.stat_at(dir.as_fd(), &name, comps).map_err(|e| fs_errno(path, e))
+        self.stat_at(dir.as_fd(), &name, comps)
+            .map_err(|e| fs_errno(path, e))
     }
 }
 
@@ -229,7 +278,10 @@ fn push_lexical(stack: &mut Vec<OsString>, path: &OsStr) {
 }
 
 fn split(path: &OsStr) -> impl Iterator<Item = OsString> + '_ {
-    path.as_bytes().split(|b| *b == b'/').filter(|c| !c.is_empty()).map(|c| OsStr::from_bytes(c).to_owned())
+    path.as_bytes()
+        .split(|b| *b == b'/')
+        .filter(|c| !c.is_empty())
+        .map(|c| OsStr::from_bytes(c).to_owned())
 }
 
 fn strip_prefix(prefix: &[OsString], stack: Vec<OsString>) -> Option<Comps> {
@@ -268,7 +320,12 @@ pub(crate) fn version_of(st: &rustix::fs::Stat) -> Version {
     Version(format!("{:x}-{:x}-{:x}", mtime_ns, st.st_size, st.st_ino))
 }
 
-fn file_stat(st: &rustix::fs::Stat, path: String, name: String, symlink_target: Option<String>) -> FileStat {
+fn file_stat(
+    st: &rustix::fs::Stat,
+    path: String,
+    name: String,
+    symlink_target: Option<String>,
+) -> FileStat {
     let modified_ms = st.st_mtime.saturating_mul(1000) + (st.st_mtime_nsec as i64) / 1_000_000;
     FileStat {
         path,
@@ -285,10 +342,20 @@ fn file_stat(st: &rustix::fs::Stat, path: String, name: String, symlink_target: 
 /// A strictly increasing wall-clock nanosecond stamp for tether's own writes.
 fn unique_mtime() -> rustix::fs::Timespec {
     static LAST: AtomicI64 = AtomicI64::new(0);
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0);
     let prev = LAST.fetch_max(now, Ordering::AcqRel);
-    let ns = if prev >= now { LAST.fetch_add(1, Ordering::AcqRel) + 1 } else { now };
-    rustix::fs::Timespec { tv_sec: ns / 1_000_000_000, tv_nsec: ns % 1_000_000_000 }
+    let ns = if prev >= now {
+        LAST.fetch_add(1, Ordering::AcqRel) + 1
+    } else {
+        now
+    };
+    rustix::fs::Timespec {
+        tv_sec: ns / 1_000_000_000,
+        tv_nsec: ns % 1_000_000_000,
+    }
 }
 
 /// Run a blocking file-system closure on the blocking pool, unless the call is already
@@ -327,7 +394,13 @@ pub struct LocalFs {
 
 impl LocalFs {
     pub(crate) fn new(ws: Arc<Workspace>, tasks: TaskTracker, closed: CancellationToken) -> Self {
-        Self { ws, publish_lock: Mutex::new(()), published: broadcast::channel(256).0, tasks, closed }
+        Self {
+            ws,
+            publish_lock: Mutex::new(()),
+            published: broadcast::channel(256).0,
+            tasks,
+            closed,
+        }
     }
 }
 
@@ -348,39 +421,61 @@ impl Fs for LocalFs {
         let p = path.to_owned();
         let fd = blocking(ctx, move || {
             let comps = ws.resolve(&p, true)?;
-            let fd = ws.open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK).map_err(|e| fs_errno(&p, e))?;
+            let fd = ws
+                .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
+                .map_err(|e| fs_errno(&p, e))?;
             let st = rustix::fs::fstat(&fd).map_err(|e| fs_errno(&p, e))?;
             match FileType::from_raw_mode(st.st_mode) {
                 FileType::RegularFile => Ok(fd),
-                FileType::Directory => Err(ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is a directory")),
-                _ => Err(ProviderError::fs(ErrorCode::FsNotRegularFile, &p, "not a regular file")),
+                FileType::Directory => Err(ProviderError::fs(
+                    ErrorCode::FsIsDirectory,
+                    &p,
+                    "is a directory",
+                )),
+                _ => Err(ProviderError::fs(
+                    ErrorCode::FsNotRegularFile,
+                    &p,
+                    "not a regular file",
+                )),
             }
         })
         .await?;
         let mut file = tokio::fs::File::from_std(std::fs::File::from(fd));
         if range.offset > 0 {
-            file.seek(std::io::SeekFrom::Start(range.offset)).await.map_err(|e| fs_io(path, e))?;
+            file.seek(std::io::SeekFrom::Start(range.offset))
+                .await
+                .map_err(|e| fs_io(path, e))?;
         }
         let state = (file, range.length, path.to_owned(), false);
-        let stream = futures_util::stream::unfold(state, |(mut file, left, path, done)| async move {
-            if done || left == Some(0) {
-                return None;
-            }
-            let want = left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
-            let mut buf = vec![0u8; want];
-            match file.read(&mut buf).await {
-                Ok(0) => None,
-                Ok(n) => {
-                    buf.truncate(n);
-                    Some((Ok(Bytes::from(buf)), (file, left.map(|l| l - n as u64), path, false)))
+        let stream =
+            futures_util::stream::unfold(state, |(mut file, left, path, done)| async move {
+                if done || left == Some(0) {
+                    return None;
                 }
-                Err(e) => Some((Err(fs_io(&path, e)), (file, left, path, true))),
-            }
-        });
+                let want = left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
+                let mut buf = vec![0u8; want];
+                match file.read(&mut buf).await {
+                    Ok(0) => None,
+                    Ok(n) => {
+                        buf.truncate(n);
+                        Some((
+                            Ok(Bytes::from(buf)),
+                            (file, left.map(|l| l - n as u64), path, false),
+                        ))
+                    }
+                    Err(e) => Some((Err(fs_io(&path, e)), (file, left, path, true))),
+                }
+            });
         Ok(stream.boxed())
     }
 
-    async fn write(&self, ctx: &CallCtx, path: &str, mut data: ByteStream, guard: WriteGuard) -> Result<WriteOutcome> {
+    async fn write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        mut data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
         let ws = self.ws.clone();
         let p = path.to_owned();
         let tmp_name = OsString::from(format!("{TEMP_PREFIX}{}", uuid::Uuid::new_v4().simple()));
@@ -388,7 +483,9 @@ impl Fs for LocalFs {
         // Resolve, create the parents, create the temporary file next to the target.
         let (comps, parent, fd) = blocking(ctx, move || {
             let comps = ws.resolve(&p, true)?;
-            let (_, parent_comps) = comps.split_last().ok_or_else(|| ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is the workspace"))?;
+            let (_, parent_comps) = comps.split_last().ok_or_else(|| {
+                ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is the workspace")
+            })?;
             mkdir_all(&ws, &p, parent_comps)?;
             let parent = ws.open_dir(parent_comps).map_err(|e| fs_errno(&p, e))?;
             let fd = rustix::fs::openat(
@@ -403,7 +500,10 @@ impl Fs for LocalFs {
         .await?;
         let parent = Arc::new(parent);
         let cleanup = |parent: Arc<OwnedFd>, tmp: OsString| async move {
-            let _ = tokio::task::spawn_blocking(move || rustix::fs::unlinkat(&*parent, tmp.as_os_str(), AtFlags::empty())).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                rustix::fs::unlinkat(&*parent, tmp.as_os_str(), AtFlags::empty())
+            })
+            .await;
         };
 
         // Stream the data in; an error or the end of the call's budget abandons the
@@ -418,7 +518,8 @@ impl Fs for LocalFs {
                     Some(chunk) => {
                         let chunk = chunk?;
                         size += chunk.len() as u64;
-                        ctx.run(async { file.write_all(&chunk).await.map_err(|e| fs_io(path, e)) }).await?;
+                        ctx.run(async { file.write_all(&chunk).await.map_err(|e| fs_io(path, e)) })
+                            .await?;
                     }
                 }
             }
@@ -442,66 +543,117 @@ impl Fs for LocalFs {
         let ws = self.ws.clone();
         let p = path.to_owned();
         let (par, tmp) = (parent.clone(), tmp_name.clone());
-        let published = tokio::task::spawn_blocking(move || -> Result<(WriteOutcome, Comps, bool)> {
-            let Some(name) = comps.last().cloned() else {
-                return Err(ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is the workspace"));
-            };
-            let before = match rustix::fs::statat(&*par, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => Some(st),
-                Err(Errno::NOENT) => None,
-                Err(e) => return Err(fs_errno(&p, e)),
-            };
-            if let Some(st) = &before {
-                match FileType::from_raw_mode(st.st_mode) {
-                    FileType::Directory => return Err(ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is a directory")),
-                    // Keep an overwritten file's permissions (an executable stays one).
-                    FileType::RegularFile => {
-                        let _ = rustix::fs::fchmod(&file, Mode::from_raw_mode(st.st_mode & 0o7777));
+        let published =
+            tokio::task::spawn_blocking(move || -> Result<(WriteOutcome, Comps, bool)> {
+                let Some(name) = comps.last().cloned() else {
+                    return Err(ProviderError::fs(
+                        ErrorCode::FsIsDirectory,
+                        &p,
+                        "is the workspace",
+                    ));
+                };
+                let before =
+                    match rustix::fs::statat(&*par, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                        Ok(st) => Some(st),
+                        Err(Errno::NOENT) => None,
+                        Err(e) => return Err(fs_errno(&p, e)),
+                    };
+                if let Some(st) = &before {
+                    match FileType::from_raw_mode(st.st_mode) {
+                        FileType::Directory => {
+                            return Err(ProviderError::fs(
+                                ErrorCode::FsIsDirectory,
+                                &p,
+                                "is a directory",
+                            ));
+                        }
+                        // Keep an overwritten file's permissions (an executable stays one).
+                        FileType::RegularFile => {
+                            let _ =
+                                rustix::fs::fchmod(&file, Mode::from_raw_mode(st.st_mode & 0o7777));
+                        }
+                        _ => {}
                     }
-                    _ => {}
                 }
-            }
-            let stamp = unique_mtime();
-            rustix::fs::futimens(&file, &rustix::fs::Timestamps { last_access: stamp, last_modification: stamp })
+                let stamp = unique_mtime();
+                rustix::fs::futimens(
+                    &file,
+                    &rustix::fs::Timestamps {
+                        last_access: stamp,
+                        last_modification: stamp,
+                    },
+                )
                 .map_err(|e| fs_errno(&p, e))?;
-            let flags = match &guard {
-                WriteGuard::None => RenameFlags::empty(),
-                WriteGuard::CreateIfAbsent => {
-                    if before.is_some() {
-                        return Err(ProviderError::fs(ErrorCode::FsAlreadyExists, &p, "the file exists"));
+                let flags = match &guard {
+                    WriteGuard::None => RenameFlags::empty(),
+                    WriteGuard::CreateIfAbsent => {
+                        if before.is_some() {
+                            return Err(ProviderError::fs(
+                                ErrorCode::FsAlreadyExists,
+                                &p,
+                                "the file exists",
+                            ));
+                        }
+                        RenameFlags::NOREPLACE
                     }
-                    RenameFlags::NOREPLACE
-                }
-                WriteGuard::ReplaceIfVersion { version } => {
-                    if before.as_ref().map(version_of).as_ref() != Some(version) {
-                        return Err(ProviderError::fs(ErrorCode::FsVersionMismatch, &p, "the file changed since that version"));
+                    WriteGuard::ReplaceIfVersion { version } => {
+                        if before.as_ref().map(version_of).as_ref() != Some(version) {
+                            return Err(ProviderError::fs(
+                                ErrorCode::FsVersionMismatch,
+                                &p,
+                                "the file changed since that version",
+                            ));
+                        }
+                        RenameFlags::empty()
                     }
-                    RenameFlags::empty()
+                };
+                let renamed = match rustix::fs::renameat_with(
+                    &*par,
+                    tmp.as_os_str(),
+                    &*par,
+                    name.as_os_str(),
+                    flags,
+                ) {
+                    // A file system without RENAME_NOREPLACE: the absence was checked under
+                    // the lock, which covers every tether writer.
+                    Err(Errno::INVAL) if !flags.is_empty() => {
+                        rustix::fs::renameat(&*par, tmp.as_os_str(), &*par, name.as_os_str())
+                    }
+                    r => r,
+                };
+                match renamed {
+                    Ok(()) => {}
+                    Err(Errno::EXIST) => {
+                        return Err(ProviderError::fs(
+                            ErrorCode::FsAlreadyExists,
+                            &p,
+                            "the file exists",
+                        ));
+                    }
+                    Err(e) => return Err(fs_errno(&p, e)),
                 }
-            };
-            let renamed = match rustix::fs::renameat_with(&*par, tmp.as_os_str(), &*par, name.as_os_str(), flags) {
-                // A file system without RENAME_NOREPLACE: the absence was checked under
-                // the lock, which covers every tether writer.
-                Err(Errno::INVAL) if !flags.is_empty() => rustix::fs::renameat(&*par, tmp.as_os_str(), &*par, name.as_os_str()),
-                r => r,
-            };
-            match renamed {
-                Ok(()) => {}
-                Err(Errno::EXIST) => return Err(ProviderError::fs(ErrorCode::FsAlreadyExists, &p, "the file exists")),
-                Err(e) => return Err(fs_errno(&p, e)),
-            }
-            // Make the rename itself durable.
-            if let Ok(d) = rustix::fs::openat(&*par, ".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()) {
-                let _ = rustix::fs::fsync(&d);
-            }
-            let st = rustix::fs::fstat(&file).map_err(|e| fs_errno(&p, e))?;
-            let created = before.is_none();
-            let outcome = WriteOutcome { path: ws.sandbox_path(&comps), version: version_of(&st), size, created };
-            Ok((outcome, comps, created))
-        })
-        .await
-        .map_err(join)
-        .and_then(|r| r);
+                // Make the rename itself durable.
+                if let Ok(d) = rustix::fs::openat(
+                    &*par,
+                    ".",
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                ) {
+                    let _ = rustix::fs::fsync(&d);
+                }
+                let st = rustix::fs::fstat(&file).map_err(|e| fs_errno(&p, e))?;
+                let created = before.is_none();
+                let outcome = WriteOutcome {
+                    path: ws.sandbox_path(&comps),
+                    version: version_of(&st),
+                    size,
+                    created,
+                };
+                Ok((outcome, comps, created))
+            })
+            .await
+            .map_err(join)
+            .and_then(|r| r);
         drop(_publishing);
         match published {
             Ok((outcome, comps, created)) => {
@@ -517,13 +669,17 @@ impl Fs for LocalFs {
 
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
         if depth == 0 {
-            return Err(ProviderError::InvalidRequest { message: "depth must be at least 1".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "depth must be at least 1".into(),
+            });
         }
         let ws = self.ws.clone();
         let p = path.to_owned();
         blocking(ctx, move || {
             let comps = ws.resolve(&p, true)?;
-            let fd = ws.open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY).map_err(|e| fs_errno(&p, e))?;
+            let fd = ws
+                .open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY)
+                .map_err(|e| fs_errno(&p, e))?;
             let mut out = Vec::new();
             walk(&ws, fd, &comps, 1, depth, &mut out).map_err(|e| fs_errno(&p, e))?;
             out.sort_by(|a, b| a.stat.path.cmp(&b.stat.path));
@@ -538,14 +694,20 @@ impl Fs for LocalFs {
         blocking(ctx, move || {
             let comps = ws.resolve(&p, true)?;
             let Some((_, parent_comps)) = comps.split_last() else {
-                return Err(ProviderError::fs(ErrorCode::FsAlreadyExists, &p, "the workspace exists"));
+                return Err(ProviderError::fs(
+                    ErrorCode::FsAlreadyExists,
+                    &p,
+                    "the workspace exists",
+                ));
             };
             if parents {
                 mkdir_all(&ws, &p, parent_comps)?;
             }
             let (dir, name) = ws.parent(&p, &comps)?;
-            rustix::fs::mkdirat(&dir, name.as_os_str(), Mode::from_raw_mode(0o755)).map_err(|e| fs_errno(&p, e))?;
-            ws.stat_at(dir.as_fd(), &name, &comps).map_err(|e| fs_errno(&p, e))
+            rustix::fs::mkdirat(&dir, name.as_os_str(), Mode::from_raw_mode(0o755))
+                .map_err(|e| fs_errno(&p, e))?;
+            ws.stat_at(dir.as_fd(), &name, &comps)
+                .map_err(|e| fs_errno(&p, e))
         })
         .await
     }
@@ -558,8 +720,10 @@ impl Fs for LocalFs {
             let tc = ws.resolve(&t, false)?;
             let (fdir, fname) = ws.parent(&f, &fc)?;
             let (tdir, tname) = ws.parent(&t, &tc)?;
-            rustix::fs::renameat(&fdir, fname.as_os_str(), &tdir, tname.as_os_str()).map_err(|e| fs_errno(&f, e))?;
-            ws.stat_at(tdir.as_fd(), &tname, &tc).map_err(|e| fs_errno(&t, e))
+            rustix::fs::renameat(&fdir, fname.as_os_str(), &tdir, tname.as_os_str())
+                .map_err(|e| fs_errno(&f, e))?;
+            ws.stat_at(tdir.as_fd(), &tname, &tc)
+                .map_err(|e| fs_errno(&t, e))
         })
         .await
     }
@@ -570,35 +734,58 @@ impl Fs for LocalFs {
         blocking(ctx, move || {
             let comps = ws.resolve(&p, false)?;
             let (dir, name) = ws.parent(&p, &comps)?;
-            let st = rustix::fs::statat(&dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW).map_err(|e| fs_errno(&p, e))?;
+            let st = rustix::fs::statat(&dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| fs_errno(&p, e))?;
             if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
-                return rustix::fs::unlinkat(&dir, name.as_os_str(), AtFlags::empty()).map_err(|e| fs_errno(&p, e));
+                return rustix::fs::unlinkat(&dir, name.as_os_str(), AtFlags::empty())
+                    .map_err(|e| fs_errno(&p, e));
             }
             if recursive {
                 remove_tree(dir.as_fd(), &name).map_err(|e| fs_errno(&p, e))
             } else {
-                rustix::fs::unlinkat(&dir, name.as_os_str(), AtFlags::REMOVEDIR).map_err(|e| fs_errno(&p, e))
+                rustix::fs::unlinkat(&dir, name.as_os_str(), AtFlags::REMOVEDIR)
+                    .map_err(|e| fs_errno(&p, e))
             }
         })
         .await
     }
 
-    async fn watch(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<BoxStream<'static, Result<FsEvent>>> {
+    async fn watch(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        recursive: bool,
+    ) -> Result<BoxStream<'static, Result<FsEvent>>> {
         let ws = self.ws.clone();
         let p = path.to_owned();
         let (inotify, root_comps, wds) = blocking(ctx, move || {
             let comps = ws.resolve(&p, true)?;
-            let dir = ws.open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY).map_err(|e| fs_errno(&p, e))?;
-            let inotify = rustix::fs::inotify::init(rustix::fs::inotify::CreateFlags::CLOEXEC | rustix::fs::inotify::CreateFlags::NONBLOCK)
-                .map_err(|e| internal("inotify_init", std::io::Error::from(e)))?;
+            let dir = ws
+                .open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY)
+                .map_err(|e| fs_errno(&p, e))?;
+            let inotify = rustix::fs::inotify::init(
+                rustix::fs::inotify::CreateFlags::CLOEXEC
+                    | rustix::fs::inotify::CreateFlags::NONBLOCK,
+            )
+            .map_err(|e| internal("inotify_init", std::io::Error::from(e)))?;
             let mut wds = HashMap::new();
-            add_watches(&inotify, dir, Vec::new(), recursive, &mut wds).map_err(|e| fs_errno(&p, e))?;
+            add_watches(&inotify, dir, Vec::new(), recursive, &mut wds)
+                .map_err(|e| fs_errno(&p, e))?;
             Ok((inotify, comps, wds))
         })
         .await?;
-        let inotify = crate::client::async_fd(inotify).map_err(|e| internal("inotify registration", e))?;
+        let inotify =
+            crate::client::async_fd(inotify).map_err(|e| internal("inotify registration", e))?;
         let (tx, rx) = mpsc::channel(256);
-        let watcher = Watcher { ws: self.ws.clone(), inotify, wds, root: root_comps, recursive, tx, temp_cookies: Vec::new() };
+        let watcher = Watcher {
+            ws: self.ws.clone(),
+            inotify,
+            wds,
+            root: root_comps,
+            recursive,
+            tx,
+            temp_cookies: Vec::new(),
+        };
         let published = self.published.subscribe();
         let closed = self.closed.clone();
         self.tasks.spawn(watcher.run(published, closed));
@@ -606,7 +793,9 @@ impl Fs for LocalFs {
     }
 }
 
-fn tokio_stream_from(mut rx: mpsc::Receiver<Result<FsEvent>>) -> BoxStream<'static, Result<FsEvent>> {
+fn tokio_stream_from(
+    mut rx: mpsc::Receiver<Result<FsEvent>>,
+) -> BoxStream<'static, Result<FsEvent>> {
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
 }
 
@@ -623,7 +812,14 @@ fn mkdir_all(ws: &Workspace, path: &str, comps: &[OsString]) -> Result<()> {
 }
 
 /// List `dir` into `out`, descending while `level < max`. Never follows symlinks.
-fn walk(ws: &Workspace, dir: OwnedFd, comps: &[OsString], level: u32, max: u32, out: &mut Vec<DirEntry>) -> rustix::io::Result<()> {
+fn walk(
+    ws: &Workspace,
+    dir: OwnedFd,
+    comps: &[OsString],
+    level: u32,
+    max: u32,
+    out: &mut Vec<DirEntry>,
+) -> rustix::io::Result<()> {
     let mut names = Vec::new();
     let mut d = rustix::fs::Dir::new(dir)?;
     for entry in d.by_ref() {
@@ -645,7 +841,12 @@ fn walk(ws: &Workspace, dir: OwnedFd, comps: &[OsString], level: u32, max: u32, 
         let is_dir = stat.kind == FileKind::Dir;
         out.push(DirEntry { stat, depth: level });
         if is_dir && level < max {
-            match rustix::fs::openat(dirfd, name.as_os_str(), OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
+            match rustix::fs::openat(
+                dirfd,
+                name.as_os_str(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
                 Ok(sub) => walk(ws, sub, &child, level + 1, max, out)?,
                 // Replaced or removed meanwhile: list what is there, skip the rest.
                 Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR) => {}
@@ -658,7 +859,12 @@ fn walk(ws: &Workspace, dir: OwnedFd, comps: &[OsString], level: u32, max: u32, 
 
 /// Remove `name` in `parent` and everything below it, without following symlinks.
 fn remove_tree(parent: BorrowedFd<'_>, name: &OsStr) -> rustix::io::Result<()> {
-    let fd = rustix::fs::openat(parent, name, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+    let fd = rustix::fs::openat(
+        parent,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
     let mut entries = Vec::new();
     let mut d = rustix::fs::Dir::new(fd)?;
     for entry in d.by_ref() {
@@ -703,8 +909,18 @@ const WATCH_FLAGS: rustix::fs::inotify::WatchFlags = rustix::fs::inotify::WatchF
 /// Add a watch on `dir` (and, when `recursive`, on every directory below it). The
 /// watch is added through `/proc/self/fd`, so it lands on the directory that was
 /// opened beneath the workspace, whatever happens to the path meanwhile.
-fn add_watches(inotify: &OwnedFd, dir: OwnedFd, rel: Comps, recursive: bool, wds: &mut HashMap<i32, Comps>) -> rustix::io::Result<()> {
-    let wd = rustix::fs::inotify::add_watch(inotify, format!("/proc/self/fd/{}", dir.as_raw_fd()), WATCH_FLAGS)?;
+fn add_watches(
+    inotify: &OwnedFd,
+    dir: OwnedFd,
+    rel: Comps,
+    recursive: bool,
+    wds: &mut HashMap<i32, Comps>,
+) -> rustix::io::Result<()> {
+    let wd = rustix::fs::inotify::add_watch(
+        inotify,
+        format!("/proc/self/fd/{}", dir.as_raw_fd()),
+        WATCH_FLAGS,
+    )?;
     wds.insert(wd, rel.clone());
     if !recursive {
         return Ok(());
@@ -720,7 +936,12 @@ fn add_watches(inotify: &OwnedFd, dir: OwnedFd, rel: Comps, recursive: bool, wds
     }
     let dirfd = d.fd()?;
     for name in subdirs {
-        if let Ok(sub) = rustix::fs::openat(dirfd, name.as_os_str(), OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
+        if let Ok(sub) = rustix::fs::openat(
+            dirfd,
+            name.as_os_str(),
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
             let mut r = rel.clone();
             r.push(name);
             add_watches(inotify, sub, r, true, wds)?;
@@ -741,7 +962,11 @@ struct Watcher {
 }
 
 impl Watcher {
-    async fn run(mut self, mut published: broadcast::Receiver<Published>, closed: CancellationToken) {
+    async fn run(
+        mut self,
+        mut published: broadcast::Receiver<Published>,
+        closed: CancellationToken,
+    ) {
         loop {
             tokio::select! {
                 _ = closed.cancelled() => return,
@@ -783,7 +1008,9 @@ impl Watcher {
     }
 
     async fn on_published(&self, p: Published) -> bool {
-        let Some(rest) = p.comps.strip_prefix(self.root.as_slice()) else { return true };
+        let Some(rest) = p.comps.strip_prefix(self.root.as_slice()) else {
+            return true;
+        };
         if rest.is_empty() || (!self.recursive && rest.len() > 1) {
             return true;
         }
@@ -794,9 +1021,17 @@ impl Watcher {
         self.send(FsEventKind::Write, name).await
     }
 
-    async fn on_inotify(&mut self, wd: i32, mask: rustix::fs::inotify::ReadFlags, cookie: u32, name: Option<OsString>) -> bool {
+    async fn on_inotify(
+        &mut self,
+        wd: i32,
+        mask: rustix::fs::inotify::ReadFlags,
+        cookie: u32,
+        name: Option<OsString>,
+    ) -> bool {
         use rustix::fs::inotify::ReadFlags as F;
-        let Some(dir) = self.wds.get(&wd).cloned() else { return true };
+        let Some(dir) = self.wds.get(&wd).cloned() else {
+            return true;
+        };
         if mask.contains(F::DELETE_SELF) && dir.is_empty() {
             // The watched directory itself is gone: the stream ends.
             return false;
@@ -822,10 +1057,16 @@ impl Watcher {
         }
         let mut rel = dir.clone();
         rel.push(name.clone());
-        if mask.contains(F::ISDIR) && self.recursive && (mask.contains(F::CREATE) || mask.contains(F::MOVED_TO)) {
+        if mask.contains(F::ISDIR)
+            && self.recursive
+            && (mask.contains(F::CREATE) || mask.contains(F::MOVED_TO))
+        {
             let mut full = self.root.clone();
             full.extend(rel.iter().cloned());
-            if let Ok(fd) = self.ws.open_beneath(&full, OFlags::RDONLY | OFlags::DIRECTORY) {
+            if let Ok(fd) = self
+                .ws
+                .open_beneath(&full, OFlags::RDONLY | OFlags::DIRECTORY)
+            {
                 let _ = add_watches(self.inotify.get_ref(), fd, rel.clone(), true, &mut self.wds);
             }
         }
@@ -842,6 +1083,7 @@ impl Watcher {
         } else {
             return true;
         };
-        self.send(kind, join_rel(&rel).to_string_lossy().into_owned()).await
+        self.send(kind, join_rel(&rel).to_string_lossy().into_owned())
+            .await
     }
 }

@@ -44,17 +44,22 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal as NixSignal;
 use tether_protocol::ErrorCode;
-use tether_protocol::process::{Command as CommandSpec, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode, StreamKind};
+use tether_protocol::process::{
+    Command as CommandSpec, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode,
+    StreamKind,
+};
 use tether_provider::{
-    CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal, StreamOffsets,
-    TerminateReport,
+    CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal,
+    StreamOffsets, TerminateReport,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::ChildStdin;
 use tokio::sync::{Mutex, watch};
 
-use crate::client::{Cgroup, group_members, open_pty, set_winsize, shell_argv, signal_group, write_spec};
+use crate::client::{
+    Cgroup, group_members, open_pty, set_winsize, shell_argv, signal_group, write_spec,
+};
 use crate::error::{fs_errno, internal, spawn_failed};
 use crate::sandbox::SandboxCore;
 
@@ -90,13 +95,26 @@ struct Table {
 
 impl LocalProcess {
     pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
-        Self { inner: Arc::new(Inner { core, table: Mutex::new(Table::default()) }) }
+        Self {
+            inner: Arc::new(Inner {
+                core,
+                table: Mutex::new(Table::default()),
+            }),
+        }
     }
 
     /// Kill every command of the sandbox at once (no grace: the sandbox is going away)
     /// and wait, bounded, until they are gone.
     pub(crate) async fn kill_all(&self) {
-        let commands: Vec<Arc<LocalCommand>> = self.inner.table.lock().await.by_id.values().cloned().collect();
+        let commands: Vec<Arc<LocalCommand>> = self
+            .inner
+            .table
+            .lock()
+            .await
+            .by_id
+            .values()
+            .cloned()
+            .collect();
         for c in &commands {
             c.kill_now();
         }
@@ -115,7 +133,9 @@ impl LocalProcess {
 
     fn resolve_cwd(&self, cwd: Option<&str>) -> Result<(PathBuf, Option<String>)> {
         let ws = &self.inner.core.ws;
-        let Some(cwd) = cwd else { return Ok((PathBuf::from(ws.display()), None)) };
+        let Some(cwd) = cwd else {
+            return Ok((PathBuf::from(ws.display()), None));
+        };
         // Inside the workspace the directory must exist (checked the way Fs checks
         // paths); elsewhere (`/tmp`, `/`) the trampoline's chdir decides.
         match ws.resolve(cwd, true) {
@@ -134,14 +154,21 @@ impl LocalProcess {
                         c => stack.push(c),
                     }
                 }
-                Ok((PathBuf::from(format!("/{}", stack.join("/"))), Some(cwd.to_owned())))
+                Ok((
+                    PathBuf::from(format!("/{}", stack.join("/"))),
+                    Some(cwd.to_owned()),
+                ))
             }
             Err(e) => Err(e),
         }
     }
 }
 
-fn build_env(core: &SandboxCore, ctx: &CallCtx, spec: &ProcessSpec) -> Result<Vec<(String, String)>> {
+fn build_env(
+    core: &SandboxCore,
+    ctx: &CallCtx,
+    spec: &ProcessSpec,
+) -> Result<Vec<(String, String)>> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     env.insert("PATH".into(), DEFAULT_PATH.into());
     env.insert("HOME".into(), core.ws.display().into());
@@ -157,8 +184,14 @@ fn build_env(core: &SandboxCore, ctx: &CallCtx, spec: &ProcessSpec) -> Result<Ve
         env.insert("TRACESTATE".into(), ts.clone());
     }
     for (k, v) in &spec.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.as_ref().is_some_and(|v| v.contains('\0')) {
-            return Err(ProviderError::InvalidRequest { message: format!("invalid environment variable {k:?}") });
+        if k.is_empty()
+            || k.contains('=')
+            || k.contains('\0')
+            || v.as_ref().is_some_and(|v| v.contains('\0'))
+        {
+            return Err(ProviderError::InvalidRequest {
+                message: format!("invalid environment variable {k:?}"),
+            });
         }
         match v {
             Some(v) => env.insert(k.clone(), v.clone()),
@@ -174,24 +207,35 @@ impl Process for LocalProcess {
         ctx.check()?;
         let core = &self.inner.core;
         if core.closed.is_cancelled() {
-            return Err(ProviderError::SandboxNotFound { id: core.id.clone() });
+            return Err(ProviderError::SandboxNotFound {
+                id: core.id.clone(),
+            });
         }
         let argv = match &spec.command {
             CommandSpec::Argv(v) if v.first().is_some_and(|p| !p.is_empty()) => v.clone(),
             CommandSpec::Argv(_) => {
-                return Err(ProviderError::InvalidRequest { message: "argv needs a program name at argv[0]".into() });
+                return Err(ProviderError::InvalidRequest {
+                    message: "argv needs a program name at argv[0]".into(),
+                });
             }
             CommandSpec::Shell(s) => shell_argv(s),
         };
         if argv.iter().any(|a| a.contains('\0')) {
-            return Err(ProviderError::InvalidRequest { message: "argv contains a NUL byte".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "argv contains a NUL byte".into(),
+            });
         }
         if let Some(PtySize { rows: 0, .. } | PtySize { cols: 0, .. }) = spec.pty {
-            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "pty size must be positive".into(),
+            });
         }
         let (cwd, cwd_display) = self.resolve_cwd(spec.cwd.as_deref())?;
         let env = build_env(core, ctx, &spec)?;
-        let id = spec.command_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let id = spec
+            .command_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         let key = uuid::Uuid::new_v4().simple().to_string();
 
         // Reserve the id: a finished command with the same id is forgotten.
@@ -199,7 +243,9 @@ impl Process for LocalProcess {
             let mut table = self.inner.table.lock().await;
             if let Some(old) = table.by_id.get(&id) {
                 if old.try_status().is_none() {
-                    return Err(ProviderError::InvalidRequest { message: format!("command id {id} is in use") });
+                    return Err(ProviderError::InvalidRequest {
+                        message: format!("command id {id} is in use"),
+                    });
                 }
                 let old = table.by_id.remove(&id);
                 table.finished.retain(|f| f != &id);
@@ -210,21 +256,39 @@ impl Process for LocalProcess {
         }
 
         let spool = core.state_dir.join("cmd").join(&key);
-        tokio::fs::create_dir_all(&spool).await.map_err(|e| internal("cannot create the output spool", e))?;
+        tokio::fs::create_dir_all(&spool)
+            .await
+            .map_err(|e| internal("cannot create the output spool", e))?;
         let out_path = spool.join("stdout");
         let err_path = spool.join("stderr");
-        let out_file = tokio::fs::File::create(&out_path).await.map_err(|e| internal("cannot create the output spool", e))?;
-        let err_file = tokio::fs::File::create(&err_path).await.map_err(|e| internal("cannot create the output spool", e))?;
+        let out_file = tokio::fs::File::create(&out_path)
+            .await
+            .map_err(|e| internal("cannot create the output spool", e))?;
+        let err_file = tokio::fs::File::create(&err_path)
+            .await
+            .map_err(|e| internal("cannot create the output spool", e))?;
 
         let cgroup = match &core.cgroup {
-            Some(cg) => Some(cg.child(&key).map_err(|e| spawn_failed("cannot create the command's cgroup", Some(e)))?),
+            Some(cg) => Some(
+                cg.child(&key)
+                    .map_err(|e| spawn_failed("cannot create the command's cgroup", Some(e)))?,
+            ),
             None => None,
         };
         let pty = match spec.pty {
-            Some(size) => Some(open_pty(size.rows, size.cols).map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?),
+            Some(size) => Some(
+                open_pty(size.rows, size.cols)
+                    .map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?,
+            ),
             None => None,
         };
-        let confine = core.confine_spec(cgroup.as_ref().map(|c| c.path().to_owned()), pty.is_some(), cwd.clone(), env, argv);
+        let confine = core.confine_spec(
+            cgroup.as_ref().map(|c| c.path().to_owned()),
+            pty.is_some(),
+            cwd.clone(),
+            env,
+            argv,
+        );
         let spec_path = spool.join("spec.json");
         if let Err(e) = write_spec(&spec_path, &confine).await {
             let _ = tokio::fs::remove_dir_all(&spool).await;
@@ -238,17 +302,28 @@ impl Process for LocalProcess {
         let mut master = None;
         match pty {
             Some(p) => {
-                let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| spawn_failed("cannot duplicate the pty", Some(e)));
-                cmd.stdin(Stdio::from(dup(&p.slave)?)).stdout(Stdio::from(dup(&p.slave)?)).stderr(Stdio::from(p.slave));
+                let dup = |fd: &OwnedFd| {
+                    fd.try_clone()
+                        .map_err(|e| spawn_failed("cannot duplicate the pty", Some(e)))
+                };
+                cmd.stdin(Stdio::from(dup(&p.slave)?))
+                    .stdout(Stdio::from(dup(&p.slave)?))
+                    .stderr(Stdio::from(p.slave));
                 // The trampoline calls setsid: it must not be a group leader already.
-                master = Some(Arc::new(crate::client::async_fd(p.master).map_err(|e| spawn_failed("cannot register the pty", Some(e)))?));
+                master = Some(Arc::new(
+                    crate::client::async_fd(p.master)
+                        .map_err(|e| spawn_failed("cannot register the pty", Some(e)))?,
+                ));
             }
             None => {
                 let stdin = match spec.stdin {
                     StdinMode::Ignore => Stdio::null(),
                     StdinMode::Pipe | StdinMode::Data { .. } => Stdio::piped(),
                 };
-                cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+                cmd.stdin(stdin)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .process_group(0);
             }
         }
         let spawned = cmd.spawn();
@@ -262,7 +337,10 @@ impl Process for LocalProcess {
                 if let Some(cg) = &cgroup {
                     cg.remove();
                 }
-                return Err(spawn_failed(format!("cannot start {}", core.launcher.program().display()), Some(e)));
+                return Err(spawn_failed(
+                    format!("cannot start {}", core.launcher.program().display()),
+                    Some(e),
+                ));
             }
         };
         let pid = child.id().unwrap_or_default();
@@ -287,7 +365,14 @@ impl Process for LocalProcess {
         let command = Arc::new(LocalCommand {
             id: id.clone(),
             pid,
-            info: ProcessInfo { command_id: id.clone(), pid, command: spec.command.clone(), cwd: cwd_display, pty: master.is_some(), exit: None },
+            info: ProcessInfo {
+                command_id: id.clone(),
+                pid,
+                command: spec.command.clone(),
+                cwd: cwd_display,
+                pty: master.is_some(),
+                exit: None,
+            },
             spool: spool.clone(),
             out_path,
             err_path,
@@ -305,15 +390,35 @@ impl Process for LocalProcess {
         let mut pumps = Vec::new();
         match &master {
             Some(m) => {
-                pumps.push(core.tasks.spawn(pump_pty(m.clone(), out_file, out_cap, command.progress.clone(), sealed.clone())));
+                pumps.push(core.tasks.spawn(pump_pty(
+                    m.clone(),
+                    out_file,
+                    out_cap,
+                    command.progress.clone(),
+                    sealed.clone(),
+                )));
                 drop(err_file);
             }
             None => {
                 if let Some(out) = child.stdout.take() {
-                    pumps.push(core.tasks.spawn(pump(out, out_file, out_cap, Stream::Out, command.progress.clone(), sealed.clone())));
+                    pumps.push(core.tasks.spawn(pump(
+                        out,
+                        out_file,
+                        out_cap,
+                        Stream::Out,
+                        command.progress.clone(),
+                        sealed.clone(),
+                    )));
                 }
                 if let Some(err) = child.stderr.take() {
-                    pumps.push(core.tasks.spawn(pump(err, err_file, err_cap, Stream::Err, command.progress.clone(), sealed.clone())));
+                    pumps.push(core.tasks.spawn(pump(
+                        err,
+                        err_file,
+                        err_cap,
+                        Stream::Err,
+                        command.progress.clone(),
+                        sealed.clone(),
+                    )));
                 }
             }
         }
@@ -322,12 +427,23 @@ impl Process for LocalProcess {
             table.by_id.insert(id.clone(), command.clone());
         }
         let drain = Duration::from_millis(core.cfg.drain_after_exit_ms);
-        core.tasks.spawn(supervise(child, command.clone(), pumps, sealed, drain, Arc::downgrade(&self.inner)));
+        core.tasks.spawn(supervise(
+            child,
+            command.clone(),
+            pumps,
+            sealed,
+            drain,
+            Arc::downgrade(&self.inner),
+        ));
         tracing::debug!(sandbox.id = %core.id, command.id = %id, pid, "Started a command");
         Ok(command)
     }
 
-    async fn attach(&self, ctx: &CallCtx, which: ProcessSelector) -> Result<Arc<dyn ProcessHandle>> {
+    async fn attach(
+        &self,
+        ctx: &CallCtx,
+        which: ProcessSelector,
+    ) -> Result<Arc<dyn ProcessHandle>> {
         ctx.check()?;
         let table = self.inner.table.lock().await;
         let found = match &which {
@@ -364,10 +480,16 @@ async fn supervise(
     owner: Weak<Inner>,
 ) {
     let status = match child.wait().await {
-        Ok(s) => ExitStatus { code: s.code(), signal: s.signal() },
+        Ok(s) => ExitStatus {
+            code: s.code(),
+            signal: s.signal(),
+        },
         Err(e) => {
             tracing::warn!(error = %e, command.id = %command.id, "Cannot wait for a command");
-            ExitStatus { code: None, signal: None }
+            ExitStatus {
+                code: None,
+                signal: None,
+            }
         }
     };
     let _ = tokio::time::timeout(drain, futures_util::future::join_all(pumps)).await;
@@ -385,7 +507,9 @@ async fn supervise(
     table.finished.push_back(command.id.clone());
     let keep = owner.core.cfg.finished_commands_kept;
     while table.finished.len() > keep {
-        let Some(old) = table.finished.pop_front() else { break };
+        let Some(old) = table.finished.pop_front() else {
+            break;
+        };
         if let Some(c) = table.by_id.remove(&old) {
             c.forget().await;
         }
@@ -399,7 +523,14 @@ enum Stream {
 }
 
 /// Copy a pipe into its spool up to `cap` bytes, counting everything.
-async fn pump(mut pipe: impl AsyncRead + Unpin, mut file: tokio::fs::File, cap: u64, which: Stream, progress: watch::Sender<Progress>, sealed: Arc<AtomicBool>) {
+async fn pump(
+    mut pipe: impl AsyncRead + Unpin,
+    mut file: tokio::fs::File,
+    cap: u64,
+    which: Stream,
+    progress: watch::Sender<Progress>,
+    sealed: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; CHUNK];
     let mut spooled = 0u64;
     loop {
@@ -432,12 +563,22 @@ async fn pump(mut pipe: impl AsyncRead + Unpin, mut file: tokio::fs::File, cap: 
 
 /// Copy a pty's output into the stdout spool. The master reads `EIO` once every slave
 /// descriptor is closed: that is its end of file.
-async fn pump_pty(master: Arc<AsyncFd<OwnedFd>>, mut file: tokio::fs::File, cap: u64, progress: watch::Sender<Progress>, sealed: Arc<AtomicBool>) {
+async fn pump_pty(
+    master: Arc<AsyncFd<OwnedFd>>,
+    mut file: tokio::fs::File,
+    cap: u64,
+    progress: watch::Sender<Progress>,
+    sealed: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; CHUNK];
     let mut spooled = 0u64;
     loop {
-        let Ok(mut guard) = master.readable().await else { return };
-        let n = match guard.try_io(|fd| rustix::io::read(fd.get_ref(), &mut buf[..]).map_err(std::io::Error::from)) {
+        let Ok(mut guard) = master.readable().await else {
+            return;
+        };
+        let n = match guard
+            .try_io(|fd| rustix::io::read(fd.get_ref(), &mut buf[..]).map_err(std::io::Error::from))
+        {
             Ok(Ok(0)) | Ok(Err(_)) => return,
             Ok(Ok(n)) => n,
             Err(_would_block) => continue,
@@ -514,7 +655,10 @@ pub struct LocalCommand {
 
 impl LocalCommand {
     fn info(&self) -> ProcessInfo {
-        ProcessInfo { exit: self.try_status(), ..self.info.clone() }
+        ProcessInfo {
+            exit: self.try_status(),
+            ..self.info.clone()
+        }
     }
 
     /// Processes of the command still alive.
@@ -560,7 +704,10 @@ impl LocalCommand {
     }
 
     async fn wait_gone(&self, limit: Duration) -> bool {
-        poll_until(limit, || self.members().is_empty() && self.progress.borrow().exited.is_some()).await
+        poll_until(limit, || {
+            self.members().is_empty() && self.progress.borrow().exited.is_some()
+        })
+        .await
     }
 
     async fn wait_exited(&self) {
@@ -579,7 +726,9 @@ impl LocalCommand {
     async fn write_pty(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> std::io::Result<()> {
         while !data.is_empty() {
             let mut guard = fd.writable().await?;
-            match guard.try_io(|fd| rustix::io::write(fd.get_ref(), data).map_err(std::io::Error::from)) {
+            match guard
+                .try_io(|fd| rustix::io::write(fd.get_ref(), data).map_err(std::io::Error::from))
+            {
                 Ok(Ok(n)) => data = &data[n..],
                 Ok(Err(e)) => return Err(e),
                 Err(_would_block) => continue,
@@ -615,30 +764,51 @@ impl ProcessHandle for LocalCommand {
 
     fn events(&self, from: StreamOffsets) -> EventStream {
         let reader = Reader {
-            started: (from == StreamOffsets::default()).then(|| ProcessEvent::Started { command_id: self.id.clone(), pid: self.pid }),
+            started: (from == StreamOffsets::default()).then(|| ProcessEvent::Started {
+                command_id: self.id.clone(),
+                pid: self.pid,
+            }),
             rx: self.progress.subscribe(),
             out: SpoolCursor::new(self.out_path.clone(), from.stdout),
             err: SpoolCursor::new(self.err_path.clone(), from.stderr),
-            out_kind: if self.pty.is_some() { StreamKind::Pty } else { StreamKind::Stdout },
+            out_kind: if self.pty.is_some() {
+                StreamKind::Pty
+            } else {
+                StreamKind::Stdout
+            },
             done: false,
         };
-        futures_util::stream::unfold(reader, |mut r| async move { r.next().await.map(|ev| (ev, r)) }).boxed()
+        futures_util::stream::unfold(
+            reader,
+            |mut r| async move { r.next().await.map(|ev| (ev, r)) },
+        )
+        .boxed()
     }
 
     async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()> {
         let mut stdin = self.stdin.lock().await;
         match stdin.as_mut() {
             Some(StdinSink::Pipe(w)) => ctx
-                .run(async { w.write_all(&data).await.map_err(|e| spawn_failed("cannot write to stdin", Some(e))) })
+                .run(async {
+                    w.write_all(&data)
+                        .await
+                        .map_err(|e| spawn_failed("cannot write to stdin", Some(e)))
+                })
                 .await
                 .map_err(|e| stdin_error(e, &self.id)),
             Some(StdinSink::Pty(fd)) => {
                 let fd = fd.clone();
-                ctx.run(async move { Self::write_pty(&fd, &data).await.map_err(|e| spawn_failed("cannot write to the pty", Some(e))) })
-                    .await
-                    .map_err(|e| stdin_error(e, &self.id))
+                ctx.run(async move {
+                    Self::write_pty(&fd, &data)
+                        .await
+                        .map_err(|e| spawn_failed("cannot write to the pty", Some(e)))
+                })
+                .await
+                .map_err(|e| stdin_error(e, &self.id))
             }
-            None => Err(ProviderError::InvalidRequest { message: format!("command {} has no open stdin", self.id) }),
+            None => Err(ProviderError::InvalidRequest {
+                message: format!("command {} has no open stdin", self.id),
+            }),
         }
     }
 
@@ -651,7 +821,13 @@ impl ProcessHandle for LocalCommand {
             }
             // A pty has no half-close: send the end-of-file character instead.
             Some(StdinSink::Pty(fd)) => {
-                let r = ctx.run(async { Self::write_pty(&fd, &[PTY_EOF]).await.map_err(|e| spawn_failed("cannot write to the pty", Some(e))) }).await;
+                let r = ctx
+                    .run(async {
+                        Self::write_pty(&fd, &[PTY_EOF])
+                            .await
+                            .map_err(|e| spawn_failed("cannot write to the pty", Some(e)))
+                    })
+                    .await;
                 *stdin = Some(StdinSink::Pty(fd));
                 r
             }
@@ -670,12 +846,17 @@ impl ProcessHandle for LocalCommand {
     async fn resize(&self, ctx: &CallCtx, size: PtySize) -> Result<()> {
         ctx.check()?;
         let Some(fd) = &self.pty else {
-            return Err(ProviderError::InvalidRequest { message: format!("command {} has no pty", self.id) });
+            return Err(ProviderError::InvalidRequest {
+                message: format!("command {} has no pty", self.id),
+            });
         };
         if size.rows == 0 || size.cols == 0 {
-            return Err(ProviderError::InvalidRequest { message: "pty size must be positive".into() });
+            return Err(ProviderError::InvalidRequest {
+                message: "pty size must be positive".into(),
+            });
         }
-        set_winsize(fd.get_ref(), size.rows, size.cols).map_err(|e| internal("cannot resize the pty", e))
+        set_winsize(fd.get_ref(), size.rows, size.cols)
+            .map_err(|e| internal("cannot resize the pty", e))
     }
 
     /// Runs to completion whatever `ctx` says: it is the cleanup that follows a cancel.
@@ -731,9 +912,11 @@ impl ProcessHandle for LocalCommand {
 
 fn stdin_error(e: ProviderError, id: &str) -> ProviderError {
     match e {
-        ProviderError::SpawnFailed { source: Some(io), .. } if io.kind() == std::io::ErrorKind::BrokenPipe => {
-            ProviderError::InvalidRequest { message: format!("command {id} closed its stdin") }
-        }
+        ProviderError::SpawnFailed {
+            source: Some(io), ..
+        } if io.kind() == std::io::ErrorKind::BrokenPipe => ProviderError::InvalidRequest {
+            message: format!("command {id} closed its stdin"),
+        },
         e => e,
     }
 }
@@ -749,7 +932,11 @@ struct SpoolCursor {
 
 impl SpoolCursor {
     fn new(path: PathBuf, pos: u64) -> Self {
-        Self { path, file: None, pos }
+        Self {
+            path,
+            file: None,
+            pos,
+        }
     }
 
     /// Read the next chunk below `available`.
@@ -760,7 +947,10 @@ impl SpoolCursor {
         let file = match &self.file {
             Some(f) => f.clone(),
             None => {
-                let f = Arc::new(std::fs::File::open(&self.path).map_err(|e| internal("cannot open the output spool", e))?);
+                let f = Arc::new(
+                    std::fs::File::open(&self.path)
+                        .map_err(|e| internal("cannot open the output spool", e))?,
+                );
                 self.file = Some(f.clone());
                 f
             }
@@ -777,7 +967,10 @@ impl SpoolCursor {
         .map_err(crate::error::join)?
         .map_err(|e| internal("cannot read the output spool", e))?;
         if data.is_empty() {
-            return Err(internal("the output spool is shorter than reported", std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+            return Err(internal(
+                "the output spool is shorter than reported",
+                std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+            ));
         }
         self.pos += data.len() as u64;
         Ok(Some((pos, data)))
@@ -805,7 +998,13 @@ impl Reader {
         loop {
             let p = *self.rx.borrow_and_update();
             match self.out.read(p.out).await {
-                Ok(Some((offset, data))) => return Some(Ok(ProcessEvent::Output { stream: self.out_kind, offset, data })),
+                Ok(Some((offset, data))) => {
+                    return Some(Ok(ProcessEvent::Output {
+                        stream: self.out_kind,
+                        offset,
+                        data,
+                    }));
+                }
                 Ok(None) => {}
                 Err(e) => {
                     self.done = true;
@@ -813,7 +1012,13 @@ impl Reader {
                 }
             }
             match self.err.read(p.err).await {
-                Ok(Some((offset, data))) => return Some(Ok(ProcessEvent::Output { stream: StreamKind::Stderr, offset, data })),
+                Ok(Some((offset, data))) => {
+                    return Some(Ok(ProcessEvent::Output {
+                        stream: StreamKind::Stderr,
+                        offset,
+                        data,
+                    }));
+                }
                 Ok(None) => {}
                 Err(e) => {
                     self.done = true;
@@ -822,11 +1027,17 @@ impl Reader {
             }
             if let Some(status) = p.exited {
                 self.done = true;
-                return Some(Ok(ProcessEvent::Exited { status, stdout_bytes: p.out_total, stderr_bytes: p.err_total }));
+                return Some(Ok(ProcessEvent::Exited {
+                    status,
+                    stdout_bytes: p.out_total,
+                    stderr_bytes: p.err_total,
+                }));
             }
             if self.rx.changed().await.is_err() {
                 self.done = true;
-                return Some(Err(ProviderError::CommandNotFound { id: "the command is gone".into() }));
+                return Some(Err(ProviderError::CommandNotFound {
+                    id: "the command is gone".into(),
+                }));
             }
         }
     }

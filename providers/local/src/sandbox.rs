@@ -26,15 +26,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox, SandboxInfo, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
+    SandboxInfo, SandboxSpec,
 };
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::{Cgroup, CgroupTree, Launcher};
-use crate::confine::{ConfineSpec, ProbeReport};
 use crate::config::{LocalConfig, PRIVATE_TMPFS_PATHS, workspace_components};
+use crate::confine::{ConfineSpec, ProbeReport};
 use crate::error::internal;
 use crate::fs::{LocalFs, Workspace};
 use crate::process::LocalProcess;
@@ -46,7 +47,10 @@ pub const KIND: &str = "local";
 const RECORD: &str = "sandbox.json";
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// Sandbox ids are generated here; anything else is not one of ours (and must never
@@ -98,7 +102,17 @@ impl SandboxCore {
         env: Vec<(String, String)>,
         argv: Vec<String>,
     ) -> ConfineSpec {
-        base_spec(&self.cfg, &self.workspace_host, self.network, self.enforcement, cgroup, pty, cwd, env, argv)
+        base_spec(
+            &self.cfg,
+            &self.workspace_host,
+            self.network,
+            self.enforcement,
+            cgroup,
+            pty,
+            cwd,
+            env,
+            argv,
+        )
     }
 }
 
@@ -159,7 +173,13 @@ impl LocalSandbox {
         let fs = LocalFs::new(core.ws.clone(), core.tasks.clone(), core.closed.clone());
         let process = LocalProcess::new(core.clone());
         let expires_ms = AtomicI64::new(record.expires_ms.unwrap_or(NO_EXPIRY));
-        Self { core, record, expires_ms, fs, process }
+        Self {
+            core,
+            record,
+            expires_ms,
+            fs,
+            process,
+        }
     }
 
     /// The sandbox's workspace directory on the host.
@@ -169,7 +189,10 @@ impl LocalSandbox {
 
     fn current_record(&self) -> SandboxRecord {
         let e = self.expires_ms.load(Ordering::Acquire);
-        SandboxRecord { expires_ms: (e != NO_EXPIRY).then_some(e), ..self.record.clone() }
+        SandboxRecord {
+            expires_ms: (e != NO_EXPIRY).then_some(e),
+            ..self.record.clone()
+        }
     }
 
     /// Kill everything, stop background tasks.
@@ -214,10 +237,15 @@ fn info_of(r: &SandboxRecord) -> SandboxInfo {
 }
 
 async fn write_record(dir: &Path, record: &SandboxRecord) -> Result<()> {
-    let json = serde_json::to_vec_pretty(record).map_err(|e| internal("cannot encode sandbox.json", e))?;
+    let json =
+        serde_json::to_vec_pretty(record).map_err(|e| internal("cannot encode sandbox.json", e))?;
     let tmp = dir.join(format!("{RECORD}.tmp"));
-    tokio::fs::write(&tmp, json).await.map_err(|e| internal("cannot write sandbox.json", e))?;
-    tokio::fs::rename(&tmp, dir.join(RECORD)).await.map_err(|e| internal("cannot write sandbox.json", e))
+    tokio::fs::write(&tmp, json)
+        .await
+        .map_err(|e| internal("cannot write sandbox.json", e))?;
+    tokio::fs::rename(&tmp, dir.join(RECORD))
+        .await
+        .map_err(|e| internal("cannot write sandbox.json", e))
 }
 
 async fn read_record(dir: &Path) -> Option<SandboxRecord> {
@@ -243,14 +271,21 @@ impl LocalProvider {
     pub fn new(cfg: LocalConfig) -> Result<Self> {
         cfg.validate()?;
         let prefix = workspace_components(&cfg.workspace_path)?;
-        std::fs::create_dir_all(&cfg.root).map_err(|e| internal(format!("cannot create {}", cfg.root.display()), e))?;
+        std::fs::create_dir_all(&cfg.root)
+            .map_err(|e| internal(format!("cannot create {}", cfg.root.display()), e))?;
         {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&cfg.root, std::fs::Permissions::from_mode(0o700));
         }
         let launcher = Launcher::resolve(&cfg)?;
         let cgroups = CgroupTree::detect(&cfg);
-        Ok(Self { cfg: Arc::new(cfg), prefix, launcher, cgroups, live: Mutex::new(HashMap::new()) })
+        Ok(Self {
+            cfg: Arc::new(cfg),
+            prefix,
+            launcher,
+            cgroups,
+            live: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The configuration.
@@ -272,8 +307,18 @@ impl LocalProvider {
     }
 
     /// Run the trampoline's probe for a workspace at `workspace`.
-    async fn probe(&self, ctx: &CallCtx, workspace: &Path, state: &Path, network: bool, cgroup: Option<&Cgroup>) -> Result<ProbeReport> {
-        let probe_cg = cgroup.and_then(|cg| cg.child(&format!("probe-{}", uuid::Uuid::new_v4().simple())).ok());
+    async fn probe(
+        &self,
+        ctx: &CallCtx,
+        workspace: &Path,
+        state: &Path,
+        network: bool,
+        cgroup: Option<&Cgroup>,
+    ) -> Result<ProbeReport> {
+        let probe_cg = cgroup.and_then(|cg| {
+            cg.child(&format!("probe-{}", uuid::Uuid::new_v4().simple()))
+                .ok()
+        });
         let spec = base_spec(
             &self.cfg,
             workspace,
@@ -304,15 +349,33 @@ impl LocalProvider {
             return Ok(());
         }
         Err(ProviderError::IsolationUnavailable {
-            requested: if self.cfg.allow_weaker_isolation { "partial".into() } else { "full".into() },
-            why: if report.problems.is_empty() { format!("enforcement is {}", report.enforcement.as_str()) } else { report.problems.join("; ") },
+            requested: if self.cfg.allow_weaker_isolation {
+                "partial".into()
+            } else {
+                "full".into()
+            },
+            why: if report.problems.is_empty() {
+                format!("enforcement is {}", report.enforcement.as_str())
+            } else {
+                report.problems.join("; ")
+            },
         })
     }
 
-    fn sandbox_from(&self, record: SandboxRecord, dir: &Path, cgroup: Option<Cgroup>) -> Result<Arc<LocalSandbox>> {
+    fn sandbox_from(
+        &self,
+        record: SandboxRecord,
+        dir: &Path,
+        cgroup: Option<Cgroup>,
+    ) -> Result<Arc<LocalSandbox>> {
         let workspace_host = dir.join("workspace");
         let ws = Workspace::open(&workspace_host, &self.cfg.workspace_str(), &self.prefix)
-            .map_err(|e| internal(format!("cannot open the workspace {}", workspace_host.display()), e))?;
+            .map_err(|e| {
+                internal(
+                    format!("cannot open the workspace {}", workspace_host.display()),
+                    e,
+                )
+            })?;
         let core = SandboxCore {
             id: record.id.clone(),
             cfg: self.cfg.clone(),
@@ -348,15 +411,25 @@ impl LocalProvider {
         Ok(sandbox)
     }
 
-    async fn create_in(&self, ctx: &CallCtx, spec: SandboxSpec, id: &str, dir: &Path) -> Result<Arc<LocalSandbox>> {
+    async fn create_in(
+        &self,
+        ctx: &CallCtx,
+        spec: SandboxSpec,
+        id: &str,
+        dir: &Path,
+    ) -> Result<Arc<LocalSandbox>> {
         let workspace = dir.join("workspace");
         let state = dir.join("state");
         for d in [&workspace, &state] {
-            tokio::fs::create_dir_all(d).await.map_err(|e| internal(format!("cannot create {}", d.display()), e))?;
+            tokio::fs::create_dir_all(d)
+                .await
+                .map_err(|e| internal(format!("cannot create {}", d.display()), e))?;
         }
         let network = spec.network || self.cfg.default_network;
         let cgroup = self.cgroups.as_ref().and_then(|t| t.sandbox(id));
-        let report = self.probe(ctx, &workspace, &state, network, cgroup.as_ref()).await?;
+        let report = self
+            .probe(ctx, &workspace, &state, network, cgroup.as_ref())
+            .await?;
         tracing::debug!(sandbox.id = %id, enforcement = report.enforcement.as_str(), problems = ?report.problems, "Probed isolation");
         self.check_enforcement(&report)?;
         // A cgroup the probe could not join is useless: track by process group.
@@ -375,7 +448,9 @@ impl LocalProvider {
             workspace: self.cfg.workspace_str(),
             enforcement: report.enforcement,
             created_ms,
-            expires_ms: spec.ttl.map(|t| created_ms.saturating_add(t.as_millis() as i64)),
+            expires_ms: spec
+                .ttl
+                .map(|t| created_ms.saturating_add(t.as_millis() as i64)),
             metadata: spec.metadata,
             env: spec.env,
             network,
@@ -392,17 +467,31 @@ impl Provider for LocalProvider {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { pause: false, watch: true, pty: true, reattach: true, renew: true }
+        Capabilities {
+            pause: false,
+            watch: true,
+            pty: true,
+            reattach: true,
+            renew: true,
+        }
     }
 
     async fn healthcheck(&self, ctx: &CallCtx) -> Result<()> {
-        let dir = self.cfg.root.join(format!(".health-{}", uuid::Uuid::new_v4().simple()));
+        let dir = self
+            .cfg
+            .root
+            .join(format!(".health-{}", uuid::Uuid::new_v4().simple()));
         let workspace = dir.join("workspace");
-        tokio::fs::create_dir_all(&workspace).await.map_err(|e| ProviderError::Unavailable {
-            message: format!("the sandbox root {} is not writable", self.cfg.root.display()),
-            retry_after: None,
-            source: Some(Box::new(e)),
-        })?;
+        tokio::fs::create_dir_all(&workspace)
+            .await
+            .map_err(|e| ProviderError::Unavailable {
+                message: format!(
+                    "the sandbox root {} is not writable",
+                    self.cfg.root.display()
+                ),
+                retry_after: None,
+                source: Some(Box::new(e)),
+            })?;
         let report = self.probe(ctx, &workspace, &dir, false, None).await;
         let _ = tokio::fs::remove_dir_all(&dir).await;
         self.check_enforcement(&report?)
@@ -443,7 +532,9 @@ impl Provider for LocalProvider {
             Err(e) => return Err(internal("cannot list the sandbox root", e)),
         };
         while let Ok(Some(entry)) = rd.next_entry().await {
-            let Some(id) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
             if !valid_id(&id) {
                 continue;
             }
@@ -456,7 +547,11 @@ impl Provider for LocalProvider {
                 }
             }
         }
-        out.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then_with(|| a.id.cmp(&b.id)));
+        out.sort_by(|a, b| {
+            a.created_ms
+                .cmp(&b.created_ms)
+                .then_with(|| a.id.cmp(&b.id))
+        });
         Ok(out)
     }
 
@@ -473,7 +568,8 @@ impl Provider for LocalProvider {
                 // its cgroup.
                 if let Some(cg) = self.cgroups.as_ref().and_then(|t| t.existing(id)) {
                     cg.kill_all();
-                    let limit = tokio::time::Instant::now() + Duration::from_millis(self.cfg.kill_verify_ms);
+                    let limit = tokio::time::Instant::now()
+                        + Duration::from_millis(self.cfg.kill_verify_ms);
                     while cg.populated() && tokio::time::Instant::now() < limit {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }

@@ -10,7 +10,10 @@ use tether_provider::testkit::Fixture;
 use tether_provider_local::{LocalConfig, LocalProvider};
 
 async fn fixture() -> Fixture {
-    let dir = tempfile::Builder::new().prefix("tether-conformance-").tempdir().expect("tempdir");
+    let dir = tempfile::Builder::new()
+        .prefix("tether-conformance-")
+        .tempdir()
+        .expect("tempdir");
     let mut cfg = LocalConfig::with_root(dir.path().join("sandboxes"));
     cfg.confine_helper = Some(env!("CARGO_BIN_EXE_tether-confine").into());
     let provider: Arc<dyn Provider> = Arc::new(LocalProvider::new(cfg).expect("provider"));

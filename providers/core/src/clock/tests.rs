@@ -6,7 +6,9 @@ use std::time::Duration;
 use tokio::time::advance;
 
 fn alive() -> usize {
-    tokio::runtime::Handle::current().metrics().num_alive_tasks()
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
 }
 
 async fn settle() {
@@ -25,7 +27,10 @@ async fn step(ms: u64) {
 
 #[test]
 fn timeout_reason_is_an_error_carrying_the_code_and_elapsed_ms() {
-    let r = TimeoutReason { code: "BASH_TIMEOUT", timeout_ms: 100 };
+    let r = TimeoutReason {
+        code: "BASH_TIMEOUT",
+        timeout_ms: 100,
+    };
     let e: &dyn std::error::Error = &r;
     assert_eq!(e.to_string(), "BASH_TIMEOUT after 100ms");
     assert_eq!(r.code, "BASH_TIMEOUT");
@@ -36,37 +41,63 @@ fn timeout_reason_is_an_error_carrying_the_code_and_elapsed_ms() {
 
 #[test]
 fn clamp_fills_the_default_when_the_hint_is_absent() {
-    assert_eq!(clamp_timeout(None, 120_000.0, 600_000.0, "timeoutMs").unwrap(), 120_000.0);
+    assert_eq!(
+        clamp_timeout(None, 120_000.0, 600_000.0, "timeoutMs").unwrap(),
+        120_000.0
+    );
 }
 
 #[test]
 fn clamp_caps_the_hint_at_max() {
-    assert_eq!(clamp_timeout(Some(999_999.0), 120_000.0, 600_000.0, "timeoutMs").unwrap(), 600_000.0);
+    assert_eq!(
+        clamp_timeout(Some(999_999.0), 120_000.0, 600_000.0, "timeoutMs").unwrap(),
+        600_000.0
+    );
 }
 
 #[test]
 fn clamp_keeps_a_valid_hint_under_the_cap() {
-    assert_eq!(clamp_timeout(Some(5_000.0), 120_000.0, 600_000.0, "timeoutMs").unwrap(), 5_000.0);
+    assert_eq!(
+        clamp_timeout(Some(5_000.0), 120_000.0, 600_000.0, "timeoutMs").unwrap(),
+        5_000.0
+    );
 }
 
 #[test]
 fn clamp_caps_the_default_itself_when_the_default_exceeds_max() {
-    assert_eq!(clamp_timeout(None, 900_000.0, 600_000.0, "timeoutMs").unwrap(), 600_000.0);
+    assert_eq!(
+        clamp_timeout(None, 900_000.0, 600_000.0, "timeoutMs").unwrap(),
+        600_000.0
+    );
 }
 
 #[test]
 fn clamp_rejects_a_non_finite_hint_with_the_caller_provided_name() {
     let e = clamp_timeout(Some(f64::NAN), 1.0, 2.0, "bash-local: request.timeoutMs").unwrap_err();
-    assert_eq!(e, ClockError::InvalidHint { name: "bash-local: request.timeoutMs".into() });
-    assert_eq!(e.to_string(), "bash-local: request.timeoutMs must be a positive finite number");
+    assert_eq!(
+        e,
+        ClockError::InvalidHint {
+            name: "bash-local: request.timeoutMs".into()
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "bash-local: request.timeoutMs must be a positive finite number"
+    );
     let e = clamp_timeout(Some(f64::INFINITY), 1.0, 2.0, "timeoutMs").unwrap_err();
     assert_eq!(e.to_string(), "timeoutMs must be a positive finite number");
 }
 
 #[test]
 fn clamp_rejects_a_non_positive_hint() {
-    assert!(matches!(clamp_timeout(Some(0.0), 1.0, 2.0, "t"), Err(ClockError::InvalidHint { .. })));
-    assert!(matches!(clamp_timeout(Some(-1.0), 1.0, 2.0, "t"), Err(ClockError::InvalidHint { .. })));
+    assert!(matches!(
+        clamp_timeout(Some(0.0), 1.0, 2.0, "t"),
+        Err(ClockError::InvalidHint { .. })
+    ));
+    assert!(matches!(
+        clamp_timeout(Some(-1.0), 1.0, 2.0, "t"),
+        Err(ClockError::InvalidHint { .. })
+    ));
 }
 
 // --- deadline: timeout arm ---
@@ -79,7 +110,13 @@ async fn deadline_aborts_on_timeout_with_a_timeout_reason_after_the_elapsed_ms()
     step(1).await;
     assert!(d.token().is_cancelled());
     let t = timeout_of(d.token(), Some("BASH_TIMEOUT")).unwrap();
-    assert_eq!(t, TimeoutReason { code: "BASH_TIMEOUT", timeout_ms: 100 });
+    assert_eq!(
+        t,
+        TimeoutReason {
+            code: "BASH_TIMEOUT",
+            timeout_ms: 100
+        }
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -98,7 +135,12 @@ async fn deadline_rejects_delays_that_node_would_clamp_to_one_millisecond() {
     assert!(e.to_string().contains("no greater than 2147483647"), "{e}");
     let e = deadline(None, f64::INFINITY, "X").unwrap_err();
     assert!(e.to_string().contains("no greater than 2147483647"), "{e}");
-    assert!(matches!(deadline(None, f64::NAN, "X"), Err(ClockError::InvalidDelay { name: "deadline timeoutMs" })));
+    assert!(matches!(
+        deadline(None, f64::NAN, "X"),
+        Err(ClockError::InvalidDelay {
+            name: "deadline timeoutMs"
+        })
+    ));
 }
 
 // --- deadline: fuse with upstream ---
@@ -128,10 +170,16 @@ async fn deadline_timeout_wins_when_it_fires_before_upstream_cancellation() {
     let up = CancelToken::new();
     let d = deadline(Some(&up), 100.0, "WEB_FETCH_TIMEOUT").unwrap();
     step(150).await;
-    assert_eq!(timeout_of(d.token(), None).map(|t| t.code), Some("WEB_FETCH_TIMEOUT"));
+    assert_eq!(
+        timeout_of(d.token(), None).map(|t| t.code),
+        Some("WEB_FETCH_TIMEOUT")
+    );
     up.cancel(CancelReason::Caller("late"));
     settle().await;
-    assert_eq!(timeout_of(d.token(), None).map(|t| t.code), Some("WEB_FETCH_TIMEOUT"));
+    assert_eq!(
+        timeout_of(d.token(), None).map(|t| t.code),
+        Some("WEB_FETCH_TIMEOUT")
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -179,7 +227,10 @@ async fn deadline_treats_a_negative_timeout_the_same_as_zero() {
 
 #[test]
 fn timeout_of_classifies_a_bare_reason_carrier_that_holds_a_timeout_reason() {
-    let r = TimeoutReason { code: "BASH_TIMEOUT", timeout_ms: 5 };
+    let r = TimeoutReason {
+        code: "BASH_TIMEOUT",
+        timeout_ms: 5,
+    };
     assert_eq!(timeout_of(&CancelReason::Timeout(r), None), Some(r));
     assert_eq!(timeout_of(&Some(CancelReason::Timeout(r)), None), Some(r));
 }
@@ -194,7 +245,10 @@ fn timeout_of_returns_none_for_a_non_timeout_reason() {
 
 #[test]
 fn timeout_of_matches_only_the_requested_code_when_one_is_given() {
-    let r = CancelReason::Timeout(TimeoutReason { code: "A", timeout_ms: 1 });
+    let r = CancelReason::Timeout(TimeoutReason {
+        code: "A",
+        timeout_ms: 1,
+    });
     assert!(timeout_of(&r, Some("A")).is_some());
     assert!(timeout_of(&r, Some("B")).is_none());
 }
@@ -204,11 +258,17 @@ fn timeout_of_matches_only_the_requested_code_when_one_is_given() {
 #[tokio::test(start_paused = true)]
 async fn nested_does_not_misclassify_an_outer_deadlines_timeout_as_the_inner_code() {
     let outer = CancelToken::new();
-    outer.cancel(CancelReason::Timeout(TimeoutReason { code: "OUTER_TIMEOUT", timeout_ms: 30 }));
+    outer.cancel(CancelReason::Timeout(TimeoutReason {
+        code: "OUTER_TIMEOUT",
+        timeout_ms: 30,
+    }));
     let inner = deadline(Some(&outer), 60_000.0, "BASH_TIMEOUT").unwrap();
     assert!(inner.token().is_cancelled());
     assert_eq!(timeout_of(inner.token(), Some("BASH_TIMEOUT")), None);
-    assert_eq!(timeout_of(inner.token(), None).map(|t| t.code), Some("OUTER_TIMEOUT"));
+    assert_eq!(
+        timeout_of(inner.token(), None).map(|t| t.code),
+        Some("OUTER_TIMEOUT")
+    );
 }
 
 // --- idleWatchdog ---
@@ -242,7 +302,13 @@ async fn idle_arms_only_while_next_is_outstanding_and_rearms_the_same_signal_for
     };
     let out = tokio::join!(w.next(demand), step(100)).0.unwrap();
     let reason = out.unwrap_err();
-    assert_eq!(timeout_of(&reason, None), Some(TimeoutReason { code: "IDLE_TIMEOUT", timeout_ms: 100 }));
+    assert_eq!(
+        timeout_of(&reason, None),
+        Some(TimeoutReason {
+            code: "IDLE_TIMEOUT",
+            timeout_ms: 100
+        })
+    );
     // The signal is the same stable token.
     assert!(token_before.is_cancelled());
     assert_eq!(token_before.reason(), Some(reason));
@@ -266,7 +332,12 @@ async fn idle_rearms_outstanding_demand_on_an_out_of_band_activity_pulse() {
     };
     let (r, ()) = tokio::join!(w.next(demand), driver);
     r.unwrap();
-    assert_eq!(timeout_of(w.token(), Some("IDLE_TIMEOUT")).unwrap().timeout_ms, 100);
+    assert_eq!(
+        timeout_of(w.token(), Some("IDLE_TIMEOUT"))
+            .unwrap()
+            .timeout_ms,
+        100
+    );
     w.dispose();
     w.pulse(); // harmless after dispose
 }
@@ -280,7 +351,10 @@ async fn idle_keeps_an_earlier_upstream_abort_distinct_from_its_own_timeout() {
     assert_eq!(timeout_of(w.token(), None), None);
     let t = w.token().clone();
     let _ = tokio::join!(w.next(async move { t.cancelled().await }), step(1_000));
-    assert_eq!(w.token().reason(), Some(CancelReason::Caller("caller cancelled")));
+    assert_eq!(
+        w.token().reason(),
+        Some(CancelReason::Caller("caller cancelled"))
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -348,15 +422,28 @@ async fn nested_deadlines_each_classify_their_own_expiry() {
     let outer = deadline(None, 1_000.0, "DEADLINE_EXCEEDED").unwrap();
     let inner = deadline(Some(outer.token()), 100.0, "TOOL_TIMEOUT").unwrap();
     step(100).await;
-    assert_eq!(timeout_of(inner.token(), Some("TOOL_TIMEOUT")).unwrap().timeout_ms, 100);
-    assert!(!outer.token().is_cancelled(), "the inner timer must not cancel the outer token");
+    assert_eq!(
+        timeout_of(inner.token(), Some("TOOL_TIMEOUT"))
+            .unwrap()
+            .timeout_ms,
+        100
+    );
+    assert!(
+        !outer.token().is_cancelled(),
+        "the inner timer must not cancel the outer token"
+    );
     // And the other way round: the outer expiring first is not the inner's timeout.
     let outer = deadline(None, 100.0, "DEADLINE_EXCEEDED").unwrap();
     let inner = deadline(Some(outer.token()), 1_000.0, "TOOL_TIMEOUT").unwrap();
     step(100).await;
     assert!(inner.token().is_cancelled());
     assert_eq!(timeout_of(inner.token(), Some("TOOL_TIMEOUT")), None);
-    assert_eq!(timeout_of(inner.token(), Some("DEADLINE_EXCEEDED")).unwrap().timeout_ms, 100);
+    assert_eq!(
+        timeout_of(inner.token(), Some("DEADLINE_EXCEEDED"))
+            .unwrap()
+            .timeout_ms,
+        100
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -364,12 +451,18 @@ async fn dropped_deadlines_and_watchdogs_leave_no_timer_task_behind() {
     settle().await;
     let base = alive();
     let up = CancelToken::new();
-    let many: Vec<_> = (0..100).map(|_| deadline(Some(&up), 60_000.0, "T").unwrap()).collect();
+    let many: Vec<_> = (0..100)
+        .map(|_| deadline(Some(&up), 60_000.0, "T").unwrap())
+        .collect();
     settle().await;
     assert_eq!(alive(), base + 100);
     drop(many);
     settle().await;
-    assert_eq!(alive(), base, "disposed deadlines must end their timer tasks");
+    assert_eq!(
+        alive(),
+        base,
+        "disposed deadlines must end their timer tasks"
+    );
     // A fired deadline's task ends too.
     let d = deadline(None, 10.0, "T").unwrap();
     step(10).await;
