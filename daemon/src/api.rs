@@ -26,8 +26,9 @@ use tracing::Instrument;
 use crate::error::{DaemonError, Result};
 use crate::exec::{self, ExecLimits};
 use crate::server::{ApiJson, RequestCtx};
-use crate::sessions::{Expiry, NewSession, Scope, Session};
+use crate::sessions::{NewSession, Scope, Session};
 use crate::state::AppState;
+use tether_protocol::events::Expiry;
 
 type St = State<Arc<AppState>>;
 
@@ -102,7 +103,9 @@ async fn create_session(
         metadata: req.metadata,
         network: req.network.unwrap_or(false),
         owner: None,
-        expiry: Expiry::Idle(ttl),
+        expiry: Expiry::Idle {
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        },
     };
     // Sandbox creation owns remote work: run it to completion even if the client leaves.
     let s2 = Arc::clone(&state);
@@ -116,17 +119,14 @@ async fn create_session(
 
 async fn list_sessions(State(state): St) -> ApiJson<ListSessionsResponse> {
     ApiJson(ListSessionsResponse {
-        sessions: state
-            .sessions
-            .list(Scope::Any)
-            .iter()
-            .map(|s| s.info())
-            .collect(),
+        sessions: state.sessions.infos(Scope::Any),
     })
 }
 
 async fn get_session(State(state): St, Path(id): Path<String>) -> Result<ApiJson<SessionInfo>> {
-    Ok(ApiJson(state.sessions.get(&id, Scope::Any)?.info()))
+    Ok(ApiJson(
+        state.sessions.lookup(&id, Scope::Any).await?.info(),
+    ))
 }
 
 async fn delete_session(State(state): St, Path(id): Path<String>) -> Result<StatusCode> {
@@ -199,7 +199,7 @@ async fn events(
     q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     if q.follow {
         Ok(ndjson(s.log.follow(q.after)))
     } else {
@@ -246,7 +246,7 @@ async fn get_messages(
     State(state): St,
     Path(id): Path<String>,
 ) -> Result<ApiJson<MessagesResponse>> {
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     Ok(ApiJson(MessagesResponse {
         messages: s.log.derive_messages(),
     }))
@@ -312,6 +312,7 @@ async fn start_process(
         None => None,
     };
     let mut env: BTreeMap<String, Option<String>> = s
+        .params
         .env
         .iter()
         .map(|(k, v)| (k.clone(), Some(v.clone())))
@@ -333,7 +334,7 @@ async fn start_process(
         total: total.map(|ms| Duration::from_millis(ms as u64)),
         output_idle: idle.map(Duration::from_millis),
     };
-    let sctx = ctx.with_timeout(Duration::from_secs(60), "DEADLINE_EXCEEDED");
+    let sctx = ctx.with_timeout(s.deadlines.process_start, "DEADLINE_EXCEEDED");
     let cmd = exec::start(&s, &sctx, spec, limits).await?;
     Ok((
         StatusCode::CREATED,
@@ -518,11 +519,35 @@ struct PathQuery {
     recursive: bool,
 }
 
-fn path_query(
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<PathQuery> {
-    q.map(|Query(q)| q)
-        .map_err(|e| DaemonError::invalid(e.body_text()))
+/// The query of a file route, decoded strictly: a `path` (or any value) whose percent
+/// escapes are not valid UTF-8 is refused with `INVALID_REQUEST`, never decoded lossily
+/// into a path that names another file. (`Query` decodes with replacement characters.)
+struct FsQuery(PathQuery);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FsQuery {
+    type Rejection = DaemonError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self> {
+        let raw = parts.uri.query().unwrap_or_default();
+        for pair in raw.split('&') {
+            let value = pair.split_once('=').map_or(pair, |(_, v)| v);
+            let spaced = value.replace('+', " ");
+            if percent_encoding::percent_decode_str(&spaced)
+                .decode_utf8()
+                .is_err()
+            {
+                return Err(DaemonError::invalid(
+                    "the query is not valid UTF-8 once percent-decoded",
+                ));
+            }
+        }
+        Query::<PathQuery>::try_from_uri(&parts.uri)
+            .map(|Query(q)| Self(q))
+            .map_err(|e| DaemonError::invalid(e.body_text()))
+    }
 }
 
 fn fs_ctx(state: &AppState, ctx: &CallCtx) -> CallCtx {
@@ -530,6 +555,26 @@ fn fs_ctx(state: &AppState, ctx: &CallCtx) -> CallCtx {
         Duration::from_millis(state.config.limits.fs_op_timeout_ms),
         "DEADLINE_EXCEEDED",
     )
+}
+
+/// A download describes one object: its stat (size, version) and its bytes. Only a regular
+/// file has both; a directory or a symbolic link (whose stat is the link's own, while a
+/// read would follow it) is refused with a code instead of a short 200.
+fn regular_file(st: &tether_protocol::fs::FileStat, path: &str) -> Result<()> {
+    use tether_protocol::fs::FileKind;
+    let (code, why) = match st.kind {
+        FileKind::File => return Ok(()),
+        FileKind::Dir => (tether_protocol::ErrorCode::FsIsDirectory, "is a directory"),
+        FileKind::Symlink => (
+            tether_protocol::ErrorCode::FsNotRegularFile,
+            "is a symbolic link: download its target",
+        ),
+        FileKind::Other => (
+            tether_protocol::ErrorCode::FsNotRegularFile,
+            "is not a regular file",
+        ),
+    };
+    Err(tether_provider::ProviderError::fs(code, path.to_owned(), why).into())
 }
 
 fn etag(v: &tether_protocol::fs::Version) -> String {
@@ -540,9 +585,8 @@ async fn head_file(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let s = session(&state, &id)?;
     let st = s
         .sandbox()?
@@ -550,6 +594,7 @@ async fn head_file(
         .stat(&fs_ctx(&state, &ctx), &q.path)
         .instrument(tracing::info_span!("fs.stat", session.id = %id))
         .await?;
+    regular_file(&st, &q.path)?;
     Ok((
         [
             (header::ETAG, etag(&st.version)),
@@ -565,9 +610,8 @@ async fn get_file(
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let s = session(&state, &id)?;
     let sandbox = s.sandbox()?;
     let fctx = fs_ctx(&state, &ctx);
@@ -577,14 +621,7 @@ async fn get_file(
         .stat(&fctx, &q.path)
         .instrument(span.clone())
         .await?;
-    if st.kind == tether_protocol::fs::FileKind::Dir {
-        return Err(tether_provider::ProviderError::fs(
-            tether_protocol::ErrorCode::FsIsDirectory,
-            q.path,
-            "is a directory",
-        )
-        .into());
-    }
+    regular_file(&st, &q.path)?;
     let tag = etag(&st.version);
     if headers
         .get(header::IF_NONE_MATCH)
@@ -597,16 +634,16 @@ async fn get_file(
         offset: q.offset.unwrap_or(0),
         length: q.length,
     };
-    // The body streams after this handler returns: bound it by the shutdown token, not the request deadline.
+    // The body streams after this handler returns: bound it by the shutdown token and the
+    // transfer deadline, not the request's (which ends with the handler).
+    let tctx = CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child())
+        .with_timeout(s.deadlines.transfer, "DEADLINE_EXCEEDED");
     let stream = sandbox
         .fs()
-        .read(
-            &CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child()),
-            &q.path,
-            range,
-        )
+        .read(&tctx, &q.path, range)
         .instrument(span)
         .await?;
+    let stream = bounded(stream, tctx);
     let len = st
         .size
         .saturating_sub(range.offset)
@@ -617,9 +654,33 @@ async fn get_file(
             (header::CONTENT_TYPE, "application/octet-stream".into()),
             (header::CONTENT_LENGTH, len.to_string()),
         ],
-        Body::from_stream(stream.map_err(|e| std::io::Error::other(e.to_string()))),
+        Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// A download's body, ended with an error (so the client sees a broken transfer, never a
+/// short success) when `ctx` is cancelled: the transfer deadline, or shutdown. The
+/// context, and with it its timer, lives as long as the body.
+fn bounded(
+    stream: tether_provider::ByteStream,
+    ctx: CallCtx,
+) -> impl futures_util::Stream<Item = std::io::Result<Bytes>> + Send {
+    futures_util::stream::unfold(Some((stream, ctx)), |st| async move {
+        let (mut stream, ctx) = st?;
+        tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled() => {
+                let why = ctx.cancel.reason().map_or_else(|| "cancelled".to_owned(), |r| r.to_string());
+                Some((Err(std::io::Error::other(format!("transfer ended: {why}"))), None))
+            }
+            item = stream.next() => match item {
+                Some(Ok(b)) => Some((Ok(b), Some((stream, ctx)))),
+                Some(Err(e)) => Some((Err(std::io::Error::other(e.to_string())), None)),
+                None => None,
+            },
+        }
+    })
 }
 
 async fn put_file(
@@ -627,10 +688,9 @@ async fn put_file(
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
     body: Body,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let s = session(&state, &id)?;
     let guard = match (
         headers.get(header::IF_MATCH),
@@ -705,9 +765,8 @@ async fn delete_file(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<StatusCode> {
-    let q = path_query(q)?;
     let s = session(&state, &id)?;
     let r = s
         .sandbox()?
@@ -735,9 +794,8 @@ async fn list_dir(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let depth = q.depth.unwrap_or(1);
     if depth == 0 || depth > 64 {
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
@@ -756,9 +814,8 @@ async fn make_dir(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let s = session(&state, &id)?;
     let r = s
         .sandbox()?

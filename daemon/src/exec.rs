@@ -32,9 +32,6 @@ use crate::error::{DaemonError, Result};
 use crate::session::OutputJournal;
 use crate::sessions::Session;
 
-/// Time allowed to drain a command's remaining output after its group was terminated.
-const DRAIN_AFTER_TERMINATE: Duration = Duration::from_secs(5);
-
 /// Limits of one command.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ExecLimits {
@@ -190,12 +187,15 @@ pub async fn start(
     if spec.command_id.is_none() {
         spec.command_id = Some(uuid::Uuid::new_v4().simple().to_string());
     }
-    if let Some(id) = &spec.command_id
-        && session.command(id).is_some()
-    {
-        return Err(DaemonError::Conflict {
-            message: format!("command id {id} is already in use"),
-        });
+    if let Some(id) = &spec.command_id {
+        // Everything that can refuse the command is checked before it runs: a command
+        // that was spawned always has a pump, a journal and a deadline.
+        crate::session::validate_id("command id", id)?;
+        if session.command(id).is_some() {
+            return Err(DaemonError::Conflict {
+                message: format!("command id {id} is already in use"),
+            });
+        }
     }
     session.touch();
     let span = tracing::info_span!(
@@ -241,15 +241,27 @@ pub async fn start(
         }
     };
     let command_id = handle.command_id().to_owned();
-    let journal = session.log.journal(&command_id).await?;
-    session
-        .log
-        .append(EventBody::ProcessStarted {
-            command_id: command_id.clone(),
-            pid: handle.pid(),
-            spec: spec.clone(),
-        })
-        .await?;
+    let recorded = async {
+        let journal = session.log.journal(&command_id).await?;
+        session
+            .log
+            .append(EventBody::ProcessStarted {
+                command_id: command_id.clone(),
+                pid: handle.pid(),
+                spec: spec.clone(),
+            })
+            .await?;
+        Ok::<_, DaemonError>(journal)
+    }
+    .await;
+    let journal = match recorded {
+        Ok(j) => j,
+        Err(e) => {
+            // It runs but cannot be supervised: end it rather than leave it unlisted.
+            terminate(session, &handle).await;
+            return Err(e);
+        }
+    };
     let (tx, rx) = watch::channel(None);
     let kill = session.cancel.child();
     let cmd = Arc::new(RunningCommand {
@@ -374,7 +386,11 @@ async fn pump(
             }
             Some(Some(Ok(ProcessEvent::Started { .. }))) => {}
             Some(Some(Err(e))) => {
+                // The provider's stream is lost (after its own re-attach attempts): the
+                // command can no longer be watched, so it is ended, never left running
+                // without a pump, a deadline or a journal.
                 error = Some((e.code(), e.to_string()));
+                terminate(session, &handle).await;
                 break;
             }
             Some(None) => break,
@@ -399,10 +415,11 @@ async fn pump(
                     }
                     None
                 };
-                status = tokio::time::timeout(grace + DRAIN_AFTER_TERMINATE, drain)
-                    .await
-                    .ok()
-                    .flatten();
+                status =
+                    tokio::time::timeout(grace + session.deadlines.drain_after_terminate, drain)
+                        .await
+                        .ok()
+                        .flatten();
                 break;
             }
         }
@@ -428,7 +445,7 @@ async fn pump(
 
 async fn terminate(session: &Arc<Session>, handle: &Arc<dyn ProcessHandle>) {
     let ctx = CallCtx::new(format!("terminate-{}", handle.command_id()))
-        .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+        .with_timeout(session.deadlines.terminate, "DEADLINE_EXCEEDED");
     let span = tracing::info_span!("process.kill", session.id = %session.id, command.id = %handle.command_id());
     match handle.terminate(&ctx).instrument(span).await {
         Ok(r) if r.survivors > 0 => {

@@ -49,7 +49,18 @@ impl IntoResponse for DaemonError {
         } else {
             tracing::debug!(request_id = rid.as_deref().unwrap_or(""), code = %self.code(), error = %self, "Request refused");
         }
-        (status, axum::Json(self.body(rid.as_deref()))).into_response()
+        let retry_after = match &self {
+            DaemonError::Provider(e) => e.retry_after(),
+            _ => None,
+        };
+        let mut resp = (status, axum::Json(self.body(rid.as_deref()))).into_response();
+        if let Some(d) = retry_after {
+            // Delta-seconds, rounded up so a client never retries early.
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
     }
 }
 
@@ -270,7 +281,7 @@ impl Daemon {
         let providers = Arc::new(ProviderRegistry::from_config(&config)?);
         for (name, p) in providers.iter() {
             let ctx = CallCtx::new("healthcheck")
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                .with_timeout(config.limits.deadlines().sandbox_op, "DEADLINE_EXCEEDED");
             if let Err(e) = p.healthcheck(&ctx).await {
                 tracing::warn!(provider = %name, code = %e.code(), error = %e, "Provider healthcheck failed");
             }
@@ -283,11 +294,11 @@ impl Daemon {
                 tasks.clone(),
                 metrics.clone(),
                 invariants.clone(),
-                Duration::from_millis(config.limits.sandbox_create_timeout_ms),
+                config.limits.deadlines(),
             )
             .await?,
         );
-        let recovery = sessions.recover().await?;
+        let recovery = sessions.recover(config.server.closed_retention()).await?;
         let pipeline = Arc::new(
             Pipeline::new(&config.pipeline, &config.limits, metrics.clone())
                 .map_err(|e| DaemonError::invalid(e.to_string()))?,
@@ -329,7 +340,11 @@ impl Daemon {
     }
 }
 
-/// The reaper (TTL expiry, every second) and the reconciler (orphaned sandboxes).
+/// How often closed sessions past their retention are removed, seconds.
+const RETENTION_SWEEP_EVERY_S: u64 = 3_600;
+
+/// The reaper (TTL expiry, every second), the renewer, the reconciler (orphaned
+/// sandboxes) and the retention sweep.
 fn spawn_housekeeping(state: &Arc<AppState>) {
     let s = Arc::clone(state);
     state.tasks.spawn(async move {
@@ -353,6 +368,11 @@ fn spawn_housekeeping(state: &Arc<AppState>) {
             }
             if n.is_multiple_of(reconcile_every) {
                 s.sessions.reconcile().await;
+            }
+            if let Some(retention) = s.config.server.closed_retention()
+                && n.is_multiple_of(RETENTION_SWEEP_EVERY_S)
+            {
+                s.sessions.sweep_retention(retention).await;
             }
         }
     });
