@@ -25,6 +25,7 @@ use tracing::Instrument;
 
 use crate::error::{DaemonError, Result};
 use crate::exec::{self, ExecLimits};
+use crate::ops::{self, FsOp, Surface};
 use crate::server::{ApiJson, RequestCtx};
 use crate::sessions::{NewSession, Scope, Session};
 use crate::state::AppState;
@@ -72,8 +73,10 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/v1/sessions/{id}/dirs", get(list_dir).post(make_dir))
 }
 
-fn session(state: &AppState, id: &str) -> Result<Arc<Session>> {
-    let s = state.sessions.get(id, Scope::Any)?;
+/// A session for an operation: a closed one is found (its calls then fail with
+/// `SANDBOX_NOT_FOUND`), an unknown one is `SESSION_NOT_FOUND`.
+async fn session(state: &AppState, id: &str) -> Result<Arc<Session>> {
+    let s = state.sessions.lookup(id, Scope::Any).await?;
     s.touch();
     Ok(s)
 }
@@ -152,7 +155,7 @@ async fn tool_calls(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<ToolCallsRequest>,
 ) -> Result<ApiJson<ToolCallsResponse>> {
-    let session = session(&state, &id)?;
+    let session = session(&state, &id).await?;
     // A closed or detached session has no sandbox: refuse before anything is logged.
     session.sandbox()?;
     // The batch runs in a tracked task: a client that disconnects cancels it (cooperatively:
@@ -214,7 +217,7 @@ async fn post_message(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<PostMessageRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let body = match req.role.as_str() {
         "user" => EventBody::UserMessage {
             content: req.content,
@@ -282,7 +285,7 @@ async fn start_process(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StartProcessRequest>,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let command = match (req.cmd, req.argv) {
         (Some(c), None) => Command::Shell(c),
         (None, Some(a)) if !a.is_empty() => Command::Argv(a),
@@ -350,7 +353,7 @@ async fn list_processes(
     State(state): St,
     Path(id): Path<String>,
 ) -> Result<ApiJson<Vec<WaitResponse>>> {
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     let mut v: Vec<WaitResponse> = s
         .commands()
         .iter()
@@ -391,7 +394,7 @@ async fn process_output(
     q: Result<Query<OutputQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -445,7 +448,7 @@ async fn process_stdin(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StdinRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -464,7 +467,7 @@ async fn process_signal(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -483,7 +486,7 @@ async fn process_wait(
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<WaitResponse>> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -550,11 +553,21 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FsQuery {
     }
 }
 
-fn fs_ctx(state: &AppState, ctx: &CallCtx) -> CallCtx {
-    ctx.with_timeout(
-        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        "DEADLINE_EXCEEDED",
+/// Stat through the operation layer.
+async fn stat(s: &Session, ctx: &CallCtx, path: &str) -> Result<tether_protocol::fs::FileStat> {
+    let sandbox = s.sandbox()?;
+    Ok(ops::fs(
+        s,
+        ctx,
+        FsOp::Stat,
+        path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Stat.span(s, path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().stat(&c, path).await },
     )
+    .await?)
 }
 
 /// A download describes one object: its stat (size, version) and its bytes. Only a regular
@@ -587,13 +600,8 @@ async fn head_file(
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
-    let st = s
-        .sandbox()?
-        .fs()
-        .stat(&fs_ctx(&state, &ctx), &q.path)
-        .instrument(tracing::info_span!("fs.stat", session.id = %id))
-        .await?;
+    let s = session(&state, &id).await?;
+    let st = stat(&s, &ctx, &q.path).await?;
     regular_file(&st, &q.path)?;
     Ok((
         [
@@ -612,15 +620,9 @@ async fn get_file(
     headers: HeaderMap,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let sandbox = s.sandbox()?;
-    let fctx = fs_ctx(&state, &ctx);
-    let span = tracing::info_span!("fs.read", session.id = %id, provider.kind = %s.provider_kind, bytes.out = tracing::field::Empty);
-    let st = sandbox
-        .fs()
-        .stat(&fctx, &q.path)
-        .instrument(span.clone())
-        .await?;
+    let st = stat(&s, &ctx, &q.path).await?;
     regular_file(&st, &q.path)?;
     let tag = etag(&st.version);
     if headers
@@ -638,11 +640,19 @@ async fn get_file(
     // transfer deadline, not the request's (which ends with the handler).
     let tctx = CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child())
         .with_timeout(s.deadlines.transfer, "DEADLINE_EXCEEDED");
-    let stream = sandbox
-        .fs()
-        .read(&tctx, &q.path, range)
-        .instrument(span)
-        .await?;
+    let path = q.path.as_str();
+    let stream = ops::fs(
+        &s,
+        &tctx,
+        FsOp::Read,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Read.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().read(&c, path, range).await },
+    )
+    .await?;
     let stream = bounded(stream, tctx);
     let len = st
         .size
@@ -691,7 +701,7 @@ async fn put_file(
     FsQuery(q): FsQuery,
     body: Body,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let guard = match (
         headers.get(header::IF_MATCH),
         headers.get(header::IF_NONE_MATCH),
@@ -731,27 +741,21 @@ async fn put_file(
         }
         Ok(chunk)
     });
-    let span = tracing::info_span!("fs.write", session.id = %id, provider.kind = %s.provider_kind, bytes.in = tracing::field::Empty, outcome = tracing::field::Empty);
-    let r = s
-        .sandbox()?
-        .fs()
-        .write(&ctx, &q.path, stream.boxed(), guard)
-        .instrument(span.clone())
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    span.record("outcome", outcome.as_str());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "write".into(),
-            path: q.path.clone(),
-            outcome,
-            bytes: r.as_ref().ok().map(|o| o.size),
-        })
-        .await;
-    let out = r?;
+    let sandbox = s.sandbox()?;
+    let span = FsOp::Write.span(&s, &q.path);
+    let path = q.path.as_str();
+    let out = ops::fs(
+        &s,
+        &ctx,
+        FsOp::Write,
+        &q.path,
+        Surface::Api,
+        s.deadlines.transfer,
+        span.clone(),
+        |o: &tether_protocol::fs::WriteOutcome| Some(o.size),
+        |c| async move { sandbox.fs().write(&c, path, stream.boxed(), guard).await },
+    )
+    .await?;
     span.record("bytes.in", i64::try_from(out.size).unwrap_or(i64::MAX));
     let status = if out.created {
         StatusCode::CREATED
@@ -767,26 +771,21 @@ async fn delete_file(
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
-    let r = s
-        .sandbox()?
-        .fs()
-        .remove(&fs_ctx(&state, &ctx), &q.path, q.recursive)
-        .instrument(tracing::info_span!("fs.remove", session.id = %id))
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "remove".into(),
-            path: q.path,
-            outcome,
-            bytes: None,
-        })
-        .await;
-    r?;
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    ops::fs(
+        &s,
+        &ctx,
+        FsOp::Remove,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Remove.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().remove(&c, path, q.recursive).await },
+    )
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -800,13 +799,21 @@ async fn list_dir(
     if depth == 0 || depth > 64 {
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
     }
-    let s = session(&state, &id)?;
-    let entries = s
-        .sandbox()?
-        .fs()
-        .list(&fs_ctx(&state, &ctx), &q.path, depth)
-        .instrument(tracing::info_span!("fs.list", session.id = %id))
-        .await?;
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    let entries = ops::fs(
+        &s,
+        &ctx,
+        FsOp::List,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::List.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().list(&c, path, depth).await },
+    )
+    .await?;
     Ok(ApiJson(entries).into_response())
 }
 
@@ -816,23 +823,20 @@ async fn make_dir(
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
-    let r = s
-        .sandbox()?
-        .fs()
-        .mkdir(&fs_ctx(&state, &ctx), &q.path, true)
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "mkdir".into(),
-            path: q.path,
-            outcome,
-            bytes: None,
-        })
-        .await;
-    Ok((StatusCode::CREATED, ApiJson(r?)).into_response())
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    let st = ops::fs(
+        &s,
+        &ctx,
+        FsOp::Mkdir,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Mkdir.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().mkdir(&c, path, true).await },
+    )
+    .await?;
+    Ok((StatusCode::CREATED, ApiJson(st)).into_response())
 }

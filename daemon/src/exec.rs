@@ -52,6 +52,8 @@ pub struct CommandOutcome {
     pub timeout_ms: Option<u64>,
     /// Set when the command was ended by a kill request or session close.
     pub killed: Option<String>,
+    /// The kill was the daemon's shutdown.
+    pub by_shutdown: bool,
     /// Bytes of stdout (or pty) journaled.
     pub stdout_bytes: u64,
     /// Bytes of stderr journaled.
@@ -70,7 +72,13 @@ impl CommandOutcome {
             });
         }
         if self.killed.is_some() {
-            return Some(ErrorCode::Cancelled);
+            // Ended by the daemon's shutdown: the session lives on after the next start,
+            // so the caller may retry then.
+            return Some(if self.by_shutdown {
+                ErrorCode::ShuttingDown
+            } else {
+                ErrorCode::Cancelled
+            });
         }
         self.error.as_ref().map(|(c, _)| *c)
     }
@@ -113,6 +121,7 @@ impl RunningCommand {
                     clock: None,
                     timeout_ms: None,
                     killed: None,
+                    by_shutdown: false,
                     stdout_bytes: self.journal.len(StreamKind::Stdout),
                     stderr_bytes: self.journal.len(StreamKind::Stderr),
                     error: Some((ErrorCode::Internal, "the command's pump stopped".into())),
@@ -437,6 +446,7 @@ async fn pump(
         clock,
         timeout_ms,
         killed,
+        by_shutdown: matches!(fired, Some(CancelReason::Shutdown)),
         stdout_bytes: journal.len(StreamKind::Stdout) + pty,
         stderr_bytes: journal.len(StreamKind::Stderr),
         error,
@@ -462,6 +472,7 @@ fn pump_error(journal: &OutputJournal, code: ErrorCode, message: String) -> Comm
         clock: None,
         timeout_ms: None,
         killed: None,
+        by_shutdown: false,
         stdout_bytes: journal.len(StreamKind::Stdout),
         stderr_bytes: journal.len(StreamKind::Stderr),
         error: Some((code, message)),

@@ -14,6 +14,7 @@ pub mod error;
 pub mod exec;
 pub mod invariants;
 pub mod leases;
+pub mod ops;
 pub mod pipeline;
 pub mod providers;
 pub mod server;

@@ -691,7 +691,11 @@ impl SessionManager {
 
     /// Close a session: terminate its commands, destroy its sandbox, log why.
     pub async fn close(&self, id: &str, scope: Scope<'_>, reason: &str) -> Result<()> {
-        let s = self.get(id, scope)?;
+        let Some(s) = self.get_live(id).filter(|s| scope.sees(s)) else {
+            // Closing a closed session is a no-op; an unknown one is not found.
+            self.lookup(id, scope).await?;
+            return Ok(());
+        };
         self.close_session(&s, reason, true).await
     }
 
