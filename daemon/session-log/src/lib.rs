@@ -1,6 +1,8 @@
-//! The crash-safe session log: one directory per session under `<state_dir>/sessions/<id>/`.
+//! tether's crash-safe session log: one directory per session under
+//! `<state_dir>/sessions/<id>/`. A crate of its own so that it can be read, tested and
+//! benchmarked without the daemon; it holds no HTTP, provider or session-manager code.
 //!
-//! `events.jsonl` holds the header line (`{"type":"session","version":1,...}`) and then one
+//! `events.jsonl` holds the header line (`{"type":"session","version":2,"params":{..}}`) and then one
 //! event per line (`{"seq","time","type","data"}`, seq contiguous from 0). `output/` holds
 //! the command output journals ([`OutputJournal`]), raw bytes referenced by offset.
 //!
@@ -17,6 +19,7 @@
 
 mod derive;
 mod fork;
+pub mod invariants;
 mod index;
 mod journal;
 mod repair;
