@@ -111,6 +111,10 @@ pub struct ServerConfig {
     /// What happens to sandboxes at shutdown. Default `keep`.
     #[serde(default)]
     pub on_shutdown: ShutdownPolicy,
+    /// Largest deadline a caller may set with the `Tether-Timeout-Ms` header, ms.
+    /// Default 3 600 000.
+    #[serde(default = "default_max_request_timeout")]
+    pub max_request_timeout_ms: u64,
     /// How long a closed session's log is kept, seconds; older ones are removed at start
     /// and hourly. 0 keeps them forever. Default 0.
     #[serde(default)]
@@ -138,6 +142,9 @@ fn default_max_body() -> u64 {
 fn default_max_file() -> u64 {
     DEFAULT_MAX_FILE_BYTES
 }
+fn default_max_request_timeout() -> u64 {
+    3_600_000
+}
 fn default_grace() -> u64 {
     DEFAULT_SHUTDOWN_GRACE_MS
 }
@@ -153,6 +160,7 @@ impl Default for ServerConfig {
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             on_shutdown: ShutdownPolicy::Keep,
             closed_retention_s: 0,
+            max_request_timeout_ms: default_max_request_timeout(),
         }
     }
 }

@@ -492,7 +492,15 @@ pub async fn run(
     let outcome = tokio::select! {
         o = cmd.wait() => o,
         _ = ctx.cancel.cancelled() => {
-            cmd.kill("call cancelled");
+            match ctx.cancel.reason() {
+                // The caller's own deadline (`Tether-Timeout-Ms`, an E2B
+                // `Connect-Timeout-Ms`): the command ends as that deadline, with its clock.
+                Some(r @ CancelReason::Timeout(t)) if t.code == "DEADLINE_EXCEEDED" => {
+                    cmd.kill.cancel(r);
+                }
+                // A tool's own deadline or a caller going away: the caller classifies it.
+                _ => cmd.kill("call cancelled"),
+            }
             cmd.wait().await
         }
     };

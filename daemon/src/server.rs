@@ -138,6 +138,9 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// The native API's inbound deadline header, milliseconds.
+pub const TIMEOUT_HEADER: &str = "tether-timeout-ms";
+
 async fn request_layer(
     State(state): State<Arc<AppState>>,
     mut req: Request,
@@ -161,7 +164,32 @@ async fn request_layer(
     let trace: TraceContext = crate::telemetry::current_trace_context(&span);
     let token = state.shutdown.child();
     let _guard = CancelOnDrop(token.clone());
-    let ctx = CallCtx::with_cancel(rid.clone(), token).with_trace(trace);
+    let mut ctx = CallCtx::with_cancel(rid.clone(), token).with_trace(trace);
+    // A caller's own deadline, as the E2B front honours `Connect-Timeout-Ms`: clamped to
+    // the configured maximum; expiry is DEADLINE_EXCEEDED.
+    if let Some(v) = req.headers().get(TIMEOUT_HEADER) {
+        let max = state.config.server.max_request_timeout_ms;
+        match v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|ms| *ms > 0)
+        {
+            Some(ms) => {
+                ctx = ctx.with_timeout(Duration::from_millis(ms.min(max)), "DEADLINE_EXCEEDED");
+            }
+            None => {
+                return REQUEST_ID
+                    .scope(rid, async {
+                        DaemonError::invalid(format!(
+                            "{TIMEOUT_HEADER} must be a positive number of milliseconds"
+                        ))
+                        .into_response()
+                    })
+                    .await;
+            }
+        }
+    }
     req.extensions_mut().insert(RequestCtx(ctx));
     req.extensions_mut()
         .insert(BodyLimit(state.config.server.max_body_bytes));

@@ -501,3 +501,45 @@ async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
     assert_eq!(st, 200, "{out}");
     assert_eq!(out["results"][0]["is_error"], false, "{out}");
 }
+
+#[tokio::test]
+async fn the_native_api_honours_an_inbound_deadline() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let started = std::time::Instant::now();
+    let r = d
+        .http
+        .post(d.url(&format!("/v1/sessions/{sid}/tool-calls")))
+        .header("tether-timeout-ms", "700")
+        .json(&json!({"calls": [{"id": "slow", "name": "bash", "arguments": {"command": "sleep 20"}}]}))
+        .send()
+        .await
+        .unwrap();
+    let elapsed = started.elapsed();
+    let st = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert!(elapsed < Duration::from_secs(8), "took {elapsed:?}");
+    let c = if st == 200 {
+        body["results"][0]["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    } else {
+        code(&body).to_owned()
+    };
+    assert_eq!(c, "DEADLINE_EXCEEDED", "{st} {body}");
+    for bad in ["0", "soon", "-5"] {
+        let r = d
+            .http
+            .get(d.url(&format!("/v1/sessions/{sid}")))
+            .header("tether-timeout-ms", bad)
+            .send()
+            .await
+            .unwrap();
+        let st = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{bad}: {body}");
+    }
+    read_log(d.dir.path(), &sid);
+    d.stop().await;
+}

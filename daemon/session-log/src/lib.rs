@@ -19,8 +19,8 @@
 
 mod derive;
 mod fork;
-pub mod invariants;
 mod index;
+pub mod invariants;
 mod journal;
 mod repair;
 mod store;
