@@ -227,7 +227,7 @@ pub(crate) fn from_status(
             retry_after: retry_after(headers),
         };
     }
-    let retry_status = matches!(status.as_u16(), 502 | 503 | 504);
+    let retry_status = matches!(status.as_u16(), 502..=504);
     if should_retry == Some(true) || (retry_status && should_retry.is_none()) {
         return unavailable(
             format!("{}: {message}", op.name()),
