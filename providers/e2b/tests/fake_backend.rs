@@ -56,6 +56,8 @@ struct Fake {
     started: RwLock<Option<Value>>,
     /// In-sandbox SHA-256 checks fail.
     sha_mismatch: bool,
+    /// `List` does not show the started command yet (its start is still on its way).
+    hide_started: bool,
 }
 
 type Shared = Arc<Fake>;
@@ -315,7 +317,12 @@ async fn rpc(
             axum::Json(json!({"entries": [entry("out", size), entry("err", 0), entry("out.done", 0), entry("err.done", 0)]})).into_response()
         }
         "process.Process/List" => {
-            let started = f.started.read().unwrap().clone();
+            let started = f
+                .started
+                .read()
+                .unwrap()
+                .clone()
+                .filter(|_| !f.hide_started);
             axum::Json(json!({"processes": started.into_iter().collect::<Vec<_>>()}))
                 .into_response()
         }
@@ -778,6 +785,33 @@ async fn a_start_whose_answer_is_lost_is_looked_up_never_run_twice() {
         .expect("wait")
         .expect("status");
     assert_eq!(st.code, Some(0));
+}
+
+#[tokio::test]
+async fn a_start_that_reached_the_backend_unanswered_is_an_unknown_outcome() {
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        stall_start: true,
+        hide_started: true,
+        ..Fake::default()
+    })
+    .await;
+    let mut cfg = config(addr);
+    cfg.connect_timeout_ms = 300;
+    let p = E2bProvider::new(cfg).unwrap();
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let mut spec = ProcessSpec::shell("echo once");
+    spec.command_id = Some("cmd-unknown".into());
+    let e = sb
+        .process()
+        .spawn(&ctx(), spec)
+        .await
+        .expect_err("the start's answer never came");
+    // It may be running: never reported as a retryable timeout (a retry would run it
+    // twice); the caller re-attaches by its id instead.
+    assert_eq!(e.code(), ErrorCode::OutcomeUnknown);
+    assert!(!e.retryable());
+    assert_eq!(fake.hits("process.Process/Start"), 1, "never re-sent");
 }
 
 #[tokio::test]
