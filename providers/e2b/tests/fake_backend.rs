@@ -58,6 +58,10 @@ struct Fake {
     sha_mismatch: bool,
     /// `List` does not show the started command yet (its start is still on its way).
     hide_started: bool,
+    /// `GET /files` answers 503 this many times first.
+    files_unavailable: AtomicUsize,
+    /// `GET /files` cuts its body after this many bytes, once.
+    files_cut_at: RwLock<Option<usize>>,
 }
 
 type Shared = Arc<Fake>;
@@ -368,6 +372,21 @@ async fn files(
         .unwrap_or(0);
     if from >= copy.len() {
         return StatusCode::RANGE_NOT_SATISFIABLE.into_response();
+    }
+    if f.files_unavailable
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, "overloaded").into_response();
+    }
+    if let Some(cut) = f.files_cut_at.write().unwrap().take() {
+        // Send `cut` bytes, then break the connection mid-body.
+        let head = Bytes::from(copy[from..from + cut].to_vec());
+        let body = futures_util::stream::iter(vec![
+            Ok::<_, std::io::Error>(head),
+            Err(std::io::Error::other("reset mid-body")),
+        ]);
+        return (StatusCode::PARTIAL_CONTENT, Body::from_stream(body)).into_response();
     }
     (StatusCode::PARTIAL_CONTENT, copy[from..].to_vec()).into_response()
 }
@@ -812,6 +831,38 @@ async fn a_start_that_reached_the_backend_unanswered_is_an_unknown_outcome() {
     assert_eq!(e.code(), ErrorCode::OutcomeUnknown);
     assert!(!e.retryable());
     assert_eq!(fake.hits("process.Process/Start"), 1, "never re-sent");
+}
+
+#[tokio::test]
+async fn a_read_survives_one_overload_and_one_reset_mid_body() {
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        files_unavailable: AtomicUsize::new(1),
+        files_cut_at: RwLock::new(Some(300_000)),
+        out_copy: RwLock::new(data.clone()),
+        ..Fake::default()
+    })
+    .await;
+    let p = E2bProvider::new(config(addr)).unwrap();
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let stream = sb
+        .fs()
+        .read(
+            &ctx(),
+            "/home/user/big",
+            tether_protocol::fs::ByteRange::default(),
+        )
+        .await
+        .expect("a 503 is retried");
+    let got: Vec<u8> = stream
+        .map(|c| c.expect("the cut body is resumed").to_vec())
+        .concat()
+        .await;
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "every byte once, in order");
+    // 503, the cut answer, and the resumed range read.
+    assert_eq!(fake.hits("files_get"), 3);
 }
 
 #[tokio::test]
