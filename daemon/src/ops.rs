@@ -132,9 +132,12 @@ where
             span.record("error.code", e.code().as_str());
             if let Some(clock) = e.clock() {
                 span.record("timeout.clock", clock);
-                // Only this operation's own clock is counted here: a tool deadline or a
-                // command clock is counted where it is armed.
-                if fctx.timed_out(Some("DEADLINE_EXCEEDED")) {
+                // This operation's own deadline, and the provider's own clocks (connect,
+                // transport idle: armed inside the provider, so counted here); a tool
+                // deadline or a command clock is counted where it is armed.
+                if fctx.timed_out(Some("DEADLINE_EXCEEDED"))
+                    || matches!(clock, "connect" | "transport_idle")
+                {
                     session.metrics().timeout(clock, &session.provider_kind);
                 }
             }
