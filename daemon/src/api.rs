@@ -25,9 +25,11 @@ use tracing::Instrument;
 
 use crate::error::{DaemonError, Result};
 use crate::exec::{self, ExecLimits};
+use crate::ops::{self, FsOp, Surface};
 use crate::server::{ApiJson, RequestCtx};
-use crate::sessions::{Expiry, NewSession, Scope, Session};
+use crate::sessions::{NewSession, Scope, Session};
 use crate::state::AppState;
+use tether_protocol::events::Expiry;
 
 type St = State<Arc<AppState>>;
 
@@ -71,8 +73,10 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/v1/sessions/{id}/dirs", get(list_dir).post(make_dir))
 }
 
-fn session(state: &AppState, id: &str) -> Result<Arc<Session>> {
-    let s = state.sessions.get(id, Scope::Any)?;
+/// A session for an operation: a closed one is found (its calls then fail with
+/// `SANDBOX_NOT_FOUND`), an unknown one is `SESSION_NOT_FOUND`.
+async fn session(state: &AppState, id: &str) -> Result<Arc<Session>> {
+    let s = state.sessions.lookup(id, Scope::Any).await?;
     s.touch();
     Ok(s)
 }
@@ -102,7 +106,9 @@ async fn create_session(
         metadata: req.metadata,
         network: req.network.unwrap_or(false),
         owner: None,
-        expiry: Expiry::Idle(ttl),
+        expiry: Expiry::Idle {
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        },
     };
     // Sandbox creation owns remote work: run it to completion even if the client leaves.
     let s2 = Arc::clone(&state);
@@ -116,17 +122,14 @@ async fn create_session(
 
 async fn list_sessions(State(state): St) -> ApiJson<ListSessionsResponse> {
     ApiJson(ListSessionsResponse {
-        sessions: state
-            .sessions
-            .list(Scope::Any)
-            .iter()
-            .map(|s| s.info())
-            .collect(),
+        sessions: state.sessions.infos(Scope::Any),
     })
 }
 
 async fn get_session(State(state): St, Path(id): Path<String>) -> Result<ApiJson<SessionInfo>> {
-    Ok(ApiJson(state.sessions.get(&id, Scope::Any)?.info()))
+    Ok(ApiJson(
+        state.sessions.lookup(&id, Scope::Any).await?.info(),
+    ))
 }
 
 async fn delete_session(State(state): St, Path(id): Path<String>) -> Result<StatusCode> {
@@ -152,7 +155,7 @@ async fn tool_calls(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<ToolCallsRequest>,
 ) -> Result<ApiJson<ToolCallsResponse>> {
-    let session = session(&state, &id)?;
+    let session = session(&state, &id).await?;
     // A closed or detached session has no sandbox: refuse before anything is logged.
     session.sandbox()?;
     // The batch runs in a tracked task: a client that disconnects cancels it (cooperatively:
@@ -199,7 +202,7 @@ async fn events(
     q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     if q.follow {
         Ok(ndjson(s.log.follow(q.after)))
     } else {
@@ -214,7 +217,7 @@ async fn post_message(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<PostMessageRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let body = match req.role.as_str() {
         "user" => EventBody::UserMessage {
             content: req.content,
@@ -246,7 +249,7 @@ async fn get_messages(
     State(state): St,
     Path(id): Path<String>,
 ) -> Result<ApiJson<MessagesResponse>> {
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     Ok(ApiJson(MessagesResponse {
         messages: s.log.derive_messages(),
     }))
@@ -282,7 +285,7 @@ async fn start_process(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StartProcessRequest>,
 ) -> Result<Response> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let command = match (req.cmd, req.argv) {
         (Some(c), None) => Command::Shell(c),
         (None, Some(a)) if !a.is_empty() => Command::Argv(a),
@@ -312,6 +315,7 @@ async fn start_process(
         None => None,
     };
     let mut env: BTreeMap<String, Option<String>> = s
+        .params
         .env
         .iter()
         .map(|(k, v)| (k.clone(), Some(v.clone())))
@@ -333,7 +337,7 @@ async fn start_process(
         total: total.map(|ms| Duration::from_millis(ms as u64)),
         output_idle: idle.map(Duration::from_millis),
     };
-    let sctx = ctx.with_timeout(Duration::from_secs(60), "DEADLINE_EXCEEDED");
+    let sctx = ctx.with_timeout(s.deadlines.process_start, "DEADLINE_EXCEEDED");
     let cmd = exec::start(&s, &sctx, spec, limits).await?;
     Ok((
         StatusCode::CREATED,
@@ -349,7 +353,7 @@ async fn list_processes(
     State(state): St,
     Path(id): Path<String>,
 ) -> Result<ApiJson<Vec<WaitResponse>>> {
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     let mut v: Vec<WaitResponse> = s
         .commands()
         .iter()
@@ -390,7 +394,7 @@ async fn process_output(
     q: Result<Query<OutputQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.get(&id, Scope::Any)?;
+    let s = state.sessions.lookup(&id, Scope::Any).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -444,7 +448,7 @@ async fn process_stdin(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StdinRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -463,7 +467,7 @@ async fn process_signal(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -482,7 +486,7 @@ async fn process_wait(
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<WaitResponse>> {
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -518,18 +522,72 @@ struct PathQuery {
     recursive: bool,
 }
 
-fn path_query(
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<PathQuery> {
-    q.map(|Query(q)| q)
-        .map_err(|e| DaemonError::invalid(e.body_text()))
+/// The query of a file route, decoded strictly: a `path` (or any value) whose percent
+/// escapes are not valid UTF-8 is refused with `INVALID_REQUEST`, never decoded lossily
+/// into a path that names another file. (`Query` decodes with replacement characters.)
+struct FsQuery(PathQuery);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FsQuery {
+    type Rejection = DaemonError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self> {
+        let raw = parts.uri.query().unwrap_or_default();
+        for pair in raw.split('&') {
+            let value = pair.split_once('=').map_or(pair, |(_, v)| v);
+            let spaced = value.replace('+', " ");
+            if percent_encoding::percent_decode_str(&spaced)
+                .decode_utf8()
+                .is_err()
+            {
+                return Err(DaemonError::invalid(
+                    "the query is not valid UTF-8 once percent-decoded",
+                ));
+            }
+        }
+        Query::<PathQuery>::try_from_uri(&parts.uri)
+            .map(|Query(q)| Self(q))
+            .map_err(|e| DaemonError::invalid(e.body_text()))
+    }
 }
 
-fn fs_ctx(state: &AppState, ctx: &CallCtx) -> CallCtx {
-    ctx.with_timeout(
-        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        "DEADLINE_EXCEEDED",
+/// Stat through the operation layer.
+async fn stat(s: &Session, ctx: &CallCtx, path: &str) -> Result<tether_protocol::fs::FileStat> {
+    let sandbox = s.sandbox()?;
+    Ok(ops::fs(
+        s,
+        ctx,
+        FsOp::Stat,
+        path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Stat.span(s, path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().stat(&c, path).await },
     )
+    .await?)
+}
+
+/// A download describes one object: its stat (size, version) and its bytes. Only a regular
+/// file has both; a directory or a symbolic link (whose stat is the link's own, while a
+/// read would follow it) is refused with a code instead of a short 200.
+fn regular_file(st: &tether_protocol::fs::FileStat, path: &str) -> Result<()> {
+    use tether_protocol::fs::FileKind;
+    let (code, why) = match st.kind {
+        FileKind::File => return Ok(()),
+        FileKind::Dir => (tether_protocol::ErrorCode::FsIsDirectory, "is a directory"),
+        FileKind::Symlink => (
+            tether_protocol::ErrorCode::FsNotRegularFile,
+            "is a symbolic link: download its target",
+        ),
+        FileKind::Other => (
+            tether_protocol::ErrorCode::FsNotRegularFile,
+            "is not a regular file",
+        ),
+    };
+    Err(tether_provider::ProviderError::fs(code, path.to_owned(), why).into())
 }
 
 fn etag(v: &tether_protocol::fs::Version) -> String {
@@ -540,16 +598,11 @@ async fn head_file(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
-    let s = session(&state, &id)?;
-    let st = s
-        .sandbox()?
-        .fs()
-        .stat(&fs_ctx(&state, &ctx), &q.path)
-        .instrument(tracing::info_span!("fs.stat", session.id = %id))
-        .await?;
+    let s = session(&state, &id).await?;
+    let st = stat(&s, &ctx, &q.path).await?;
+    regular_file(&st, &q.path)?;
     Ok((
         [
             (header::ETAG, etag(&st.version)),
@@ -565,26 +618,12 @@ async fn get_file(
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let sandbox = s.sandbox()?;
-    let fctx = fs_ctx(&state, &ctx);
-    let span = tracing::info_span!("fs.read", session.id = %id, provider.kind = %s.provider_kind, bytes.out = tracing::field::Empty);
-    let st = sandbox
-        .fs()
-        .stat(&fctx, &q.path)
-        .instrument(span.clone())
-        .await?;
-    if st.kind == tether_protocol::fs::FileKind::Dir {
-        return Err(tether_provider::ProviderError::fs(
-            tether_protocol::ErrorCode::FsIsDirectory,
-            q.path,
-            "is a directory",
-        )
-        .into());
-    }
+    let st = stat(&s, &ctx, &q.path).await?;
+    regular_file(&st, &q.path)?;
     let tag = etag(&st.version);
     if headers
         .get(header::IF_NONE_MATCH)
@@ -597,16 +636,24 @@ async fn get_file(
         offset: q.offset.unwrap_or(0),
         length: q.length,
     };
-    // The body streams after this handler returns: bound it by the shutdown token, not the request deadline.
-    let stream = sandbox
-        .fs()
-        .read(
-            &CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child()),
-            &q.path,
-            range,
-        )
-        .instrument(span)
-        .await?;
+    // The body streams after this handler returns: bound it by the shutdown token and the
+    // transfer deadline, not the request's (which ends with the handler).
+    let tctx = CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child())
+        .with_timeout(s.deadlines.transfer, "DEADLINE_EXCEEDED");
+    let path = q.path.as_str();
+    let stream = ops::fs(
+        &s,
+        &tctx,
+        FsOp::Read,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Read.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().read(&c, path, range).await },
+    )
+    .await?;
+    let stream = bounded(stream, tctx);
     let len = st
         .size
         .saturating_sub(range.offset)
@@ -617,9 +664,33 @@ async fn get_file(
             (header::CONTENT_TYPE, "application/octet-stream".into()),
             (header::CONTENT_LENGTH, len.to_string()),
         ],
-        Body::from_stream(stream.map_err(|e| std::io::Error::other(e.to_string()))),
+        Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// A download's body, ended with an error (so the client sees a broken transfer, never a
+/// short success) when `ctx` is cancelled: the transfer deadline, or shutdown. The
+/// context, and with it its timer, lives as long as the body.
+fn bounded(
+    stream: tether_provider::ByteStream,
+    ctx: CallCtx,
+) -> impl futures_util::Stream<Item = std::io::Result<Bytes>> + Send {
+    futures_util::stream::unfold(Some((stream, ctx)), |st| async move {
+        let (mut stream, ctx) = st?;
+        tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled() => {
+                let why = ctx.cancel.reason().map_or_else(|| "cancelled".to_owned(), |r| r.to_string());
+                Some((Err(std::io::Error::other(format!("transfer ended: {why}"))), None))
+            }
+            item = stream.next() => match item {
+                Some(Ok(b)) => Some((Ok(b), Some((stream, ctx)))),
+                Some(Err(e)) => Some((Err(std::io::Error::other(e.to_string())), None)),
+                None => None,
+            },
+        }
+    })
 }
 
 async fn put_file(
@@ -627,11 +698,10 @@ async fn put_file(
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
     body: Body,
 ) -> Result<Response> {
-    let q = path_query(q)?;
-    let s = session(&state, &id)?;
+    let s = session(&state, &id).await?;
     let guard = match (
         headers.get(header::IF_MATCH),
         headers.get(header::IF_NONE_MATCH),
@@ -671,27 +741,21 @@ async fn put_file(
         }
         Ok(chunk)
     });
-    let span = tracing::info_span!("fs.write", session.id = %id, provider.kind = %s.provider_kind, bytes.in = tracing::field::Empty, outcome = tracing::field::Empty);
-    let r = s
-        .sandbox()?
-        .fs()
-        .write(&ctx, &q.path, stream.boxed(), guard)
-        .instrument(span.clone())
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    span.record("outcome", outcome.as_str());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "write".into(),
-            path: q.path.clone(),
-            outcome,
-            bytes: r.as_ref().ok().map(|o| o.size),
-        })
-        .await;
-    let out = r?;
+    let sandbox = s.sandbox()?;
+    let span = FsOp::Write.span(&s, &q.path);
+    let path = q.path.as_str();
+    let out = ops::fs(
+        &s,
+        &ctx,
+        FsOp::Write,
+        &q.path,
+        Surface::Api,
+        s.deadlines.transfer,
+        span.clone(),
+        |o: &tether_protocol::fs::WriteOutcome| Some(o.size),
+        |c| async move { sandbox.fs().write(&c, path, stream.boxed(), guard).await },
+    )
+    .await?;
     span.record("bytes.in", i64::try_from(out.size).unwrap_or(i64::MAX));
     let status = if out.created {
         StatusCode::CREATED
@@ -705,29 +769,23 @@ async fn delete_file(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<StatusCode> {
-    let q = path_query(q)?;
-    let s = session(&state, &id)?;
-    let r = s
-        .sandbox()?
-        .fs()
-        .remove(&fs_ctx(&state, &ctx), &q.path, q.recursive)
-        .instrument(tracing::info_span!("fs.remove", session.id = %id))
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "remove".into(),
-            path: q.path,
-            outcome,
-            bytes: None,
-        })
-        .await;
-    r?;
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    ops::fs(
+        &s,
+        &ctx,
+        FsOp::Remove,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Remove.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().remove(&c, path, q.recursive).await },
+    )
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -735,20 +793,27 @@ async fn list_dir(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
     let depth = q.depth.unwrap_or(1);
     if depth == 0 || depth > 64 {
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
     }
-    let s = session(&state, &id)?;
-    let entries = s
-        .sandbox()?
-        .fs()
-        .list(&fs_ctx(&state, &ctx), &q.path, depth)
-        .instrument(tracing::info_span!("fs.list", session.id = %id))
-        .await?;
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    let entries = ops::fs(
+        &s,
+        &ctx,
+        FsOp::List,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::List.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().list(&c, path, depth).await },
+    )
+    .await?;
     Ok(ApiJson(entries).into_response())
 }
 
@@ -756,26 +821,22 @@ async fn make_dir(
     State(state): St,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let q = path_query(q)?;
-    let s = session(&state, &id)?;
-    let r = s
-        .sandbox()?
-        .fs()
-        .mkdir(&fs_ctx(&state, &ctx), &q.path, true)
-        .await;
-    let outcome = r
-        .as_ref()
-        .map_or_else(|e| e.code().as_str().to_owned(), |_| "ok".to_owned());
-    let _ = s
-        .log
-        .append(EventBody::FsOp {
-            op: "mkdir".into(),
-            path: q.path,
-            outcome,
-            bytes: None,
-        })
-        .await;
-    Ok((StatusCode::CREATED, ApiJson(r?)).into_response())
+    let s = session(&state, &id).await?;
+    let sandbox = s.sandbox()?;
+    let path = q.path.as_str();
+    let st = ops::fs(
+        &s,
+        &ctx,
+        FsOp::Mkdir,
+        &q.path,
+        Surface::Api,
+        s.deadlines.fs_op,
+        FsOp::Mkdir.span(&s, &q.path),
+        ops::no_bytes,
+        |c| async move { sandbox.fs().mkdir(&c, path, true).await },
+    )
+    .await?;
+    Ok((StatusCode::CREATED, ApiJson(st)).into_response())
 }

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -110,6 +111,21 @@ pub struct ServerConfig {
     /// What happens to sandboxes at shutdown. Default `keep`.
     #[serde(default)]
     pub on_shutdown: ShutdownPolicy,
+    /// Largest deadline a caller may set with the `Tether-Timeout-Ms` header, ms.
+    /// Default 3 600 000.
+    #[serde(default = "default_max_request_timeout")]
+    pub max_request_timeout_ms: u64,
+    /// How long a closed session's log is kept, seconds; older ones are removed at start
+    /// and hourly. 0 keeps them forever. Default 0.
+    #[serde(default)]
+    pub closed_retention_s: u64,
+}
+
+impl ServerConfig {
+    /// The retention of closed sessions, `None` = forever.
+    pub fn closed_retention(&self) -> Option<Duration> {
+        (self.closed_retention_s > 0).then(|| Duration::from_secs(self.closed_retention_s))
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -126,6 +142,9 @@ fn default_max_body() -> u64 {
 fn default_max_file() -> u64 {
     DEFAULT_MAX_FILE_BYTES
 }
+fn default_max_request_timeout() -> u64 {
+    3_600_000
+}
 fn default_grace() -> u64 {
     DEFAULT_SHUTDOWN_GRACE_MS
 }
@@ -140,6 +159,8 @@ impl Default for ServerConfig {
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             on_shutdown: ShutdownPolicy::Keep,
+            closed_retention_s: 0,
+            max_request_timeout_ms: default_max_request_timeout(),
         }
     }
 }
@@ -170,6 +191,92 @@ pub struct LimitsConfig {
     /// Deadline of sandbox creation, ms. Default 120 000.
     #[serde(default = "d_create")]
     pub sandbox_create_timeout_ms: u64,
+    /// Deadline of the daemon's other calls on a sandbox (destroy, connect, list, renew),
+    /// ms. Default 30 000.
+    #[serde(default = "d_sandbox_op")]
+    pub sandbox_op_timeout_ms: u64,
+    /// Deadline of starting a command (the spawn at the provider), ms. Default 60 000.
+    #[serde(default = "d_process_start")]
+    pub process_start_timeout_ms: u64,
+    /// Deadline of terminating a command's process group (TERM, grace, KILL, verify), ms.
+    /// Default 30 000.
+    #[serde(default = "d_terminate")]
+    pub terminate_timeout_ms: u64,
+    /// How long output is still journaled after a command's group was terminated, beyond
+    /// its grace period, ms. Default 5 000.
+    #[serde(default = "d_drain_after_terminate")]
+    pub drain_after_terminate_ms: u64,
+    /// How long closing a session waits for each command to record its end, ms.
+    /// Default 15 000.
+    #[serde(default = "d_command_drain")]
+    pub command_drain_ms: u64,
+    /// Total deadline of one streamed file transfer (a native API download or upload),
+    /// ms. Default 600 000.
+    #[serde(default = "d_transfer")]
+    pub transfer_timeout_ms: u64,
+}
+
+/// The deadlines of the daemon's own calls, as durations, from [`LimitsConfig`]: the one
+/// place request paths take them from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// Sandbox creation.
+    pub sandbox_create: Duration,
+    /// Destroy, connect, list, renew.
+    pub sandbox_op: Duration,
+    /// A command's spawn.
+    pub process_start: Duration,
+    /// A command group's terminate.
+    pub terminate: Duration,
+    /// Journaling after terminate, beyond the grace period.
+    pub drain_after_terminate: Duration,
+    /// Waiting for a command's end at session close.
+    pub command_drain: Duration,
+    /// One file operation.
+    pub fs_op: Duration,
+    /// One streamed file transfer.
+    pub transfer: Duration,
+}
+
+impl LimitsConfig {
+    /// The deadlines as durations.
+    pub fn deadlines(&self) -> Deadlines {
+        Deadlines {
+            sandbox_create: Duration::from_millis(self.sandbox_create_timeout_ms),
+            sandbox_op: Duration::from_millis(self.sandbox_op_timeout_ms),
+            process_start: Duration::from_millis(self.process_start_timeout_ms),
+            terminate: Duration::from_millis(self.terminate_timeout_ms),
+            drain_after_terminate: Duration::from_millis(self.drain_after_terminate_ms),
+            command_drain: Duration::from_millis(self.command_drain_ms),
+            fs_op: Duration::from_millis(self.fs_op_timeout_ms),
+            transfer: Duration::from_millis(self.transfer_timeout_ms),
+        }
+    }
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        LimitsConfig::default().deadlines()
+    }
+}
+
+fn d_sandbox_op() -> u64 {
+    30_000
+}
+fn d_process_start() -> u64 {
+    60_000
+}
+fn d_terminate() -> u64 {
+    30_000
+}
+fn d_drain_after_terminate() -> u64 {
+    5_000
+}
+fn d_command_drain() -> u64 {
+    15_000
+}
+fn d_transfer() -> u64 {
+    600_000
 }
 
 fn d_cmd_timeout() -> u64 {
@@ -204,6 +311,12 @@ impl Default for LimitsConfig {
             read_file_max_bytes: d_read_max(),
             fs_op_timeout_ms: d_fs_op(),
             sandbox_create_timeout_ms: d_create(),
+            sandbox_op_timeout_ms: d_sandbox_op(),
+            process_start_timeout_ms: d_process_start(),
+            terminate_timeout_ms: d_terminate(),
+            drain_after_terminate_ms: d_drain_after_terminate(),
+            command_drain_ms: d_command_drain(),
+            transfer_timeout_ms: d_transfer(),
         }
     }
 }

@@ -202,6 +202,9 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         C::ProviderError => StatusCode::BAD_GATEWAY,
         C::Unsupported => StatusCode::NOT_IMPLEMENTED,
         C::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+        C::FsNoSpace | C::StorageFull => StatusCode::INSUFFICIENT_STORAGE,
+        // The backend may have acted: a gateway error the client must not blindly retry.
+        C::OutcomeUnknown => StatusCode::BAD_GATEWAY,
         C::FsIoError | C::ToolNotStarted | C::ToolOutcomeUnknown | C::Invariant | C::Internal => {
             StatusCode::INTERNAL_SERVER_ERROR
         }

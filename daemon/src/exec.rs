@@ -32,9 +32,6 @@ use crate::error::{DaemonError, Result};
 use crate::session::OutputJournal;
 use crate::sessions::Session;
 
-/// Time allowed to drain a command's remaining output after its group was terminated.
-const DRAIN_AFTER_TERMINATE: Duration = Duration::from_secs(5);
-
 /// Limits of one command.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ExecLimits {
@@ -55,6 +52,8 @@ pub struct CommandOutcome {
     pub timeout_ms: Option<u64>,
     /// Set when the command was ended by a kill request or session close.
     pub killed: Option<String>,
+    /// The kill was the daemon's shutdown.
+    pub by_shutdown: bool,
     /// Bytes of stdout (or pty) journaled.
     pub stdout_bytes: u64,
     /// Bytes of stderr journaled.
@@ -73,7 +72,13 @@ impl CommandOutcome {
             });
         }
         if self.killed.is_some() {
-            return Some(ErrorCode::Cancelled);
+            // Ended by the daemon's shutdown: the session lives on after the next start,
+            // so the caller may retry then.
+            return Some(if self.by_shutdown {
+                ErrorCode::ShuttingDown
+            } else {
+                ErrorCode::Cancelled
+            });
         }
         self.error.as_ref().map(|(c, _)| *c)
     }
@@ -116,6 +121,7 @@ impl RunningCommand {
                     clock: None,
                     timeout_ms: None,
                     killed: None,
+                    by_shutdown: false,
                     stdout_bytes: self.journal.len(StreamKind::Stdout),
                     stderr_bytes: self.journal.len(StreamKind::Stderr),
                     error: Some((ErrorCode::Internal, "the command's pump stopped".into())),
@@ -190,12 +196,15 @@ pub async fn start(
     if spec.command_id.is_none() {
         spec.command_id = Some(uuid::Uuid::new_v4().simple().to_string());
     }
-    if let Some(id) = &spec.command_id
-        && session.command(id).is_some()
-    {
-        return Err(DaemonError::Conflict {
-            message: format!("command id {id} is already in use"),
-        });
+    if let Some(id) = &spec.command_id {
+        // Everything that can refuse the command is checked before it runs: a command
+        // that was spawned always has a pump, a journal and a deadline.
+        crate::session::validate_id("command id", id)?;
+        if session.command(id).is_some() {
+            return Err(DaemonError::Conflict {
+                message: format!("command id {id} is already in use"),
+            });
+        }
     }
     session.touch();
     let span = tracing::info_span!(
@@ -241,15 +250,27 @@ pub async fn start(
         }
     };
     let command_id = handle.command_id().to_owned();
-    let journal = session.log.journal(&command_id).await?;
-    session
-        .log
-        .append(EventBody::ProcessStarted {
-            command_id: command_id.clone(),
-            pid: handle.pid(),
-            spec: spec.clone(),
-        })
-        .await?;
+    let recorded = async {
+        let journal = session.log.journal(&command_id).await?;
+        session
+            .log
+            .append(EventBody::ProcessStarted {
+                command_id: command_id.clone(),
+                pid: handle.pid(),
+                spec: spec.clone(),
+            })
+            .await?;
+        Ok::<_, DaemonError>(journal)
+    }
+    .await;
+    let journal = match recorded {
+        Ok(j) => j,
+        Err(e) => {
+            // It runs but cannot be supervised: end it rather than leave it unlisted.
+            terminate(session, &handle).await;
+            return Err(e);
+        }
+    };
     let (tx, rx) = watch::channel(None);
     let kill = session.cancel.child();
     let cmd = Arc::new(RunningCommand {
@@ -374,7 +395,16 @@ async fn pump(
             }
             Some(Some(Ok(ProcessEvent::Started { .. }))) => {}
             Some(Some(Err(e))) => {
+                // The provider's stream is lost (after its own re-attach attempts): the
+                // command can no longer be watched, so it is ended, never left running
+                // without a pump, a deadline or a journal.
                 error = Some((e.code(), e.to_string()));
+                // A provider clock (connect, transport idle) fired inside the provider:
+                // counted here, where its end is seen.
+                if let Some(clock @ ("connect" | "transport_idle")) = e.clock() {
+                    session.metrics().timeout(clock, &session.provider_kind);
+                }
+                terminate(session, &handle).await;
                 break;
             }
             Some(None) => break,
@@ -399,10 +429,11 @@ async fn pump(
                     }
                     None
                 };
-                status = tokio::time::timeout(grace + DRAIN_AFTER_TERMINATE, drain)
-                    .await
-                    .ok()
-                    .flatten();
+                status =
+                    tokio::time::timeout(grace + session.deadlines.drain_after_terminate, drain)
+                        .await
+                        .ok()
+                        .flatten();
                 break;
             }
         }
@@ -420,6 +451,7 @@ async fn pump(
         clock,
         timeout_ms,
         killed,
+        by_shutdown: matches!(fired, Some(CancelReason::Shutdown)),
         stdout_bytes: journal.len(StreamKind::Stdout) + pty,
         stderr_bytes: journal.len(StreamKind::Stderr),
         error,
@@ -428,7 +460,7 @@ async fn pump(
 
 async fn terminate(session: &Arc<Session>, handle: &Arc<dyn ProcessHandle>) {
     let ctx = CallCtx::new(format!("terminate-{}", handle.command_id()))
-        .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+        .with_timeout(session.deadlines.terminate, "DEADLINE_EXCEEDED");
     let span = tracing::info_span!("process.kill", session.id = %session.id, command.id = %handle.command_id());
     match handle.terminate(&ctx).instrument(span).await {
         Ok(r) if r.survivors > 0 => {
@@ -445,6 +477,7 @@ fn pump_error(journal: &OutputJournal, code: ErrorCode, message: String) -> Comm
         clock: None,
         timeout_ms: None,
         killed: None,
+        by_shutdown: false,
         stdout_bytes: journal.len(StreamKind::Stdout),
         stderr_bytes: journal.len(StreamKind::Stderr),
         error: Some((code, message)),
@@ -464,7 +497,15 @@ pub async fn run(
     let outcome = tokio::select! {
         o = cmd.wait() => o,
         _ = ctx.cancel.cancelled() => {
-            cmd.kill("call cancelled");
+            match ctx.cancel.reason() {
+                // The caller's own deadline (`Tether-Timeout-Ms`, an E2B
+                // `Connect-Timeout-Ms`): the command ends as that deadline, with its clock.
+                Some(r @ CancelReason::Timeout(t)) if t.code == "DEADLINE_EXCEEDED" => {
+                    cmd.kill.cancel(r);
+                }
+                // A tool's own deadline or a caller going away: the caller classifies it.
+                _ => cmd.kill("call cancelled"),
+            }
             cmd.wait().await
         }
     };

@@ -6,18 +6,21 @@
 //! execution with its clocks, leases, and telemetry. It must not contain provider
 //! (backend) code: providers are reached only through the `tether-provider` seam.
 
+// The session log is a crate of its own; these names keep its paths short here.
+pub use tether_session_log as session;
+pub use tether_session_log::invariants;
+
 pub mod api;
 pub mod cli;
 pub mod config;
 pub mod e2b_front;
 pub mod error;
 pub mod exec;
-pub mod invariants;
 pub mod leases;
+pub mod ops;
 pub mod pipeline;
 pub mod providers;
 pub mod server;
-pub mod session;
 pub mod sessions;
 pub mod state;
 pub mod telemetry;

@@ -49,7 +49,18 @@ impl IntoResponse for DaemonError {
         } else {
             tracing::debug!(request_id = rid.as_deref().unwrap_or(""), code = %self.code(), error = %self, "Request refused");
         }
-        (status, axum::Json(self.body(rid.as_deref()))).into_response()
+        let retry_after = match &self {
+            DaemonError::Provider(e) => e.retry_after(),
+            _ => None,
+        };
+        let mut resp = (status, axum::Json(self.body(rid.as_deref()))).into_response();
+        if let Some(d) = retry_after {
+            // Delta-seconds, rounded up so a client never retries early.
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
     }
 }
 
@@ -127,6 +138,9 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// The native API's inbound deadline header, milliseconds.
+pub const TIMEOUT_HEADER: &str = "tether-timeout-ms";
+
 async fn request_layer(
     State(state): State<Arc<AppState>>,
     mut req: Request,
@@ -150,7 +164,32 @@ async fn request_layer(
     let trace: TraceContext = crate::telemetry::current_trace_context(&span);
     let token = state.shutdown.child();
     let _guard = CancelOnDrop(token.clone());
-    let ctx = CallCtx::with_cancel(rid.clone(), token).with_trace(trace);
+    let mut ctx = CallCtx::with_cancel(rid.clone(), token).with_trace(trace);
+    // A caller's own deadline, as the E2B front honours `Connect-Timeout-Ms`: clamped to
+    // the configured maximum; expiry is DEADLINE_EXCEEDED.
+    if let Some(v) = req.headers().get(TIMEOUT_HEADER) {
+        let max = state.config.server.max_request_timeout_ms;
+        match v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|ms| *ms > 0)
+        {
+            Some(ms) => {
+                ctx = ctx.with_timeout(Duration::from_millis(ms.min(max)), "DEADLINE_EXCEEDED");
+            }
+            None => {
+                return REQUEST_ID
+                    .scope(rid, async {
+                        DaemonError::invalid(format!(
+                            "{TIMEOUT_HEADER} must be a positive number of milliseconds"
+                        ))
+                        .into_response()
+                    })
+                    .await;
+            }
+        }
+    }
     req.extensions_mut().insert(RequestCtx(ctx));
     req.extensions_mut()
         .insert(BodyLimit(state.config.server.max_body_bytes));
@@ -270,7 +309,7 @@ impl Daemon {
         let providers = Arc::new(ProviderRegistry::from_config(&config)?);
         for (name, p) in providers.iter() {
             let ctx = CallCtx::new("healthcheck")
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                .with_timeout(config.limits.deadlines().sandbox_op, "DEADLINE_EXCEEDED");
             if let Err(e) = p.healthcheck(&ctx).await {
                 tracing::warn!(provider = %name, code = %e.code(), error = %e, "Provider healthcheck failed");
             }
@@ -283,11 +322,11 @@ impl Daemon {
                 tasks.clone(),
                 metrics.clone(),
                 invariants.clone(),
-                Duration::from_millis(config.limits.sandbox_create_timeout_ms),
+                config.limits.deadlines(),
             )
             .await?,
         );
-        let recovery = sessions.recover().await?;
+        let recovery = sessions.recover(config.server.closed_retention()).await?;
         let pipeline = Arc::new(
             Pipeline::new(&config.pipeline, &config.limits, metrics.clone())
                 .map_err(|e| DaemonError::invalid(e.to_string()))?,
@@ -329,7 +368,11 @@ impl Daemon {
     }
 }
 
-/// The reaper (TTL expiry, every second) and the reconciler (orphaned sandboxes).
+/// How often closed sessions past their retention are removed, seconds.
+const RETENTION_SWEEP_EVERY_S: u64 = 3_600;
+
+/// The reaper (TTL expiry, every second), the renewer, the reconciler (orphaned
+/// sandboxes) and the retention sweep.
 fn spawn_housekeeping(state: &Arc<AppState>) {
     let s = Arc::clone(state);
     state.tasks.spawn(async move {
@@ -353,6 +396,11 @@ fn spawn_housekeeping(state: &Arc<AppState>) {
             }
             if n.is_multiple_of(reconcile_every) {
                 s.sessions.reconcile().await;
+            }
+            if let Some(retention) = s.config.server.closed_retention()
+                && n.is_multiple_of(RETENTION_SWEEP_EVERY_S)
+            {
+                s.sessions.sweep_retention(retention).await;
             }
         }
     });

@@ -1,10 +1,15 @@
 //! Sessions: each one a session log plus the sandbox leased for it.
 //!
-//! The [`SessionManager`] creates sessions (lease intent, provider create, `sandbox/leased`),
+//! The [`SessionManager`] creates sessions (the log header with the session's
+//! [`SessionParams`] is the durable intent, then provider create, then `sandbox/leased`),
 //! finds them, closes them (commands terminated, sandbox destroyed, `sandbox/released`),
-//! forks them, expires them (TTL from activity, or an explicit E2B timeout), and on start-up
-//! re-opens every session on disk (crash repair), reconnects their sandboxes where the
-//! provider can, and reconciles the lease ledger with each provider.
+//! forks them (with the parent's parameters), expires them (TTL from activity, or an
+//! explicit E2B timeout, logged as `session/expiry`), and on start-up re-opens every live
+//! session on disk (crash repair), takes its parameters, expiry and sandbox id from its own
+//! log, reconnects the sandbox where the provider can, and destroys this daemon's sandboxes
+//! that no session owns. The session log is the only record: there is no second ledger to
+//! disagree with it. Closed sessions are not held in memory; their logs are opened on
+//! demand, and a retention setting removes them after a configured age.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -13,16 +18,17 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tether_protocol::api::SessionInfo;
-use tether_protocol::events::{EventBody, SessionHeader};
+use tether_protocol::events::{Event, EventBody, Expiry, SessionHeader, SessionParams};
 use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::config::Deadlines;
 use crate::error::{DaemonError, Result};
 use crate::exec::RunningCommand;
 use crate::invariants::Invariants;
-use crate::leases::{LeaseLedger, LeaseRecord, META_DAEMON, META_SESSION, now_ms};
+use crate::leases::{META_DAEMON, META_SESSION, now_ms};
 use crate::providers::ProviderRegistry;
 use crate::session::{LogConfig, SessionLog};
 use crate::telemetry::Metrics;
@@ -68,18 +74,6 @@ pub struct NewSession {
     pub expiry: Expiry,
 }
 
-/// When a session expires.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Expiry {
-    /// Never by itself.
-    #[default]
-    Never,
-    /// This long after the last activity (renewed by every call).
-    Idle(Duration),
-    /// At a fixed time, ms since the epoch (moved only explicitly: E2B `set_timeout`).
-    At(i64),
-}
-
 /// One session.
 #[derive(Debug)]
 pub struct Session {
@@ -96,8 +90,12 @@ pub struct Session {
     /// The session log.
     pub log: Arc<SessionLog>,
     commands: RwLock<HashMap<String, Arc<RunningCommand>>>,
-    /// The owning tenant.
+    /// What the session was created with (the log header's parameters).
+    pub params: SessionParams,
+    /// The owning tenant (`params.owner`, kept at hand for scope checks).
     pub owner: Option<String>,
+    /// Deadlines of the daemon's own calls on the session's behalf (from config).
+    pub deadlines: Deadlines,
     /// Cancelled when the session closes (or the daemon shuts down).
     pub cancel: CancelToken,
     tasks: TaskTracker,
@@ -108,12 +106,6 @@ pub struct Session {
     closed: AtomicBool,
     /// Creation time, ms since the epoch.
     pub created_ms: i64,
-    /// Template.
-    pub template: Option<String>,
-    /// Metadata.
-    pub metadata: BTreeMap<String, String>,
-    /// Environment of every command.
-    pub env: BTreeMap<String, String>,
     /// One tool-call batch at a time (turns are sequential).
     pub batch_lock: tokio::sync::Mutex<()>,
 }
@@ -165,10 +157,52 @@ impl Session {
         }
     }
 
-    /// Set a fixed expiry (E2B `set_timeout`): `at_ms` since the epoch.
-    pub fn set_expiry(&self, at_ms: i64) {
-        self.idle_ttl_ms.store(0, Ordering::Relaxed);
-        self.expires_ms.store(at_ms, Ordering::Relaxed);
+    /// Set a fixed expiry (E2B `set_timeout`): `at_ms` since the epoch. Durable on
+    /// return: the change is logged as `session/expiry`, which recovery reads back.
+    pub async fn set_expiry(&self, at_ms: i64) -> Result<()> {
+        self.log
+            .append(EventBody::ExpirySet {
+                expiry: Expiry::At { at_ms },
+            })
+            .await?;
+        self.apply_expiry(Expiry::At { at_ms }, now_ms());
+        Ok(())
+    }
+
+    fn apply_expiry(&self, expiry: Expiry, last_activity_ms: i64) {
+        match expiry {
+            Expiry::Never => {
+                self.idle_ttl_ms.store(0, Ordering::Relaxed);
+                self.expires_ms.store(0, Ordering::Relaxed);
+            }
+            Expiry::Idle { ttl_ms } => {
+                let ttl = i64::try_from(ttl_ms).unwrap_or(i64::MAX);
+                self.idle_ttl_ms.store(ttl, Ordering::Relaxed);
+                self.last_activity_ms
+                    .store(last_activity_ms, Ordering::Relaxed);
+                self.expires_ms
+                    .store(last_activity_ms.saturating_add(ttl), Ordering::Relaxed);
+            }
+            Expiry::At { at_ms } => {
+                self.idle_ttl_ms.store(0, Ordering::Relaxed);
+                self.expires_ms.store(at_ms, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The expiry as it stands now (what a fork inherits).
+    pub fn expiry(&self) -> Expiry {
+        let ttl = self.idle_ttl_ms.load(Ordering::Relaxed);
+        let at = self.expires_ms.load(Ordering::Relaxed);
+        if ttl > 0 {
+            Expiry::Idle {
+                ttl_ms: u64::try_from(ttl).unwrap_or(0),
+            }
+        } else if at > 0 {
+            Expiry::At { at_ms: at }
+        } else {
+            Expiry::Never
+        }
     }
 
     /// Expiry time, ms since the epoch (0 = none).
@@ -228,7 +262,7 @@ impl Session {
             events: self.log.next_seq(),
             parent_session: self.log.header().parent_session.clone(),
             enforcement,
-            metadata: self.metadata.clone(),
+            metadata: self.params.metadata.clone(),
         }
     }
 }
@@ -238,15 +272,28 @@ impl Session {
 pub struct SessionManager {
     state_dir: PathBuf,
     providers: Arc<ProviderRegistry>,
+    /// Live (active or detached) sessions.
     sessions: RwLock<HashMap<String, Arc<Session>>>,
-    ledger: LeaseLedger,
+    /// Closed sessions: a summary each; the log is opened on demand.
+    closed: RwLock<BTreeMap<String, ClosedSession>>,
+    /// Sessions whose log could not be opened at start: their sandboxes are never
+    /// treated as orphans (an unreadable record must not destroy what it may own).
+    unreadable: RwLock<std::collections::BTreeSet<String>>,
     shutdown: CancelToken,
     tasks: TaskTracker,
     metrics: Metrics,
     invariants: Invariants,
     daemon_id: String,
-    create_timeout: Duration,
+    deadlines: Deadlines,
     log_config: LogConfig,
+}
+
+/// What is kept in memory of a closed session.
+#[derive(Debug, Clone)]
+struct ClosedSession {
+    header: SessionHeader,
+    events: u64,
+    closed_ms: i64,
 }
 
 fn new_id() -> String {
@@ -264,14 +311,11 @@ impl SessionManager {
         tasks: TaskTracker,
         metrics: Metrics,
         invariants: Invariants,
-        create_timeout: Duration,
+        deadlines: Deadlines,
     ) -> Result<Self> {
         tokio::fs::create_dir_all(state_dir.join("sessions"))
             .await
             .map_err(|e| DaemonError::internal(format!("cannot create the state dir: {e}")))?;
-        let ledger = LeaseLedger::open(&state_dir)
-            .await
-            .map_err(|e| DaemonError::internal(format!("cannot open the lease ledger: {e}")))?;
         let id_path = state_dir.join("daemon-id");
         let daemon_id = match tokio::fs::read_to_string(&id_path).await {
             Ok(s) if !s.trim().is_empty() => s.trim().to_owned(),
@@ -287,13 +331,14 @@ impl SessionManager {
             state_dir,
             providers,
             sessions: RwLock::new(HashMap::new()),
-            ledger,
+            closed: RwLock::new(BTreeMap::new()),
+            unreadable: RwLock::new(Default::default()),
             shutdown,
             tasks,
             metrics,
             invariants: invariants.clone(),
             daemon_id,
-            create_timeout,
+            deadlines,
             log_config: LogConfig {
                 invariants: invariants.clone(),
                 ..LogConfig::default()
@@ -328,102 +373,87 @@ impl SessionManager {
             .providers
             .get(&provider_name)
             .ok_or_else(|| DaemonError::invalid(format!("unknown provider {provider_name:?}")))?;
-        let id = new_id();
-        let created_ms = now_ms();
-        let header = SessionHeader {
-            kind: "session".into(),
-            version: tether_protocol::SESSION_LOG_VERSION,
-            id: id.clone(),
-            created_ms,
-            parent_session: None,
-            seed_length: None,
-            meta: serde_json::json!({
-                "provider": provider_name,
-                "template": req.template,
-                "metadata": req.metadata,
-                "owner": req.owner,
-                "network": req.network,
-            }),
+        let params = SessionParams {
+            provider: provider_name,
+            template: req.template,
+            env: req.env,
+            network: req.network,
+            metadata: req.metadata,
+            owner: req.owner,
+            expiry: req.expiry,
         };
+        let id = new_id();
+        // The header is the durable intent: a sandbox created for this id and not yet
+        // recorded as leased is found by its stamp and destroyed after a crash.
+        let header = SessionLog::new_header(&id, params);
+        let created_ms = header.created_ms;
         let log =
             SessionLog::create(&self.session_dir(&id), header, self.log_config.clone()).await?;
-        let session = self.build_session(
-            id.clone(),
-            provider_name.clone(),
-            Arc::clone(&provider),
-            log,
-            &req,
-            created_ms,
-        );
-        self.lease(ctx, &session, &req).await?;
+        let session = self.build_session(id, provider, log, created_ms);
+        self.lease(ctx, &session).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
         Ok(session)
     }
 
+    /// A session over an open log; its parameters are the log header's, its expiry the
+    /// header's or the latest `session/expiry`, counted from `last_activity_ms`.
     fn build_session(
         &self,
         id: String,
-        provider_name: String,
         provider: Arc<dyn Provider>,
         log: Arc<SessionLog>,
-        req: &NewSession,
-        created_ms: i64,
+        last_activity_ms: i64,
     ) -> Arc<Session> {
+        let params = log.header().params.clone();
+        let expiry = log
+            .events_after(None)
+            .iter()
+            .rev()
+            .find_map(|e| match e.body {
+                EventBody::ExpirySet { expiry } => Some(expiry),
+                _ => None,
+            })
+            .unwrap_or(params.expiry);
         let s = Session {
             id,
             provider_kind: provider.kind().to_owned(),
-            provider_name,
+            provider_name: params.provider.clone(),
             provider,
             sandbox: RwLock::new(None),
             sandbox_id: RwLock::new(None),
             detached_why: RwLock::new(Some("no sandbox leased yet".into())),
+            created_ms: log.header().created_ms,
             log,
             commands: RwLock::new(HashMap::new()),
-            owner: req.owner.clone(),
+            owner: params.owner.clone(),
+            params,
+            deadlines: self.deadlines,
             cancel: self.shutdown.child(),
             tasks: self.tasks.clone(),
             metrics: self.metrics.clone(),
-            last_activity_ms: AtomicI64::new(created_ms),
+            last_activity_ms: AtomicI64::new(last_activity_ms),
             expires_ms: AtomicI64::new(0),
             idle_ttl_ms: AtomicI64::new(0),
             closed: AtomicBool::new(false),
-            created_ms,
-            template: req.template.clone(),
-            metadata: req.metadata.clone(),
-            env: req.env.clone(),
             batch_lock: tokio::sync::Mutex::new(()),
         };
-        match req.expiry {
-            Expiry::Never => {}
-            Expiry::Idle(d) => {
-                s.idle_ttl_ms.store(d.as_millis() as i64, Ordering::Relaxed);
-                s.touch();
-            }
-            Expiry::At(t) => s.set_expiry(t),
-        }
+        s.apply_expiry(expiry, last_activity_ms);
         Arc::new(s)
     }
 
-    async fn lease(&self, ctx: &CallCtx, session: &Arc<Session>, req: &NewSession) -> Result<()> {
+    async fn lease(&self, ctx: &CallCtx, session: &Arc<Session>) -> Result<()> {
         let id = &session.id;
-        self.ledger
-            .record(&LeaseRecord::Intent {
-                session: id.clone(),
-                provider: session.provider_name.clone(),
-                time: now_ms(),
-            })
-            .await
-            .map_err(|e| DaemonError::internal(format!("lease ledger: {e}")))?;
-        let mut metadata = req.metadata.clone();
+        let p = &session.params;
+        let mut metadata = p.metadata.clone();
         metadata.insert(META_SESSION.into(), id.clone());
         metadata.insert(META_DAEMON.into(), self.daemon_id.clone());
         let spec = SandboxSpec {
-            template: req.template.clone(),
+            template: p.template.clone(),
             ttl: None,
-            env: req.env.clone(),
+            env: p.env.clone(),
             metadata,
-            network: req.network,
+            network: p.network,
         };
         let span = tracing::info_span!(
             "sandbox.create",
@@ -434,7 +464,7 @@ impl SessionManager {
             error.code = tracing::field::Empty,
         );
         let started = tokio::time::Instant::now();
-        let cctx = ctx.with_timeout(self.create_timeout, "DEADLINE_EXCEEDED");
+        let cctx = ctx.with_timeout(self.deadlines.sandbox_create, "DEADLINE_EXCEEDED");
         let created = session
             .provider
             .create(&cctx, spec)
@@ -454,21 +484,20 @@ impl SessionManager {
             Ok(sandbox) => {
                 let sandbox_id = sandbox.info().id;
                 span.record("sandbox.id", sandbox_id.as_str());
-                self.ledger
-                    .record(&LeaseRecord::Created {
-                        session: id.clone(),
-                        sandbox_id: sandbox_id.clone(),
-                        time: now_ms(),
-                    })
-                    .await
-                    .map_err(|e| DaemonError::internal(format!("lease ledger: {e}")))?;
-                session
+                let leased = session
                     .log
                     .append(EventBody::SandboxLeased {
                         provider: session.provider_name.clone(),
                         sandbox_id: sandbox_id.clone(),
                     })
-                    .await?;
+                    .await;
+                if let Err(e) = leased {
+                    // Not recorded: the sandbox would be an orphan. Destroy it now (the
+                    // reconciler finds it by its stamp if this fails too).
+                    self.destroy_sandbox(session, &sandbox_id).await;
+                    session.log.close().await;
+                    return Err(e.into());
+                }
                 set(&session.sandbox, Some(sandbox));
                 set(&session.sandbox_id, Some(sandbox_id));
                 set(&session.detached_why, None);
@@ -477,14 +506,6 @@ impl SessionManager {
             }
             Err(e) => {
                 span.record("error.code", e.code().as_str());
-                let _ = self
-                    .ledger
-                    .record(&LeaseRecord::Released {
-                        session: id.clone(),
-                        reason: format!("create failed: {}", e.code()),
-                        time: now_ms(),
-                    })
-                    .await;
                 let _ = session
                     .log
                     .append(EventBody::SessionClosed {
@@ -492,7 +513,33 @@ impl SessionManager {
                     })
                     .await;
                 session.log.close().await;
+                self.remember_closed(session);
                 Err(e.into())
+            }
+        }
+    }
+
+    /// Destroy a sandbox at the session's provider under the configured deadline, with the
+    /// span and metric of every remote op. Errors are logged (the reconciler retries).
+    async fn destroy_sandbox(&self, s: &Session, sid: &str) -> bool {
+        let span = tracing::info_span!("sandbox.destroy", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
+        let ctx = CallCtx::new(format!("close-{}", s.id))
+            .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+        let started = tokio::time::Instant::now();
+        let r = s.provider.destroy(&ctx, sid).instrument(span.clone()).await;
+        let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
+        span.record("outcome", outcome);
+        self.metrics.remote_op(
+            "sandbox.destroy",
+            &s.provider_kind,
+            outcome,
+            started.elapsed(),
+        );
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(session.id = %s.id, sandbox.id = %sid, error = %e, "Destroying the sandbox failed; the reconciler will retry");
+                false
             }
         }
     }
@@ -527,20 +574,79 @@ impl SessionManager {
         Ok(())
     }
 
-    /// A session by id, visible to `owner` (`None` sees only sessions without an owner,
-    /// except for the native API which passes `Scope::Any`).
+    /// Move a closed session out of the live map into the summaries.
+    fn remember_closed(&self, s: &Session) {
+        if let Ok(mut m) = self.sessions.write() {
+            m.remove(&s.id);
+        }
+        if let Ok(mut c) = self.closed.write() {
+            c.insert(
+                s.id.clone(),
+                ClosedSession {
+                    header: s.log.header().clone(),
+                    events: s.log.next_seq(),
+                    closed_ms: now_ms(),
+                },
+            );
+        }
+    }
+
+    /// A live (active or detached) session by id, visible to `owner` (`None` sees only
+    /// sessions without an owner, except for the native API which passes `Scope::Any`).
     pub fn get(&self, id: &str, scope: Scope<'_>) -> Result<Arc<Session>> {
-        let m = self
-            .sessions
-            .read()
-            .map_err(|_| DaemonError::internal("sessions lock poisoned"))?;
-        match m.get(id) {
-            Some(s) if scope.sees(s) => Ok(Arc::clone(s)),
+        match self.get_live(id) {
+            Some(s) if scope.sees(&s) => Ok(s),
             _ => Err(DaemonError::SessionNotFound { id: id.to_owned() }),
         }
     }
 
-    /// Sessions visible in `scope`, oldest first.
+    /// A session by id, live or closed, visible in `scope`. A closed session's log is
+    /// opened from disk for the caller and not kept.
+    pub async fn lookup(&self, id: &str, scope: Scope<'_>) -> Result<Arc<Session>> {
+        if let Some(s) = self.get_live(id) {
+            return if scope.sees(&s) {
+                Ok(s)
+            } else {
+                Err(DaemonError::SessionNotFound { id: id.to_owned() })
+            };
+        }
+        let known = self
+            .closed
+            .read()
+            .map(|c| c.get(id).map(|c| c.header.params.owner.clone()))
+            .ok()
+            .flatten();
+        let Some(owner) = known else {
+            return Err(DaemonError::SessionNotFound { id: id.to_owned() });
+        };
+        if !scope.sees_owner(owner.as_deref()) {
+            return Err(DaemonError::SessionNotFound { id: id.to_owned() });
+        }
+        self.open_closed(id).await
+    }
+
+    /// A live (active or detached) session, without a scope check.
+    pub fn get_live(&self, id: &str) -> Option<Arc<Session>> {
+        self.sessions.read().ok().and_then(|m| m.get(id).cloned())
+    }
+
+    async fn open_closed(&self, id: &str) -> Result<Arc<Session>> {
+        let (log, _) = SessionLog::open(&self.session_dir(id), self.log_config.clone()).await?;
+        log.close().await;
+        let provider_name = log.header().params.provider.clone();
+        let provider = self.providers.get(&provider_name).ok_or_else(|| {
+            DaemonError::internal(format!(
+                "session {id}: provider {provider_name:?} is not configured"
+            ))
+        })?;
+        let last = last_time(&log);
+        let s = self.build_session(id.to_owned(), provider, log, last);
+        s.closed.store(true, Ordering::Release);
+        set(&s.detached_why, Some("the session is closed".into()));
+        Ok(s)
+    }
+
+    /// Live sessions visible in `scope`, oldest first.
     pub fn list(&self, scope: Scope<'_>) -> Vec<Arc<Session>> {
         let mut v: Vec<_> = self
             .sessions
@@ -555,9 +661,41 @@ impl SessionManager {
         v
     }
 
+    /// Every session visible in `scope`, live and closed, oldest first, as the API shows it.
+    pub fn infos(&self, scope: Scope<'_>) -> Vec<SessionInfo> {
+        let mut v: Vec<SessionInfo> = self.list(scope).iter().map(|s| s.info()).collect();
+        if let Ok(c) = self.closed.read() {
+            v.extend(
+                c.iter()
+                    .filter(|(_, c)| scope.sees_owner(c.header.params.owner.as_deref()))
+                    .map(|(id, c)| SessionInfo {
+                        id: id.clone(),
+                        provider: c.header.params.provider.clone(),
+                        sandbox_id: None,
+                        state: SessionState::Closed.as_str().to_owned(),
+                        created_ms: c.header.created_ms,
+                        events: c.events,
+                        parent_session: c.header.parent_session.clone(),
+                        enforcement: None,
+                        metadata: c.header.params.metadata.clone(),
+                    }),
+            );
+        }
+        v.sort_by(|a, b| {
+            a.created_ms
+                .cmp(&b.created_ms)
+                .then_with(|| a.id.cmp(&b.id))
+        });
+        v
+    }
+
     /// Close a session: terminate its commands, destroy its sandbox, log why.
     pub async fn close(&self, id: &str, scope: Scope<'_>, reason: &str) -> Result<()> {
-        let s = self.get(id, scope)?;
+        let Some(s) = self.get_live(id).filter(|s| scope.sees(s)) else {
+            // Closing a closed session is a no-op; an unknown one is not found.
+            self.lookup(id, scope).await?;
+            return Ok(());
+        };
         self.close_session(&s, reason, true).await
     }
 
@@ -568,40 +706,14 @@ impl SessionManager {
         s.cancel.cancel(CancelReason::SessionClosed);
         // Wait (bounded) for the pumps to record their commands' ends.
         for cmd in s.commands() {
-            let _ = tokio::time::timeout(Duration::from_secs(15), cmd.wait()).await;
+            let _ = tokio::time::timeout(self.deadlines.command_drain, cmd.wait()).await;
         }
         let sandbox = s.sandbox.write().ok().and_then(|mut g| g.take());
         if let (Some(sandbox), true) = (sandbox, destroy) {
             let sid = sandbox.info().id;
-            let span = tracing::info_span!("sandbox.destroy", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
-            let ctx = CallCtx::new(format!("close-{}", s.id))
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
-            let started = tokio::time::Instant::now();
-            let r = s
-                .provider
-                .destroy(&ctx, &sid)
-                .instrument(span.clone())
-                .await;
-            let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
-            span.record("outcome", outcome);
-            self.metrics.remote_op(
-                "sandbox.destroy",
-                &s.provider_kind,
-                outcome,
-                started.elapsed(),
-            );
+            let destroyed = self.destroy_sandbox(s, &sid).await;
             self.metrics.sandboxes_live(-1, &s.provider_kind);
-            if let Err(e) = r {
-                tracing::warn!(session.id = %s.id, error = %e, "Destroying the sandbox failed; the reconciler will retry");
-            } else {
-                let _ = self
-                    .ledger
-                    .record(&LeaseRecord::Released {
-                        session: s.id.clone(),
-                        reason: reason.to_owned(),
-                        time: now_ms(),
-                    })
-                    .await;
+            if destroyed {
                 let _ = s
                     .log
                     .append(EventBody::SandboxReleased {
@@ -618,12 +730,14 @@ impl SessionManager {
             })
             .await;
         s.log.close().await;
+        self.remember_closed(s);
         self.metrics.sessions_live(-1);
         Ok(())
     }
 
     /// Fork a session at a boundary: the new session gets a copy of the log prefix and a
-    /// fresh sandbox from the same provider.
+    /// fresh sandbox from the same provider, with the parent's parameters as they stand
+    /// now (network, template, environment, metadata, owner and expiry included).
     pub async fn fork(
         &self,
         ctx: &CallCtx,
@@ -631,48 +745,67 @@ impl SessionManager {
         at_seq: Option<u64>,
         scope: Scope<'_>,
     ) -> Result<Arc<Session>> {
-        let parent = self.get(id, scope)?;
+        if self.shutdown.is_cancelled() {
+            return Err(DaemonError::ShuttingDown);
+        }
+        let parent = self.lookup(id, scope).await?;
         let new = new_id();
+        let params = SessionParams {
+            expiry: parent.expiry(),
+            ..parent.params.clone()
+        };
         let log = parent
             .log
-            .fork(&self.session_dir(&new), &new, at_seq)
+            .fork(&self.session_dir(&new), &new, at_seq, params)
             .await?;
-        let req = NewSession {
-            provider: Some(parent.provider_name.clone()),
-            template: parent.template.clone(),
-            env: parent.env.clone(),
-            metadata: parent.metadata.clone(),
-            network: false,
-            owner: parent.owner.clone(),
-            expiry: Expiry::Never,
-        };
-        let provider = Arc::clone(&parent.provider);
-        let session = self.build_session(
-            new,
-            parent.provider_name.clone(),
-            provider,
-            log,
-            &req,
-            now_ms(),
-        );
-        self.lease(ctx, &session, &req).await?;
+        let session = self.build_session(new, Arc::clone(&parent.provider), log, now_ms());
+        self.lease(ctx, &session).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
         Ok(session)
     }
 
-    /// Re-open every session on disk after a start: repair the logs, reconnect the
+    /// Re-open every session on disk after a start: repair the live logs, take each
+    /// session's parameters, expiry and sandbox id from its own log, reconnect the
     /// sandboxes where the provider can, and destroy this daemon's orphaned sandboxes.
-    pub async fn recover(&self) -> Result<RecoveryReport> {
+    /// Closed sessions are only indexed (their header and length), and those older than
+    /// the retention are removed.
+    pub async fn recover(&self, retention: Option<Duration>) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
-        let ids = crate::session::list_sessions(&self.state_dir.join("sessions")).await?;
-        let leases = self.ledger.load().await.unwrap_or_default();
+        let sessions_dir = self.state_dir.join("sessions");
+        let ids = crate::session::list_sessions(&sessions_dir).await?;
         for id in ids {
             let dir = self.session_dir(&id);
+            match crate::session::closed_summary(&dir).await {
+                Ok(Some(c)) => {
+                    if retention.is_some_and(|r| expired_for(c.closed_ms, r)) {
+                        remove_session_dir(&dir, &id).await;
+                        report.removed.push(id);
+                    } else if let Ok(mut m) = self.closed.write() {
+                        m.insert(
+                            id,
+                            ClosedSession {
+                                header: c.header,
+                                events: c.events,
+                                closed_ms: c.closed_ms,
+                            },
+                        );
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(session.id = %id, error = %e, "Cannot read a session log; leaving it and its sandbox alone");
+                    self.mark_unreadable(&id);
+                    report.failed.push(id);
+                    continue;
+                }
+            }
             let (log, repair) = match SessionLog::open(&dir, self.log_config.clone()).await {
                 Ok(x) => x,
                 Err(e) => {
-                    tracing::error!(session.id = %id, error = %e, "Cannot open a session log; leaving it alone");
+                    tracing::error!(session.id = %id, error = %e, "Cannot open a session log; leaving it and its sandbox alone");
+                    self.mark_unreadable(&id);
                     report.failed.push(id);
                     continue;
                 }
@@ -680,62 +813,22 @@ impl SessionManager {
             if repair.changed() {
                 report.repaired.push(id.clone());
             }
-            let meta = &log.header().meta;
-            let provider_name = meta
-                .get("provider")
-                .and_then(|v| v.as_str())
-                .unwrap_or("local")
-                .to_owned();
-            let owner = meta
-                .get("owner")
-                .and_then(|v| v.as_str())
-                .map(str::to_owned);
-            let metadata: BTreeMap<String, String> = meta
-                .get("metadata")
-                .and_then(|v| serde_json::from_value(v.clone()).ok())
-                .unwrap_or_default();
-            let template = meta
-                .get("template")
-                .and_then(|v| v.as_str())
-                .map(str::to_owned);
-            let closed = log
-                .events_after(None)
-                .iter()
-                .any(|e| matches!(e.body, EventBody::SessionClosed { .. }));
+            let provider_name = log.header().params.provider.clone();
             let Some(provider) = self.providers.get(&provider_name) else {
+                tracing::error!(session.id = %id, provider = %provider_name, "A session's provider is not configured; leaving it alone");
+                log.close().await;
+                self.mark_unreadable(&id);
                 report.failed.push(id);
                 continue;
             };
-            let req = NewSession {
-                provider: Some(provider_name.clone()),
-                template,
-                owner,
-                metadata,
-                ..Default::default()
-            };
-            let session = self.build_session(
-                id.clone(),
-                provider_name.clone(),
-                Arc::clone(&provider),
-                Arc::clone(&log),
-                &req,
-                log.header().created_ms,
-            );
-            if closed {
-                session.closed.store(true, Ordering::Release);
-                log.close().await;
-                self.insert(session)?;
-                continue;
-            }
-            let sandbox_id = leases
-                .get(&id)
-                .filter(|l| !l.released)
-                .and_then(|l| l.sandbox_id.clone());
-            match sandbox_id {
+            let events = log.events_after(None);
+            let session =
+                self.build_session(id.clone(), provider, Arc::clone(&log), last_time(&log));
+            match leased_sandbox(&events) {
                 Some(sid) => {
                     let ctx = CallCtx::new(format!("recover-{id}"))
-                        .with_timeout(self.create_timeout, "DEADLINE_EXCEEDED");
-                    match provider.connect(&ctx, &sid).await {
+                        .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+                    match session.provider.connect(&ctx, &sid).await {
                         Ok(sb) => {
                             set(&session.sandbox, Some(sb));
                             set(&session.sandbox_id, Some(sid));
@@ -768,12 +861,40 @@ impl SessionManager {
         Ok(report)
     }
 
-    /// Destroy sandboxes stamped with this daemon's id that no live session owns.
+    fn mark_unreadable(&self, id: &str) {
+        if let Ok(mut u) = self.unreadable.write() {
+            u.insert(id.to_owned());
+        }
+    }
+
+    /// Remove closed sessions' logs older than `retention`. Returns their ids.
+    pub async fn sweep_retention(&self, retention: Duration) -> Vec<String> {
+        let old: Vec<String> = self
+            .closed
+            .read()
+            .map(|c| {
+                c.iter()
+                    .filter(|(_, c)| expired_for(c.closed_ms, retention))
+                    .map(|(id, _)| id.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for id in &old {
+            if let Ok(mut c) = self.closed.write() {
+                c.remove(id);
+            }
+            remove_session_dir(&self.session_dir(id), id).await;
+        }
+        old
+    }
+
+    /// Destroy sandboxes stamped with this daemon's id that no live session owns. A
+    /// sandbox whose session log could not be read is left alone.
     pub async fn reconcile(&self) -> Vec<String> {
         let mut destroyed = Vec::new();
         for (name, provider) in self.providers.iter() {
             let ctx = CallCtx::new("reconcile")
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
             let Ok(list) = provider.list(&ctx).await else {
                 tracing::warn!(provider = %name, "Reconcile: listing the provider's sandboxes failed");
                 continue;
@@ -785,29 +906,26 @@ impl SessionManager {
                     continue;
                 }
                 let owner = info.metadata.get(META_SESSION).cloned().unwrap_or_default();
-                let owned = self
-                    .get(&owner, Scope::Any)
-                    .map(|s| {
-                        s.state() == SessionState::Active
-                            && s.sandbox_id().as_deref() == Some(info.id.as_str())
-                    })
-                    .unwrap_or(false);
+                let unreadable = self
+                    .unreadable
+                    .read()
+                    .map(|u| u.contains(&owner))
+                    .unwrap_or(true);
+                if unreadable {
+                    continue;
+                }
+                let owned = self.get_live(&owner).is_some_and(|s| {
+                    s.state() == SessionState::Active
+                        && s.sandbox_id().as_deref() == Some(info.id.as_str())
+                });
                 if owned {
                     continue;
                 }
                 let ctx = CallCtx::new("reconcile")
-                    .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                    .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
                 match provider.destroy(&ctx, &info.id).await {
                     Ok(()) => {
                         tracing::info!(provider = %name, sandbox.id = %info.id, session.id = %owner, "Destroyed an orphaned sandbox");
-                        let _ = self
-                            .ledger
-                            .record(&LeaseRecord::Released {
-                                session: owner,
-                                reason: "orphan".into(),
-                                time: now_ms(),
-                            })
-                            .await;
                         destroyed.push(info.id);
                     }
                     Err(e) => {
@@ -831,7 +949,7 @@ impl SessionManager {
             }
             let Some(sid) = s.sandbox_id() else { continue };
             let ctx = CallCtx::new(format!("renew-{}", s.id))
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+                .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
             let span = tracing::info_span!("sandbox.renew", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
             let started = tokio::time::Instant::now();
             let r = s
@@ -886,10 +1004,47 @@ impl SessionManager {
             } else {
                 s.cancel.cancel(CancelReason::Shutdown);
                 for cmd in s.commands() {
-                    let _ = tokio::time::timeout(Duration::from_secs(15), cmd.wait()).await;
+                    let _ = tokio::time::timeout(self.deadlines.command_drain, cmd.wait()).await;
                 }
-                s.log.close().await;
+                s.log.close_for_shutdown().await;
             }
+        }
+    }
+}
+
+/// The sandbox a log says is leased now: the last `sandbox/leased` not followed by a
+/// `sandbox/released`.
+fn leased_sandbox(events: &[Event]) -> Option<String> {
+    let mut leased = None;
+    for e in events {
+        match &e.body {
+            EventBody::SandboxLeased { sandbox_id, .. } => leased = Some(sandbox_id.clone()),
+            EventBody::SandboxReleased { .. } => leased = None,
+            _ => {}
+        }
+    }
+    leased
+}
+
+/// The time of a log's last event (its creation time when empty): the last activity.
+fn last_time(log: &SessionLog) -> i64 {
+    log.events_after(log.next_seq().checked_sub(2))
+        .last()
+        .map_or(log.header().created_ms, |e| e.time)
+}
+
+fn expired_for(closed_ms: i64, retention: Duration) -> bool {
+    let age = now_ms().saturating_sub(closed_ms);
+    u128::try_from(age).unwrap_or(0) >= retention.as_millis()
+}
+
+async fn remove_session_dir(dir: &std::path::Path, id: &str) {
+    match tokio::fs::remove_dir_all(dir).await {
+        Ok(()) => {
+            tracing::info!(session.id = %id, "Removed a closed session's log past its retention")
+        }
+        Err(e) => {
+            tracing::warn!(session.id = %id, error = %e, "Could not remove a closed session's log")
         }
     }
 }
@@ -905,9 +1060,13 @@ pub enum Scope<'a> {
 
 impl Scope<'_> {
     fn sees(&self, s: &Session) -> bool {
+        self.sees_owner(s.owner.as_deref())
+    }
+
+    fn sees_owner(&self, owner: Option<&str>) -> bool {
         match self {
             Scope::Any => true,
-            Scope::Owner(o) => s.owner.as_deref() == *o,
+            Scope::Owner(o) => owner == *o,
         }
     }
 }
@@ -925,6 +1084,8 @@ pub struct RecoveryReport {
     pub failed: Vec<String>,
     /// Orphaned sandboxes destroyed.
     pub orphans_destroyed: Vec<String>,
+    /// Closed sessions removed past their retention.
+    pub removed: Vec<String>,
 }
 
 fn set<T>(lock: &RwLock<T>, v: T) {

@@ -1,7 +1,6 @@
 //! Test helpers: a real session on a real local provider in a temporary directory.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tempfile::TempDir;
 use tether_provider::CallCtx;
@@ -35,7 +34,7 @@ pub async fn test_session() -> (Arc<Session>, Arc<SessionManager>, TempDir) {
             TaskTracker::new(),
             Metrics::new(),
             Invariants::new(&cfg.invariants).expect("invariants"),
-            Duration::from_secs(60),
+            cfg.limits.deadlines(),
         )
         .await
         .expect("manager"),

@@ -95,6 +95,14 @@ pub enum ErrorCode {
     ShuttingDown,
     /// An internal error. Details are in the daemon's log, not in the response.
     Internal,
+    /// The sandbox's file system is full (or its quota is used up). It stays inside the
+    /// sandbox: other sandboxes and the daemon are not affected.
+    FsNoSpace,
+    /// The daemon's own storage (its state directory) is full: nothing was recorded.
+    StorageFull,
+    /// The request reached the backend but its answer did not arrive: it may have taken
+    /// effect. Never re-run it; re-attach (a command by its id) or look before retrying.
+    OutcomeUnknown,
 }
 
 impl ErrorCode {
@@ -143,6 +151,9 @@ impl ErrorCode {
         Self::Invariant,
         Self::ShuttingDown,
         Self::Internal,
+        Self::FsNoSpace,
+        Self::StorageFull,
+        Self::OutcomeUnknown,
     ];
 
     /// The wire spelling, e.g. `"FS_NOT_FOUND"`.
@@ -191,6 +202,9 @@ impl ErrorCode {
             Self::Invariant => "INVARIANT",
             Self::ShuttingDown => "SHUTTING_DOWN",
             Self::Internal => "INTERNAL",
+            Self::FsNoSpace => "FS_NO_SPACE",
+            Self::StorageFull => "STORAGE_FULL",
+            Self::OutcomeUnknown => "OUTCOME_UNKNOWN",
         }
     }
 
@@ -317,6 +331,9 @@ mod tests {
             "INVARIANT",
             "SHUTTING_DOWN",
             "INTERNAL",
+            "FS_NO_SPACE",
+            "STORAGE_FULL",
+            "OUTCOME_UNKNOWN",
         ];
         assert_eq!(wire, expected);
         for c in ErrorCode::ALL {

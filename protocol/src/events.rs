@@ -4,6 +4,8 @@
 //! contiguous `seq` from 0 and `time` in milliseconds since the Unix epoch.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
 use serde_json::Value;
 
 use crate::ErrorCode;
@@ -27,9 +29,49 @@ pub struct SessionHeader {
     /// Number of events copied from the parent (the seed), when forked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed_length: Option<u64>,
-    /// The session's creation parameters.
-    #[serde(default)]
-    pub meta: Value,
+    /// The session's parameters: what create, fork and recovery all read.
+    pub params: SessionParams,
+}
+
+/// What a session was created with. Written once, in the log header; a fork copies it and
+/// recovery reads it back, so no setting is lost across a restart or a fork.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionParams {
+    /// The configured provider name.
+    pub provider: String,
+    /// The template, where the provider has templates.
+    pub template: Option<String>,
+    /// Environment of every command.
+    pub env: BTreeMap<String, String>,
+    /// Whether the sandbox has network access.
+    pub network: bool,
+    /// Metadata stored with the sandbox.
+    pub metadata: BTreeMap<String, String>,
+    /// The tenant owning the session (an E2B front API key's tenant); `None` for the
+    /// native API without tenants.
+    pub owner: Option<String>,
+    /// When the session expires. A later `session/expiry` event supersedes it.
+    pub expiry: Expiry,
+}
+
+/// When a session expires by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Expiry {
+    /// Never.
+    #[default]
+    Never,
+    /// This long after the last activity (every call renews it).
+    Idle {
+        /// The idle time to live, ms.
+        ttl_ms: u64,
+    },
+    /// At a fixed time (moved only explicitly, e.g. E2B `set_timeout`).
+    At {
+        /// Ms since the Unix epoch.
+        at_ms: i64,
+    },
 }
 
 /// One logged event.
@@ -234,6 +276,12 @@ pub enum EventBody {
         parent_session: String,
         /// Last seq copied from the parent.
         boundary_seq: u64,
+    },
+    /// The session's expiry was changed (E2B `set_timeout`); supersedes the header's.
+    #[serde(rename = "session/expiry")]
+    ExpirySet {
+        /// The new expiry.
+        expiry: Expiry,
     },
     /// The session was closed.
     #[serde(rename = "session/closed")]

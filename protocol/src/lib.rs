@@ -25,4 +25,4 @@ pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub const API_VERSION: &str = "v1";
 
 /// Version of the on-disk session log format (the header line's `version`).
-pub const SESSION_LOG_VERSION: u32 = 1;
+pub const SESSION_LOG_VERSION: u32 = 2;

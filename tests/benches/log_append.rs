@@ -45,7 +45,18 @@ async fn run() -> Result<(), Box<dyn Error>> {
         let dir = base.path().join(&id);
         let log = SessionLog::create(
             &dir,
-            SessionLog::new_header(&id, serde_json::json!({})),
+            SessionLog::new_header(
+                &id,
+                tether_protocol::events::SessionParams {
+                    provider: "bench".into(),
+                    template: None,
+                    env: Default::default(),
+                    network: false,
+                    metadata: Default::default(),
+                    owner: None,
+                    expiry: Default::default(),
+                },
+            ),
             LogConfig::default(),
         )
         .await?;

@@ -28,8 +28,9 @@ use tracing::Instrument;
 use super::auth::Tenant;
 use super::{CLIENT_ID, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339};
 use crate::server::RequestCtx;
-use crate::sessions::{Expiry, NewSession, Scope, Session, SessionState};
+use crate::sessions::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
+use tether_protocol::events::Expiry;
 
 /// Largest page of `GET /v2/sandboxes`.
 const MAX_PAGE: usize = 100;
@@ -63,7 +64,7 @@ fn owned(
 ) -> Result<(Arc<Session>, Arc<SandboxExtra>), RestError> {
     match state.sessions.get(id, Scope::Owner(Some(&tenant.0))) {
         Ok(s) if s.state() == SessionState::Active => {
-            let extra = state.e2b.extra(id, s.template.as_deref());
+            let extra = state.e2b.extra(id, s.params.template.as_deref());
             Ok((s, extra))
         }
         Ok(_) => {
@@ -257,7 +258,9 @@ async fn do_create(
         metadata: req.metadata.unwrap_or_default(),
         network: allow_internet,
         owner: Some(tenant.0.clone()),
-        expiry: Expiry::At(ms_after(timeout)),
+        expiry: Expiry::At {
+            at_ms: ms_after(timeout),
+        },
     };
     prune(state);
     let session = state.sessions.create(ctx, new).await?;
@@ -379,7 +382,7 @@ fn listed(state: &AppState, s: &Session, extra: &SandboxExtra) -> ListedSandbox 
         state: state_of(extra),
         envd_version: ENVD_VERSION.into(),
         alias: Some(extra.template.clone()),
-        metadata: s.metadata.clone(),
+        metadata: s.params.metadata.clone(),
     }
 }
 
@@ -395,11 +398,13 @@ fn matching(
         .into_iter()
         .filter(|s| s.state() == SessionState::Active)
         .map(|s| {
-            let extra = state.e2b.extra(&s.id, s.template.as_deref());
+            let extra = state.e2b.extra(&s.id, s.params.template.as_deref());
             (s, extra)
         })
         .filter(|(s, extra)| {
-            q.metadata.iter().all(|(k, v)| s.metadata.get(k) == Some(v))
+            q.metadata
+                .iter()
+                .all(|(k, v)| s.params.metadata.get(k) == Some(v))
                 && (q.states.is_empty() || q.states.contains(&state_of(extra)))
                 && q.started_after_ms.is_none_or(|t| s.created_ms >= t)
                 && q.template.as_ref().is_none_or(|t| &extra.template == t)
@@ -498,7 +503,7 @@ async fn get_one(
             envd_access_token: Some(state.e2b.access_token(&s.id)),
             allow_internet_access: Some(extra.allow_internet),
             domain: Some(state.e2b.cfg.domain.clone()),
-            metadata: s.metadata.clone(),
+            metadata: s.params.metadata.clone(),
             lifecycle: Some(SandboxLifecycle {
                 auto_resume: false,
                 on_timeout: "kill".into(),
@@ -547,7 +552,7 @@ async fn set_timeout(
             .map_err(|e| RestError::bad_request(format!("invalid JSON body: {e}")))?;
         let secs = check_timeout(&state, req.timeout, 0)?;
         // The new end may be earlier than the old one: E2B's timeout sets, not extends.
-        s.set_expiry(ms_after(secs));
+        s.set_expiry(ms_after(secs)).await?;
         Ok::<_, RestError>(StatusCode::NO_CONTENT.into_response())
     }
     .instrument(span)
@@ -575,7 +580,7 @@ async fn refresh(
         // A refresh only extends.
         let at = ms_after(secs.max(15));
         if at > s.expires_ms() {
-            s.set_expiry(at);
+            s.set_expiry(at).await?;
         }
         Ok(StatusCode::NO_CONTENT.into_response())
     }
@@ -629,7 +634,7 @@ async fn connect(
         };
         let at = ms_after(secs);
         if at > s.expires_ms() {
-            s.set_expiry(at);
+            s.set_expiry(at).await?;
         }
         let status = if resumed {
             StatusCode::CREATED
@@ -765,7 +770,8 @@ async fn resume(
             &state,
             req.timeout.unwrap_or(default),
             1,
-        )?));
+        )?))
+        .await?;
         Ok((
             StatusCode::CREATED,
             axum::Json(sandbox_response(&state, &s, &extra)),

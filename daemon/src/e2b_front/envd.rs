@@ -147,7 +147,7 @@ pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
         state.e2b.forget(id);
         return None;
     }
-    let extra = state.e2b.extra(id, session.template.as_deref());
+    let extra = state.e2b.extra(id, session.params.template.as_deref());
     if extra.is_paused() {
         return None;
     }
@@ -323,7 +323,7 @@ async fn envs(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respons
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
-    let mut env: BTreeMap<String, String> = target.session.env.clone();
+    let mut env: BTreeMap<String, String> = target.session.params.env.clone();
     env.extend(target.extra.init().env);
     axum::Json(env).into_response()
 }

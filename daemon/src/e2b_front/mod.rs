@@ -399,7 +399,9 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         | C::FsNotFound
         | C::FsEditNotFound => K::NotFound,
         C::MethodNotAllowed | C::Unsupported => K::Unimplemented,
-        C::PayloadTooLarge | C::FsTooLarge | C::RateLimited => K::ResourceExhausted,
+        C::PayloadTooLarge | C::FsTooLarge | C::RateLimited | C::FsNoSpace | C::StorageFull => {
+            K::ResourceExhausted
+        }
         C::Conflict | C::FsAlreadyExists => K::AlreadyExists,
         C::FsVersionMismatch | C::FsNotEmpty | C::FsAmbiguousEdit | C::IsolationUnavailable => {
             K::FailedPrecondition
@@ -412,7 +414,9 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         | C::DeadlineExceeded => K::DeadlineExceeded,
         C::Cancelled => K::Canceled,
         C::ProviderUnavailable | C::ShuttingDown => K::Unavailable,
-        C::ToolNotStarted | C::ToolOutcomeUnknown | C::ProviderError => K::Unknown,
+        C::ToolNotStarted | C::ToolOutcomeUnknown | C::OutcomeUnknown | C::ProviderError => {
+            K::Unknown
+        }
         C::FsIoError | C::Invariant | C::Internal => K::Internal,
     }
 }

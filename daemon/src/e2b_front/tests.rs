@@ -163,17 +163,26 @@ impl Front {
         (st, ct, frames(&bytes))
     }
 
+    /// The session's events as they are on disk (live or closed).
     fn session_events(&self, id: &str) -> Vec<EventBody> {
-        let s = self
+        let path = self
             .d()
             .state
-            .sessions
-            .get(id, Scope::Any)
-            .expect("session");
-        s.log
-            .events_after(None)
-            .into_iter()
-            .map(|e| e.body)
+            .config
+            .server
+            .state_dir
+            .join("sessions")
+            .join(id)
+            .join("events.jsonl");
+        std::fs::read_to_string(&path)
+            .expect("events.jsonl")
+            .lines()
+            .skip(1)
+            .map(|l| {
+                serde_json::from_str::<tether_protocol::events::Event>(l)
+                    .expect("event")
+                    .body
+            })
             .collect()
     }
 

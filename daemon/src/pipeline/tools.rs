@@ -32,13 +32,11 @@ use tether_protocol::fs::{ByteRange, FileKind, WriteGuard};
 use tether_protocol::process::{ProcessSpec, StreamKind};
 use tether_provider::clock::clamp_timeout;
 use tether_provider::{CallCtx, ProviderError, util};
-use tokio::time::Instant;
-use tracing::Instrument;
-use tracing::field::Empty;
 
 use crate::config::LimitsConfig;
 use crate::error::DaemonError;
 use crate::exec::{self, CommandOutcome, ExecLimits, RunningCommand};
+use crate::ops::{self, FsOp, Surface};
 use crate::sessions::Session;
 
 /// The default budget of the file tools' timeout policy, ms.
@@ -269,12 +267,14 @@ fn invalid(message: String) -> ToolOutput {
 
 // === file operations ===
 
-/// Run one file operation under `limits.fs_op_timeout_ms`, in `span`, with its metric.
+/// Run one file operation of a tool through the operation layer ([`ops::fs`]): the
+/// deadline `limits.fs_op_timeout_ms`, the span and the metric.
 async fn fs_op<T, F, Fut>(
     session: &Session,
     ctx: &CallCtx,
     limits: &LimitsConfig,
-    op: &'static str,
+    op: FsOp,
+    path: &str,
     span: tracing::Span,
     f: F,
 ) -> Result<T, ProviderError>
@@ -282,48 +282,18 @@ where
     F: FnOnce(CallCtx) -> Fut,
     Fut: Future<Output = Result<T, ProviderError>>,
 {
-    let fctx = ctx.with_timeout(
+    ops::fs(
+        session,
+        ctx,
+        op,
+        path,
+        Surface::Tool,
         Duration::from_millis(limits.fs_op_timeout_ms),
-        "DEADLINE_EXCEEDED",
-    );
-    let started = Instant::now();
-    let out = fctx.run(f(fctx.clone())).instrument(span.clone()).await;
-    let outcome = match &out {
-        Ok(_) => "ok",
-        Err(e) => {
-            span.record("error.code", e.code().as_str());
-            if let Some(clock) = e.clock() {
-                span.record("timeout.clock", clock);
-                // Only this operation's own clock is counted here: a tool deadline or a
-                // command clock is counted where it is armed.
-                if fctx.timed_out(Some("DEADLINE_EXCEEDED")) {
-                    session.metrics().timeout(clock, &session.provider_kind);
-                }
-            }
-            e.code().as_str()
-        }
-    };
-    span.record("outcome", outcome);
-    session
-        .metrics()
-        .remote_op(op, &session.provider_kind, outcome, started.elapsed());
-    out
-}
-
-macro_rules! fs_span {
-    ($name:literal, $session:expr, $path:expr) => {
-        tracing::info_span!(
-            $name,
-            session.id = %$session.id,
-            provider.kind = %$session.provider_kind,
-            fs.path = %$path,
-            outcome = Empty,
-            error.code = Empty,
-            timeout.clock = Empty,
-            bytes.in = Empty,
-            bytes.out = Empty,
-        )
-    };
+        span,
+        ops::no_bytes,
+        f,
+    )
+    .await
 }
 
 /// Read a whole text file: refuses directories, files over `read_file_max_bytes`
@@ -339,8 +309,9 @@ async fn read_text(
         session,
         ctx,
         limits,
-        "fs.stat",
-        fs_span!("fs.stat", session, path),
+        FsOp::Stat,
+        path,
+        FsOp::Stat.span(session, path),
         |c| {
             let sandbox = Arc::clone(&sandbox);
             let path = path.to_owned();
@@ -374,8 +345,8 @@ async fn read_text(
             ),
         ));
     }
-    let span = fs_span!("fs.read", session, path);
-    let bytes = fs_op(session, ctx, limits, "fs.read", span.clone(), |c| {
+    let span = FsOp::Read.span(session, path);
+    let bytes = fs_op(session, ctx, limits, FsOp::Read, path, span.clone(), |c| {
         let sandbox = Arc::clone(&sandbox);
         let path = path.to_owned();
         async move {
@@ -408,9 +379,9 @@ async fn write_text(
     guard: WriteGuard,
 ) -> Result<tether_protocol::fs::WriteOutcome, ToolOutput> {
     let sandbox = session.sandbox().map_err(|e| ToolOutput::from_daemon(&e))?;
-    let span = fs_span!("fs.write", session, path);
+    let span = FsOp::Write.span(session, path);
     span.record("bytes.in", content.len() as u64);
-    fs_op(session, ctx, limits, "fs.write", span, |c| {
+    fs_op(session, ctx, limits, FsOp::Write, path, span, |c| {
         let path = path.to_owned();
         async move {
             sandbox
@@ -922,8 +893,8 @@ impl Tool for ListDir {
             Err(e) => return ToolOutput::from_daemon(&e),
         };
         let depth = a.depth.unwrap_or(1);
-        let span = fs_span!("fs.list", session, a.path);
-        let listed = fs_op(session, ctx, &self.limits, "fs.list", span, |c| {
+        let span = FsOp::List.span(session, &a.path);
+        let listed = fs_op(session, ctx, &self.limits, FsOp::List, &a.path, span, |c| {
             let path = a.path.clone();
             async move { sandbox.fs().list(&c, &path, depth).await }
         })

@@ -102,6 +102,23 @@ pub enum ProviderError {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// The backend refused the call for its rate: retry after the advised delay.
+    #[error("rate limited: {message}")]
+    RateLimited {
+        /// What happened.
+        message: String,
+        /// Advice from the backend (`Retry-After`).
+        retry_after: Option<Duration>,
+    },
+    /// The request reached the backend but its answer did not arrive in time: it may have
+    /// taken effect. Never re-sent; a command is re-attached by its id instead.
+    #[error("the outcome of {op} is unknown: {message}")]
+    OutcomeUnknown {
+        /// The operation.
+        op: &'static str,
+        /// What happened.
+        message: String,
+    },
     /// The backend answered with an error that maps to no more specific code.
     #[error("provider error: {message}")]
     Backend {
@@ -142,6 +159,8 @@ impl ProviderError {
             Self::IsolationUnavailable { .. } => ErrorCode::IsolationUnavailable,
             Self::SpawnFailed { .. } => ErrorCode::SpawnFailed,
             Self::Unavailable { .. } => ErrorCode::ProviderUnavailable,
+            Self::RateLimited { .. } => ErrorCode::RateLimited,
+            Self::OutcomeUnknown { .. } => ErrorCode::OutcomeUnknown,
             Self::Backend { .. } => ErrorCode::ProviderError,
             Self::Internal { .. } => ErrorCode::Internal,
         }
@@ -160,6 +179,8 @@ impl ProviderError {
             | Self::IsolationUnavailable { .. }
             | Self::SpawnFailed { .. }
             | Self::Unavailable { .. }
+            | Self::RateLimited { .. }
+            | Self::OutcomeUnknown { .. }
             | Self::Backend { .. } => Origin::Provider,
         }
     }
@@ -167,7 +188,7 @@ impl ProviderError {
     /// Whether the same call may succeed if retried (only idempotent calls are retried).
     pub fn retryable(&self) -> bool {
         match self {
-            Self::Unavailable { .. } => true,
+            Self::Unavailable { .. } | Self::RateLimited { .. } => true,
             Self::Timeout { reason } => timeout_code(reason.code).retryable(),
             _ => false,
         }
@@ -181,6 +202,16 @@ impl ProviderError {
             | Self::Cancelled {
                 reason: CancelReason::Timeout(reason),
             } => Some(clock_name(reason.code)),
+            _ => None,
+        }
+    }
+
+    /// The backend's advice on when to retry (`Retry-After`), where it gave one.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Unavailable { retry_after, .. } | Self::RateLimited { retry_after, .. } => {
+                *retry_after
+            }
             _ => None,
         }
     }
@@ -214,6 +245,7 @@ impl ProviderError {
             K::IsADirectory => ErrorCode::FsIsDirectory,
             K::DirectoryNotEmpty => ErrorCode::FsNotEmpty,
             K::InvalidFilename | K::InvalidInput => ErrorCode::InvalidRequest,
+            K::StorageFull | K::QuotaExceeded => ErrorCode::FsNoSpace,
             _ => match e.raw_os_error() {
                 Some(40) => ErrorCode::FsPermissionDenied, // ELOOP: a symlink we refused to follow
                 _ => ErrorCode::FsIoError,

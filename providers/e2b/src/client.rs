@@ -152,10 +152,7 @@ where
         .sleep(tokio::time::sleep)
         .when(|e: &ProviderError| e.retryable() && !cancel.is_cancelled())
         .adjust(|e, dur| {
-            let advised = match e {
-                ProviderError::Unavailable { retry_after: Some(d), .. } => Some((*d).min(max)),
-                _ => None,
-            };
+            let advised = e.retry_after().map(|d| d.min(max));
             let d = advised.or(dur)?;
             match remaining() {
                 Some(left) if left <= d => None,

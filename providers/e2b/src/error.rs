@@ -221,7 +221,13 @@ pub(crate) fn from_status(
         status: status.as_u16(),
         message: message.clone(),
     };
-    let retry_status = matches!(status.as_u16(), 429 | 502 | 503 | 504);
+    if status.as_u16() == 429 && should_retry != Some(false) {
+        return ProviderError::RateLimited {
+            message: format!("{}: {message}", op.name()),
+            retry_after: retry_after(headers),
+        };
+    }
+    let retry_status = matches!(status.as_u16(), 502..=504);
     if should_retry == Some(true) || (retry_status && should_retry.is_none()) {
         return unavailable(
             format!("{}: {message}", op.name()),

@@ -36,7 +36,7 @@ use tether_protocol::fs::{
 use tether_provider::clock::{CancelToken, TimeoutReason};
 use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
 
-use crate::client::{ByteBody, StreamItem, retry, within_connect};
+use crate::client::{ByteBody, Envd, StreamItem, retry, within_connect};
 use crate::error::{Op, from_status};
 use crate::sandbox::{SandboxCore, parse_time_ms};
 
@@ -665,7 +665,48 @@ fn hashing_body(
     .boxed()
 }
 
-/// Read `[from, to)` of a file (a range read; `to` `None` reads to the end), streamed.
+/// Open `[from, to)` of a file: the `GET /files` answer with the bytes to skip (a backend
+/// that ignores the range answers 200 from 0), or `None` past the end. A retryable status
+/// (429, 502-504) is retried like a failed request, within the call's budget.
+async fn open_range(
+    envd: &Envd,
+    user: Option<&str>,
+    ctx: &CallCtx,
+    path: &str,
+    from: u64,
+    to: Option<u64>,
+) -> Result<Option<(reqwest::Response, u64)>> {
+    let range = (from > 0 || to.is_some()).then_some((from, to));
+    retry(ctx, envd.http.retry, "read", || async {
+        let resp = envd.get_file(ctx, path, range, user).await?;
+        let status = resp.status();
+        match status {
+            StatusCode::PARTIAL_CONTENT => Ok(Some((resp, 0))),
+            StatusCode::OK => Ok(Some((resp, from))),
+            StatusCode::RANGE_NOT_SATISFIABLE => Ok(None),
+            _ => {
+                let headers = resp.headers().clone();
+                let body: Bytes = within_connect(ctx, envd.http.connect, async {
+                    Ok(resp.bytes().await.unwrap_or_default())
+                })
+                .await?;
+                Err(from_status(
+                    Op::Fs { op: "read", path },
+                    status,
+                    &headers,
+                    &body,
+                ))
+            }
+        }
+    })
+    .await
+}
+
+/// Read `[from, to)` of a file (a range read; `to` `None` reads to the end), streamed. A
+/// body broken by a retryable error (a reset, a stall past the transport idle limit) is
+/// resumed from the byte reached with a new range read (reads are idempotent), up to the
+/// retry policy's attempts and within the call's budget; bytes already delivered are never
+/// delivered twice.
 pub(crate) async fn open_read(
     core: &SandboxCore,
     ctx: &CallCtx,
@@ -674,52 +715,73 @@ pub(crate) async fn open_read(
     from: u64,
     to: Option<u64>,
 ) -> Result<ByteStream> {
-    let envd = &core.envd;
-    let range = (from > 0 || to.is_some()).then_some((from, to));
-    let resp = retry(ctx, envd.http.retry, "read", || {
-        envd.get_file(ctx, path, range, core.user())
-    })
-    .await?;
-    let status = resp.status();
-    let skip = match status {
-        StatusCode::PARTIAL_CONTENT => 0,
-        StatusCode::OK => from,
-        StatusCode::RANGE_NOT_SATISFIABLE => return Ok(futures_util::stream::empty().boxed()),
-        _ => {
-            let headers = resp.headers().clone();
-            let body = within_connect(ctx, envd.http.connect, async {
-                Ok(resp.bytes().await.unwrap_or_default())
-            })
-            .await?;
-            return Err(from_status(
-                Op::Fs { op: "read", path },
-                status,
-                &headers,
-                &body,
-            ));
-        }
+    let envd = core.envd.clone();
+    let user = core.user().map(str::to_owned);
+    let Some((resp, skip)) = open_range(&envd, user.as_deref(), ctx, path, from, to).await? else {
+        return Ok(futures_util::stream::empty().boxed());
     };
-    let limit = to.map(|t| t.saturating_sub(from));
     let body = ByteBody::new(resp, envd.http.transport_watchdog(parent)?, "read");
     struct St {
-        body: ByteBody,
+        envd: Envd,
+        user: Option<String>,
+        ctx: CallCtx,
+        parent: CancelToken,
+        path: String,
+        /// The file offset of the next byte to deliver.
+        pos: u64,
+        to: Option<u64>,
+        body: Option<ByteBody>,
         skip: u64,
-        left: Option<u64>,
+        resumes_left: usize,
     }
     let st = St {
-        body,
+        resumes_left: envd.http.retry.max_times,
+        envd,
+        user,
+        ctx: ctx.clone(),
+        parent: parent.clone(),
+        path: path.to_owned(),
+        pos: from,
+        to,
+        body: Some(body),
         skip,
-        left: limit,
     };
     Ok(futures_util::stream::unfold(st, |mut st| async move {
         loop {
-            if st.left == Some(0) {
+            if st.to.is_some_and(|t| st.pos >= t) {
                 return None;
             }
-            match st.body.next().await {
+            let body = st.body.as_mut()?;
+            match body.next().await {
                 Ok(None) => return None,
+                Err(e) if e.retryable() && st.resumes_left > 0 && !st.ctx.cancel.is_cancelled() => {
+                    st.resumes_left -= 1;
+                    tracing::debug!(path = %st.path, offset = st.pos, error = %e, "Resuming a broken file read");
+                    let reopened =
+                        open_range(&st.envd, st.user.as_deref(), &st.ctx, &st.path, st.pos, st.to)
+                            .await
+                            .and_then(|r| match r {
+                                Some((resp, skip)) => st
+                                    .envd
+                                    .http
+                                    .transport_watchdog(&st.parent)
+                                    .map(|w| Some((ByteBody::new(resp, w, "read"), skip))),
+                                None => Ok(None),
+                            });
+                    match reopened {
+                        Ok(Some((b, skip))) => {
+                            st.body = Some(b);
+                            st.skip = skip;
+                        }
+                        Ok(None) => return None,
+                        Err(e) => {
+                            st.body = None;
+                            return Some((Err(e), st));
+                        }
+                    }
+                }
                 Err(e) => {
-                    st.left = Some(0);
+                    st.body = None;
                     return Some((Err(e), st));
                 }
                 Ok(Some(mut chunk)) => {
@@ -728,12 +790,13 @@ pub(crate) async fn open_read(
                         st.skip -= n as u64;
                         chunk = chunk.slice(n..);
                     }
-                    if let Some(left) = st.left.as_mut() {
-                        if chunk.len() as u64 > *left {
-                            chunk = chunk.slice(..*left as usize);
+                    if let Some(t) = st.to {
+                        let left = t.saturating_sub(st.pos);
+                        if chunk.len() as u64 > left {
+                            chunk = chunk.slice(..left as usize);
                         }
-                        *left -= chunk.len() as u64;
                     }
+                    st.pos += chunk.len() as u64;
                     if !chunk.is_empty() {
                         return Some((Ok(chunk), st));
                     }

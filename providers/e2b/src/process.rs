@@ -1426,7 +1426,22 @@ impl E2bProcess {
             .await
             .ok()
             .flatten();
-        let Some(p) = found else { return Err(e) };
+        let Some(p) = found else {
+            // Not (yet) seen at the backend. A start that was refused or never connected
+            // ran nothing; one whose answer timed out may still be on its way and run:
+            // its outcome is unknown, and a retry must re-attach by the id, never re-run.
+            return Err(match e.code() {
+                ErrorCode::ConnectTimeout
+                | ErrorCode::TransportIdleTimeout
+                | ErrorCode::DeadlineExceeded => ProviderError::OutcomeUnknown {
+                    op: "process.start",
+                    message: format!(
+                        "{e}; the command may be running: re-attach by its id {id}, never start it again"
+                    ),
+                },
+                _ => e,
+            });
+        };
         if ctx.cancel.is_cancelled() {
             // The caller gave up on the start: the command must not run on unobserved.
             let req = SendSignalRequest {

@@ -56,6 +56,12 @@ struct Fake {
     started: RwLock<Option<Value>>,
     /// In-sandbox SHA-256 checks fail.
     sha_mismatch: bool,
+    /// `List` does not show the started command yet (its start is still on its way).
+    hide_started: bool,
+    /// `GET /files` answers 503 this many times first.
+    files_unavailable: AtomicUsize,
+    /// `GET /files` cuts its body after this many bytes, once.
+    files_cut_at: RwLock<Option<usize>>,
 }
 
 type Shared = Arc<Fake>;
@@ -315,7 +321,12 @@ async fn rpc(
             axum::Json(json!({"entries": [entry("out", size), entry("err", 0), entry("out.done", 0), entry("err.done", 0)]})).into_response()
         }
         "process.Process/List" => {
-            let started = f.started.read().unwrap().clone();
+            let started = f
+                .started
+                .read()
+                .unwrap()
+                .clone()
+                .filter(|_| !f.hide_started);
             axum::Json(json!({"processes": started.into_iter().collect::<Vec<_>>()}))
                 .into_response()
         }
@@ -361,6 +372,21 @@ async fn files(
         .unwrap_or(0);
     if from >= copy.len() {
         return StatusCode::RANGE_NOT_SATISFIABLE.into_response();
+    }
+    if f.files_unavailable
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, "overloaded").into_response();
+    }
+    if let Some(cut) = f.files_cut_at.write().unwrap().take() {
+        // Send `cut` bytes, then break the connection mid-body.
+        let head = Bytes::from(copy[from..from + cut].to_vec());
+        let body = futures_util::stream::iter(vec![
+            Ok::<_, std::io::Error>(head),
+            Err(std::io::Error::other("reset mid-body")),
+        ]);
+        return (StatusCode::PARTIAL_CONTENT, Body::from_stream(body)).into_response();
     }
     (StatusCode::PARTIAL_CONTENT, copy[from..].to_vec()).into_response()
 }
@@ -778,6 +804,65 @@ async fn a_start_whose_answer_is_lost_is_looked_up_never_run_twice() {
         .expect("wait")
         .expect("status");
     assert_eq!(st.code, Some(0));
+}
+
+#[tokio::test]
+async fn a_start_that_reached_the_backend_unanswered_is_an_unknown_outcome() {
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        stall_start: true,
+        hide_started: true,
+        ..Fake::default()
+    })
+    .await;
+    let mut cfg = config(addr);
+    cfg.connect_timeout_ms = 300;
+    let p = E2bProvider::new(cfg).unwrap();
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let mut spec = ProcessSpec::shell("echo once");
+    spec.command_id = Some("cmd-unknown".into());
+    let e = sb
+        .process()
+        .spawn(&ctx(), spec)
+        .await
+        .expect_err("the start's answer never came");
+    // It may be running: never reported as a retryable timeout (a retry would run it
+    // twice); the caller re-attaches by its id instead.
+    assert_eq!(e.code(), ErrorCode::OutcomeUnknown);
+    assert!(!e.retryable());
+    assert_eq!(fake.hits("process.Process/Start"), 1, "never re-sent");
+}
+
+#[tokio::test]
+async fn a_read_survives_one_overload_and_one_reset_mid_body() {
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        files_unavailable: AtomicUsize::new(1),
+        files_cut_at: RwLock::new(Some(300_000)),
+        out_copy: RwLock::new(data.clone()),
+        ..Fake::default()
+    })
+    .await;
+    let p = E2bProvider::new(config(addr)).unwrap();
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let stream = sb
+        .fs()
+        .read(
+            &ctx(),
+            "/home/user/big",
+            tether_protocol::fs::ByteRange::default(),
+        )
+        .await
+        .expect("a 503 is retried");
+    let got: Vec<u8> = stream
+        .map(|c| c.expect("the cut body is resumed").to_vec())
+        .concat()
+        .await;
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "every byte once, in order");
+    // 503, the cut answer, and the resumed range read.
+    assert_eq!(fake.hits("files_get"), 3);
 }
 
 #[tokio::test]

@@ -207,6 +207,7 @@ impl Index {
             | EventBody::ProcessExited { .. }
             | EventBody::FsOp { .. }
             | EventBody::EndSeed { .. }
+            | EventBody::ExpirySet { .. }
             | EventBody::SessionClosed { .. } => {}
         }
         Ok(())

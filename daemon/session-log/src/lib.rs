@@ -1,6 +1,8 @@
-//! The crash-safe session log: one directory per session under `<state_dir>/sessions/<id>/`.
+//! tether's crash-safe session log: one directory per session under
+//! `<state_dir>/sessions/<id>/`. A crate of its own so that it can be read, tested and
+//! benchmarked without the daemon; it holds no HTTP, provider or session-manager code.
 //!
-//! `events.jsonl` holds the header line (`{"type":"session","version":1,...}`) and then one
+//! `events.jsonl` holds the header line (`{"type":"session","version":2,"params":{..}}`) and then one
 //! event per line (`{"seq","time","type","data"}`, seq contiguous from 0). `output/` holds
 //! the command output journals ([`OutputJournal`]), raw bytes referenced by offset.
 //!
@@ -18,6 +20,7 @@
 mod derive;
 mod fork;
 mod index;
+pub mod invariants;
 mod journal;
 mod repair;
 mod store;
@@ -33,7 +36,7 @@ use std::sync::atomic::Ordering;
 
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
-use tether_protocol::events::{Event, EventBody, Message, SessionHeader};
+use tether_protocol::events::{Event, EventBody, Message, SessionHeader, SessionParams};
 use tether_protocol::{ErrorCode, SESSION_LOG_VERSION};
 use tether_provider::Origin;
 use tokio::sync::{Mutex, mpsc, oneshot, watch};
@@ -45,7 +48,9 @@ pub use journal::OutputJournal;
 pub use repair::{
     NOT_STARTED_MESSAGE, OUTCOME_UNKNOWN_MESSAGE, not_started_result, outcome_unknown_result,
 };
-pub use store::{EVENTS_FILE, OUTPUT_DIR, SESSIONS_DIR, session_dir, sessions_dir, validate_id};
+pub use store::{
+    ClosedSummary, EVENTS_FILE, OUTPUT_DIR, SESSIONS_DIR, session_dir, sessions_dir, validate_id,
+};
 
 use crate::invariants::{Invariants, Violation};
 use index::{Index, OpenTurn};
@@ -125,6 +130,10 @@ pub enum LogError {
     /// The log was closed; it takes no more appends.
     #[error("the session log is closed")]
     Closed,
+    /// The log was closed because the daemon is shutting down; the session lives on after
+    /// the next start, so the call may be retried then.
+    #[error("the daemon is shutting down")]
+    ShuttingDown,
     /// A runtime invariant of the session module was violated; nothing was written.
     #[error("{violation}")]
     Invariant {
@@ -139,12 +148,14 @@ impl LogError {
     /// The stable code.
     pub fn code(&self) -> ErrorCode {
         match self {
+            Self::Io { source, .. } if is_no_space(source) => ErrorCode::StorageFull,
             Self::Io { .. } => ErrorCode::Internal,
             Self::NotFound { .. } => ErrorCode::SessionNotFound,
             Self::Corrupt { .. } => ErrorCode::Internal,
             Self::Conflict { .. } => ErrorCode::Conflict,
             Self::InvalidRequest { .. } => ErrorCode::InvalidRequest,
             Self::Closed => ErrorCode::SessionNotFound,
+            Self::ShuttingDown => ErrorCode::ShuttingDown,
             Self::Invariant { .. } => ErrorCode::Invariant,
         }
     }
@@ -152,9 +163,11 @@ impl LogError {
     /// Who is at the origin of the error.
     pub fn origin(&self) -> Origin {
         match self {
-            Self::Io { .. } | Self::Corrupt { .. } | Self::Closed | Self::Invariant { .. } => {
-                Origin::Daemon
-            }
+            Self::Io { .. }
+            | Self::Corrupt { .. }
+            | Self::Closed
+            | Self::ShuttingDown
+            | Self::Invariant { .. } => Origin::Daemon,
             Self::NotFound { .. } | Self::Conflict { .. } | Self::InvalidRequest { .. } => {
                 Origin::Client
             }
@@ -163,7 +176,7 @@ impl LogError {
 
     /// Whether the same request may succeed later. A log error never does by itself.
     pub fn retryable(&self) -> bool {
-        false
+        matches!(self, Self::ShuttingDown)
     }
 
     /// A copy for each appender of a batch that failed as a whole (`io::Error` is not
@@ -188,11 +201,20 @@ impl LogError {
                 reason: reason.clone(),
             },
             Self::Closed => Self::Closed,
+            Self::ShuttingDown => Self::ShuttingDown,
             Self::Invariant { violation } => Self::Invariant {
                 violation: violation.clone(),
             },
         }
     }
+}
+
+/// ENOSPC or EDQUOT: the state directory's file system is full.
+fn is_no_space(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    )
 }
 
 impl From<Violation> for LogError {
@@ -256,6 +278,9 @@ pub struct SessionLog {
     journals: Mutex<HashMap<String, Arc<OutputJournal>>>,
     /// Events that need no durability point of their own: written with the next append.
     staged: Mutex<Vec<EventBody>>,
+    /// Set when the log was closed for a daemon shutdown (appends then fail with the
+    /// retryable `ShuttingDown`, not `Closed`).
+    shutting_down: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SessionLog {
@@ -300,7 +325,7 @@ impl SessionLog {
     }
 
     /// A new session header for `id`, created now.
-    pub fn new_header(id: &str, meta: serde_json::Value) -> SessionHeader {
+    pub fn new_header(id: &str, params: SessionParams) -> SessionHeader {
         SessionHeader {
             kind: "session".into(),
             version: SESSION_LOG_VERSION,
@@ -308,7 +333,7 @@ impl SessionLog {
             created_ms: now_ms(),
             parent_session: None,
             seed_length: None,
-            meta,
+            params,
         }
     }
 
@@ -429,6 +454,7 @@ impl SessionLog {
             writer: Mutex::new(Some(handle)),
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(Vec::new()),
+            shutting_down: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -449,12 +475,31 @@ impl SessionLog {
         let staged = all.len();
         all.extend(bodies);
         let (ack, acked) = oneshot::channel();
+        let closed = || self.closed_error();
         self.tx
             .send(Command::Append { bodies: all, ack })
             .await
-            .map_err(|_| LogError::Closed)?;
-        let mut events = acked.await.map_err(|_| LogError::Closed)??;
+            .map_err(|_| closed())?;
+        let mut events = acked.await.map_err(|_| closed())?.map_err(|e| match e {
+            LogError::Closed => closed(),
+            e => e,
+        })?;
         Ok(events.split_off(staged.min(events.len())))
+    }
+
+    fn closed_error(&self) -> LogError {
+        if self.shutting_down.load(Ordering::Acquire) {
+            LogError::ShuttingDown
+        } else {
+            LogError::Closed
+        }
+    }
+
+    /// [`SessionLog::close`] for a daemon shutdown: later appends fail with the retryable
+    /// `ShuttingDown` (the session is live again after the next start).
+    pub async fn close_for_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        self.close().await;
     }
 
     /// Stage an event that needs no durability point of its own: it is written, in order,
@@ -574,12 +619,13 @@ impl SessionLog {
     /// to, then append `session/end-seed`. A boundary inside an open turn is refused with
     /// `Conflict`, one beyond the end with `InvalidRequest`, an existing `new_dir` log with
     /// `Conflict` (checked first). For an empty prefix, `boundary_seq` is 0 and the seed
-    /// length 0.
+    /// length 0. The child's header carries `params` (the parent's, as they stand now).
     pub async fn fork(
         &self,
         new_dir: &Path,
         new_id: &str,
         at_seq: Option<u64>,
+        params: SessionParams,
     ) -> Result<Arc<SessionLog>, LogError> {
         validate_id("session id", new_id)?;
         if new_dir.join(EVENTS_FILE).exists() {
@@ -602,7 +648,7 @@ impl SessionLog {
             created_ms: now_ms(),
             parent_session: Some(self.header.id.clone()),
             seed_length: Some(prefix.len() as u64),
-            meta: self.header.meta.clone(),
+            params,
         };
         let mut index = Index::default();
         for e in &prefix {
@@ -677,6 +723,13 @@ impl SessionLog {
 pub async fn list_sessions(sessions_dir: &Path) -> Result<Vec<String>, LogError> {
     let dir = sessions_dir.to_owned();
     blocking(move || store::list_sessions_blocking(&dir)).await
+}
+
+/// The summary of a closed session's log read from its first and last lines, or `None`
+/// when the log does not end with `session/closed` (see [`store::ClosedSummary`]).
+pub async fn closed_summary(dir: &Path) -> Result<Option<ClosedSummary>, LogError> {
+    let dir = dir.to_owned();
+    blocking(move || store::closed_summary_blocking(&dir)).await
 }
 
 /// Run blocking file work on the blocking pool.

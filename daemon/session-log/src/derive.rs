@@ -31,6 +31,7 @@ pub fn project(body: &EventBody) -> Option<Message> {
         | EventBody::ProcessExited { .. }
         | EventBody::FsOp { .. }
         | EventBody::EndSeed { .. }
+        | EventBody::ExpirySet { .. }
         | EventBody::SessionClosed { .. } => None,
     }
 }

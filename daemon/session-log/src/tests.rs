@@ -12,8 +12,20 @@ use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 
 use super::*;
 
+fn params() -> SessionParams {
+    SessionParams {
+        provider: "local".into(),
+        template: None,
+        env: Default::default(),
+        network: false,
+        metadata: Default::default(),
+        owner: None,
+        expiry: Default::default(),
+    }
+}
+
 fn header(id: &str) -> SessionHeader {
-    SessionLog::new_header(id, json!({"provider": "local"}))
+    SessionLog::new_header(id, params())
 }
 
 fn user(text: &str) -> EventBody {
@@ -607,7 +619,7 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
     let tmp = tempfile::tempdir().unwrap();
     let parent = parent_with_open_turn(&tmp.path().join("parent")).await;
     let child = parent
-        .fork(&tmp.path().join("child"), "child", None)
+        .fork(&tmp.path().join("child"), "child", None, params())
         .await
         .unwrap();
     let h = child.header();
@@ -615,7 +627,7 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
         (h.id.as_str(), h.parent_session.as_deref(), h.seed_length),
         ("child", Some("parent"), Some(6))
     );
-    assert_eq!(h.meta, parent.header().meta);
+    assert_eq!(h.params, parent.header().params);
     let events = child.events_after(None);
     assert_eq!(events[..6], parent.events_after(None)[..6]);
     assert_eq!(
@@ -645,7 +657,7 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
         .await
         .unwrap();
     let full = parent
-        .fork(&tmp.path().join("full"), "full", None)
+        .fork(&tmp.path().join("full"), "full", None, params())
         .await
         .unwrap();
     assert_eq!(full.header().seed_length, Some(10));
@@ -658,7 +670,7 @@ async fn fork_at_explicit_boundaries() {
     let tmp = tempfile::tempdir().unwrap();
     let parent = parent_with_open_turn(&tmp.path().join("parent")).await;
     let at_end = parent
-        .fork(&tmp.path().join("a"), "a", Some(4))
+        .fork(&tmp.path().join("a"), "a", Some(4), params())
         .await
         .unwrap();
     assert_eq!(at_end.header().seed_length, Some(5));
@@ -671,7 +683,7 @@ async fn fork_at_explicit_boundaries() {
     );
     at_end.close().await;
     let at_zero = parent
-        .fork(&tmp.path().join("z"), "z", Some(0))
+        .fork(&tmp.path().join("z"), "z", Some(0), params())
         .await
         .unwrap();
     assert_eq!(at_zero.next_seq(), 2);
@@ -683,6 +695,7 @@ async fn fork_at_explicit_boundaries() {
                 &tmp.path().join(format!("in{inside}")),
                 &format!("in{inside}"),
                 Some(inside),
+                params(),
             )
             .await
             .unwrap_err();
@@ -695,13 +708,13 @@ async fn fork_at_explicit_boundaries() {
         );
     }
     let err = parent
-        .fork(&tmp.path().join("far"), "far", Some(8))
+        .fork(&tmp.path().join("far"), "far", Some(8), params())
         .await
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::InvalidRequest);
     // An existing child is refused before the boundary is looked at.
     let err = parent
-        .fork(&tmp.path().join("a"), "a", Some(99))
+        .fork(&tmp.path().join("a"), "a", Some(99), params())
         .await
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
@@ -739,7 +752,10 @@ async fn fork_copies_the_journals_the_prefix_refers_to() {
         .unwrap();
     // Bytes journaled after the prefix's exit record are not part of the fork.
     j.append(StreamKind::Stdout, 5, b" later").await.unwrap();
-    let child = parent.fork(&tmp.path().join("c"), "c", None).await.unwrap();
+    let child = parent
+        .fork(&tmp.path().join("c"), "c", None, params())
+        .await
+        .unwrap();
     let cj = child.journal("cmd1").await.unwrap();
     assert_eq!(cj.len(StreamKind::Stdout), 5);
     assert_eq!(

@@ -249,6 +249,77 @@ pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, LogError> {
     })
 }
 
+/// What a closed session's log says without reading all of it: its header and its last
+/// event, a `session/closed`.
+#[derive(Debug, Clone)]
+pub struct ClosedSummary {
+    /// The header line.
+    pub header: SessionHeader,
+    /// The number of events (the last seq + 1).
+    pub events: u64,
+    /// When it was closed, ms since the epoch.
+    pub closed_ms: i64,
+}
+
+/// Bytes read from the end of a log to find its last line.
+const TAIL_PROBE: u64 = 64 * 1024;
+
+/// Read the header and the last line of `dir`'s log: `Some` when the log ends with a
+/// complete `session/closed` event (nothing to repair), `None` when it does not (a live
+/// session, or a torn tail that opening repairs). An unreadable header is an error.
+pub(crate) fn closed_summary_blocking(dir: &Path) -> Result<Option<ClosedSummary>, LogError> {
+    use std::io::{BufRead, BufReader, Seek, SeekFrom};
+    let path = dir.join(EVENTS_FILE);
+    let mut file = File::open(&path).map_err(io("open", &path))?;
+    let len = file.metadata().map_err(io("stat", &path))?.len();
+    let mut first = Vec::new();
+    BufReader::new(&mut file)
+        .read_until(b'\n', &mut first)
+        .map_err(io("read", &path))?;
+    let header: SessionHeader = serde_json::from_slice(&first).map_err(|e| LogError::Corrupt {
+        path: path.clone(),
+        line: 1,
+        reason: format!("invalid header: {e}"),
+    })?;
+    if header.kind != "session" || header.version != SESSION_LOG_VERSION {
+        return Err(LogError::Corrupt {
+            path,
+            line: 1,
+            reason: format!(
+                "a session header has type \"session\" and version {SESSION_LOG_VERSION}"
+            ),
+        });
+    }
+    let start = len.saturating_sub(TAIL_PROBE).max(first.len() as u64);
+    file.seek(SeekFrom::Start(start))
+        .map_err(io("seek", &path))?;
+    let mut tail = Vec::new();
+    file.read_to_end(&mut tail).map_err(io("read", &path))?;
+    let Some(body) = tail.strip_suffix(b"\n") else {
+        return Ok(None);
+    };
+    let last = body
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map_or(body, |i| &body[i + 1..]);
+    let closed = match serde_json::from_slice::<Event>(last) {
+        Ok(e)
+            if matches!(
+                e.body,
+                tether_protocol::events::EventBody::SessionClosed { .. }
+            ) =>
+        {
+            Some(ClosedSummary {
+                header,
+                events: e.seq + 1,
+                closed_ms: e.time,
+            })
+        }
+        _ => None,
+    };
+    Ok(closed)
+}
+
 /// The ids of the sessions stored in `dir` (a sessions directory), sorted.
 pub(crate) fn list_sessions_blocking(dir: &Path) -> Result<Vec<String>, LogError> {
     let entries = match std::fs::read_dir(dir) {

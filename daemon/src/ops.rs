@@ -1,0 +1,173 @@
+//! The operation layer for file operations: the native API's file routes, the file tools
+//! and (through [`fs`]) anything else that touches a sandbox's files go through one
+//! function, which applies to every operation the same things in the same order:
+//!
+//! 1. the operation's deadline, from config (`limits.fs_op_timeout_ms`, or the transfer
+//!    deadline for streamed bodies), fused with the caller's context;
+//! 2. its span (`fs.stat`, `fs.read`, ... with `session.id`, `provider.kind`, `fs.path`,
+//!    `outcome`, `error.code`, `timeout.clock`);
+//! 3. its metric (`tether.remote_op.duration` by op, provider and outcome; a timeout of
+//!    its own clock counted in `tether.timeouts`);
+//! 4. for a change made outside a tool call, its `fs/op` event in the session log (a tool
+//!    call is recorded by its own `tool/call` and `tool/result`).
+
+use std::future::Future;
+use std::time::Duration;
+
+use tether_protocol::events::EventBody;
+use tether_provider::{CallCtx, ProviderError};
+use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+use crate::sessions::Session;
+
+/// A file operation: names its span and metric and says whether it changes the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsOp {
+    /// Stat a path.
+    Stat,
+    /// Read a file.
+    Read,
+    /// Write a file.
+    Write,
+    /// List a directory.
+    List,
+    /// Make a directory.
+    Mkdir,
+    /// Rename a path.
+    Rename,
+    /// Remove a path.
+    Remove,
+}
+
+impl FsOp {
+    /// The span and metric name (`fs.stat`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Stat => "fs.stat",
+            Self::Read => "fs.read",
+            Self::Write => "fs.write",
+            Self::List => "fs.list",
+            Self::Mkdir => "fs.mkdir",
+            Self::Rename => "fs.rename",
+            Self::Remove => "fs.remove",
+        }
+    }
+
+    /// The `op` of its `fs/op` event, for operations that change the sandbox.
+    fn logged_as(self) -> Option<&'static str> {
+        match self {
+            Self::Write => Some("write"),
+            Self::Mkdir => Some("mkdir"),
+            Self::Rename => Some("rename"),
+            Self::Remove => Some("remove"),
+            Self::Stat | Self::Read | Self::List => None,
+        }
+    }
+
+    /// The operation's span. (`tracing` needs each span name as a literal.)
+    pub fn span(self, session: &Session, path: &str) -> tracing::Span {
+        macro_rules! span {
+            ($name:literal) => {
+                tracing::info_span!(
+                    $name,
+                    session.id = %session.id,
+                    provider.kind = %session.provider_kind,
+                    fs.path = %path,
+                    outcome = Empty,
+                    error.code = Empty,
+                    timeout.clock = Empty,
+                    bytes.in = Empty,
+                    bytes.out = Empty,
+                )
+            };
+        }
+        match self {
+            Self::Stat => span!("fs.stat"),
+            Self::Read => span!("fs.read"),
+            Self::Write => span!("fs.write"),
+            Self::List => span!("fs.list"),
+            Self::Mkdir => span!("fs.mkdir"),
+            Self::Rename => span!("fs.rename"),
+            Self::Remove => span!("fs.remove"),
+        }
+    }
+}
+
+/// Which surface asked: a tool call is logged by the pipeline, anything else here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    /// A tool call (`read_file`, `write_file`, ...).
+    Tool,
+    /// The native API or the E2B front.
+    Api,
+}
+
+/// One file operation on `session`'s sandbox under `limit`, in `span` (see
+/// [`FsOp::span`]), with its metric and, for a change from [`Surface::Api`], its `fs/op`
+/// event. `bytes` tells how many bytes a successful result moved (for the event).
+#[allow(clippy::too_many_arguments)]
+pub async fn fs<T, F, Fut>(
+    session: &Session,
+    ctx: &CallCtx,
+    op: FsOp,
+    path: &str,
+    surface: Surface,
+    limit: Duration,
+    span: tracing::Span,
+    bytes: fn(&T) -> Option<u64>,
+    f: F,
+) -> Result<T, ProviderError>
+where
+    F: FnOnce(CallCtx) -> Fut,
+    Fut: Future<Output = Result<T, ProviderError>>,
+{
+    let fctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let started = Instant::now();
+    let out = fctx.run(f(fctx.clone())).instrument(span.clone()).await;
+    let outcome = match &out {
+        Ok(_) => "ok",
+        Err(e) => {
+            span.record("error.code", e.code().as_str());
+            if let Some(clock) = e.clock() {
+                span.record("timeout.clock", clock);
+                // This operation's own deadline, and the provider's own clocks (connect,
+                // transport idle: armed inside the provider, so counted here); a tool
+                // deadline or a command clock is counted where it is armed.
+                if fctx.timed_out(Some("DEADLINE_EXCEEDED"))
+                    || matches!(clock, "connect" | "transport_idle")
+                {
+                    session.metrics().timeout(clock, &session.provider_kind);
+                }
+            }
+            e.code().as_str()
+        }
+    };
+    span.record("outcome", outcome);
+    session.metrics().remote_op(
+        op.name(),
+        &session.provider_kind,
+        outcome,
+        started.elapsed(),
+    );
+    if let (Surface::Api, Some(logged)) = (surface, op.logged_as()) {
+        let event = EventBody::FsOp {
+            op: logged.into(),
+            path: path.to_owned(),
+            outcome: outcome.to_owned(),
+            bytes: out.as_ref().ok().and_then(bytes),
+        };
+        if let Err(e) = session.log.append(event).await {
+            // The operation's own outcome is what the caller gets (reporting a change that
+            // took effect as failed would invite a retry); the lost record is loud here.
+            tracing::error!(session.id = %session.id, code = %e.code(), error = %e, "Could not log a file operation");
+        }
+    }
+    out
+}
+
+/// No byte count.
+pub fn no_bytes<T>(_: &T) -> Option<u64> {
+    None
+}

@@ -1,0 +1,545 @@
+//! Session lifecycle across restarts, forks, failed starts and bad input: the typed
+//! session parameters in the log header are what create, fork and recovery all read, and
+//! the session log is the only lease record. Each test re-reads the log from disk.
+
+// Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tether_tests::{TestDaemon, code, free_port, wait_until, workspace_bin};
+
+/// The header and events of a session's log, read from disk.
+fn read_log(state: &std::path::Path, id: &str) -> (Value, Vec<Value>) {
+    let text = std::fs::read_to_string(state.join("sessions").join(id).join("events.jsonl"))
+        .expect("events.jsonl");
+    assert!(text.ends_with('\n'), "a log ends with a complete line");
+    let mut lines = text.lines();
+    let header: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    let events: Vec<Value> = lines.map(|l| serde_json::from_str(l).unwrap()).collect();
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["seq"].as_u64(), Some(i as u64), "seq contiguous from 0");
+    }
+    (header, events)
+}
+
+async fn state_of(d: &TestDaemon, id: &str) -> String {
+    let (st, info) = d.get(&format!("/v1/sessions/{id}")).await;
+    assert_eq!(st, 200, "{info}");
+    info["state"].as_str().unwrap().to_owned()
+}
+
+async fn bash(d: &TestDaemon, sid: &str, command: &str) -> Value {
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": uuid::Uuid::new_v4().to_string(), "name": "bash", "arguments": {"command": command}}]}),
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    body["results"][0].clone()
+}
+
+/// Processes on this host whose command line contains `marker`.
+fn processes_with(marker: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        if let Ok(cmd) = std::fs::read(entry.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmd).contains(marker)
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn idle_expiry_survives_a_restart() {
+    let d = TestDaemon::start().await;
+    let (st, body) = d.post("/v1/sessions", json!({"ttl_s": 3})).await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    assert_eq!(state_of(&d, &sid).await, "active");
+    // The expiry counts from the last activity before the restart, as without one.
+    wait_until(
+        "the session expires after the restart",
+        Duration::from_secs(8),
+        || {
+            let d = &d;
+            let sid = sid.clone();
+            async move { state_of(d, &sid).await == "closed" }
+        },
+    )
+    .await;
+    let (header, events) = read_log(d.dir.path(), &sid);
+    assert_eq!(
+        header["params"]["expiry"],
+        json!({"kind": "idle", "ttl_ms": 3000})
+    );
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "session/closed");
+    assert_eq!(last["data"]["reason"], "expired");
+    assert!(events.iter().any(|e| e["type"] == "sandbox/released"));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_e2b_timeout_survives_a_restart() {
+    let d = TestDaemon::start().await;
+    let r = d
+        .http
+        .post(d.url("/sandboxes"))
+        .header("x-api-key", "e2b_lifecycle_test_key")
+        .json(&json!({"templateID": "base", "timeout": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let sid = r.json::<Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // set_timeout moves the end; the move is logged and survives the restart too.
+    let r = d
+        .http
+        .post(d.url(&format!("/sandboxes/{sid}/timeout")))
+        .header("x-api-key", "e2b_lifecycle_test_key")
+        .json(&json!({"timeout": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    wait_until(
+        "the E2B sandbox expires after the restart",
+        Duration::from_secs(8),
+        || {
+            let d = &d;
+            let sid = sid.clone();
+            async move { state_of(d, &sid).await == "closed" }
+        },
+    )
+    .await;
+    let (_, events) = read_log(d.dir.path(), &sid);
+    assert!(events.iter().any(|e| e["type"] == "session/expiry"));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_fork_keeps_network_and_expiry() {
+    let d = TestDaemon::start().await;
+    let (st, body) = d
+        .post(
+            "/v1/sessions",
+            json!({"network": true, "ttl_s": 4, "env": {"FORK_ENV": "kept"}}),
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let parent = body["id"].as_str().unwrap().to_owned();
+    let (st, body) = d
+        .post(&format!("/v1/sessions/{parent}/fork"), json!({}))
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let child = body["id"].as_str().unwrap().to_owned();
+    // The child has the network the parent has: more interfaces than a lone loopback.
+    let probe = "echo $FORK_ENV; tail -n +3 /proc/net/dev | wc -l";
+    let parent_out = bash(&d, &parent, probe).await;
+    let child_out = bash(&d, &child, probe).await;
+    assert_eq!(child_out["content"], parent_out["content"], "{child_out}");
+    let lines: Vec<&str> = child_out["content"].as_str().unwrap().lines().collect();
+    assert!(lines.contains(&"kept"), "{child_out}");
+    let ifaces: u32 = lines
+        .iter()
+        .rev()
+        .find_map(|l| l.trim().parse().ok())
+        .unwrap();
+    assert!(
+        ifaces >= 2,
+        "a network sandbox has more than loopback: {child_out}"
+    );
+    // And the child expires as the parent does.
+    wait_until("the fork expires", Duration::from_secs(10), || {
+        let d = &d;
+        let child = child.clone();
+        async move { state_of(d, &child).await == "closed" }
+    })
+    .await;
+    let (header, _) = read_log(d.dir.path(), &child);
+    assert_eq!(header["params"]["network"], true);
+    assert_eq!(header["params"]["env"]["FORK_ENV"], "kept");
+    assert_eq!(header["parent_session"], parent.as_str());
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_process_start_runs_nothing() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let marker = format!("refused-start-{}", uuid::Uuid::new_v4().simple());
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/processes"),
+            json!({"cmd": format!("sleep 600; : {marker}"), "command_id": "has space"}),
+        )
+        .await;
+    assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{body}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        processes_with(&marker),
+        Vec::<u32>::new(),
+        "nothing may run"
+    );
+    let (_, events) = read_log(d.dir.path(), &sid);
+    assert!(!events.iter().any(|e| e["type"] == "process/started"));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_download_through_a_symlink_is_refused_not_truncated() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let r = bash(
+        &d,
+        &sid,
+        "seq 1 100000 > d.txt && ln -s d.txt l.txt && echo ok",
+    )
+    .await;
+    assert_eq!(r["is_error"], false, "{r}");
+    let r = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/files?path=/home/user/l.txt")))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        (status, code(&body)),
+        (409, "FS_NOT_REGULAR_FILE"),
+        "{body}"
+    );
+    // HEAD says the same; the target itself downloads whole.
+    let r = d
+        .http
+        .head(d.url(&format!("/v1/sessions/{sid}/files?path=/home/user/l.txt")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    let r = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/files?path=/home/user/d.txt")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let bytes = r.bytes().await.unwrap();
+    let expected: String = (1..=100_000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(bytes.len(), expected.len());
+    assert!(bytes == expected.as_bytes());
+    read_log(d.dir.path(), &sid);
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_path_that_is_not_utf8_is_refused() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    for q in ["path=%ff%fe", "path=/home/user/%C3%28"] {
+        let (st, body) = d.get(&format!("/v1/sessions/{sid}/files?{q}")).await;
+        assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{q}: {body}");
+    }
+    // A valid escape still works.
+    let (st, body) = d
+        .get(&format!(
+            "/v1/sessions/{sid}/files?path=%2Fhome%2Fuser%2Fnope"
+        ))
+        .await;
+    assert_eq!((st, code(&body)), (404, "FS_NOT_FOUND"), "{body}");
+    read_log(d.dir.path(), &sid);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_by_shutdown_is_retryable_and_the_session_lives_on() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let http = d.http.clone();
+    let url = d.url(&format!("/v1/sessions/{sid}/tool-calls"));
+    let call = tokio::spawn(async move {
+        let r = http
+            .post(url)
+            .json(&json!({"calls": [{"id": "c1", "name": "bash", "arguments": {"command": "sleep 30"}}]}))
+            .send()
+            .await
+            .unwrap();
+        let st = r.status().as_u16();
+        (st, r.json::<Value>().await.unwrap_or(Value::Null))
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let dir = d.stop().await;
+    let (st, body) = call.await.unwrap();
+    // Either the whole request, or the call's result, says SHUTTING_DOWN (retryable).
+    let c = if st == 200 {
+        body["results"][0]["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    } else {
+        assert_eq!(body["error"]["retryable"], true, "{body}");
+        code(&body).to_owned()
+    };
+    assert_eq!(c, "SHUTTING_DOWN", "{st} {body}");
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    assert_eq!(state_of(&d, &sid).await, "active");
+    let r = bash(&d, &sid, "echo again").await;
+    assert_eq!(r["is_error"], false, "{r}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_full_state_dir_is_storage_full() {
+    let mnt = tempfile::tempdir().unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "mounting a tmpfs needs root");
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.path().to_owned());
+    let state = mnt.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let d = TestDaemon::start_with(|c| c.server.state_dir = state.clone()).await;
+    let sid = d.new_session().await;
+    // Fill the file system.
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=64k"])
+        .arg(format!("of={}", mnt.path().join("fill").display()))
+        .stderr(Stdio::null())
+        .status();
+    let (st, body) = d.post("/v1/sessions", json!({})).await;
+    assert_eq!((st, code(&body)), (507, "STORAGE_FULL"), "{body}");
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/messages"),
+            json!({"role": "user", "content": "x".repeat(200_000)}),
+        )
+        .await;
+    assert_eq!((st, code(&body)), (507, "STORAGE_FULL"), "{body}");
+    // Room again: the daemon works on, and the log it kept is intact.
+    std::fs::remove_file(mnt.path().join("fill")).unwrap();
+    let (st, body) = d.post("/v1/sessions", json!({})).await;
+    assert_eq!(st, 201, "{body}");
+    read_log(&state, &sid);
+    d.stop().await;
+}
+
+// === kill -9 and restart ===
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_tetherd(state: &std::path::Path, port: u16) -> Child {
+    Child(
+        std::process::Command::new(workspace_bin("tetherd"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--state-dir",
+            ])
+            .arg(state)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tetherd"),
+    )
+}
+
+async fn healthy(http: &reqwest::Client, base: &str) {
+    wait_until("tetherd health", Duration::from_secs(30), || async {
+        http.get(format!("{base}/v1/health"))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .unwrap_or(false)
+    })
+    .await;
+}
+
+async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
+    let r = http.post(url).json(&body).send().await.unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn session_state(http: &reqwest::Client, base: &str, id: &str) -> String {
+    let r: Value = http
+        .get(format!("{base}/v1/sessions/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    r["state"].as_str().unwrap_or("").to_owned()
+}
+
+/// kill -9, then restart on the same state dir: expiry and fork parameters come back from
+/// the log; a garbage `leases.jsonl` (the old ledger) is irrelevant; a session whose log is
+/// corrupt keeps its sandbox (never destroyed as an orphan) while the others recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
+    let state = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let mut child = spawn_tetherd(state.path(), port);
+    healthy(&http, &base).await;
+
+    let (st, a) = post(
+        &http,
+        format!("{base}/v1/sessions"),
+        json!({"ttl_s": 4, "network": true}),
+    )
+    .await;
+    assert_eq!(st, 201, "{a}");
+    let expiring = a["id"].as_str().unwrap().to_owned();
+    let (st, f) = post(
+        &http,
+        format!("{base}/v1/sessions/{expiring}/fork"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(st, 201, "{f}");
+    let fork = f["id"].as_str().unwrap().to_owned();
+    let (st, k) = post(&http, format!("{base}/v1/sessions"), json!({})).await;
+    assert_eq!(st, 201, "{k}");
+    let kept = k["id"].as_str().unwrap().to_owned();
+    let (st, c) = post(&http, format!("{base}/v1/sessions"), json!({})).await;
+    assert_eq!(st, 201, "{c}");
+    let corrupt = c["id"].as_str().unwrap().to_owned();
+    let corrupt_sandbox = c["sandbox_id"].as_str().unwrap().to_owned();
+
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+
+    std::fs::write(state.path().join("leases.jsonl"), b"\x00garbage{{{\n").unwrap();
+    let log = state
+        .path()
+        .join("sessions")
+        .join(&corrupt)
+        .join("events.jsonl");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.insert(1, "{not json at all}");
+    std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+
+    let _child = spawn_tetherd(state.path(), port);
+    healthy(&http, &base).await;
+    assert_eq!(session_state(&http, &base, &kept).await, "active");
+    let (_, fork_header) = (0, read_log(state.path(), &fork).0);
+    assert_eq!(fork_header["params"]["network"], true);
+    assert_eq!(fork_header["params"]["expiry"]["kind"], "idle");
+    for id in [&expiring, &fork] {
+        wait_until("expiry after kill -9", Duration::from_secs(10), || {
+            let http = &http;
+            let base = &base;
+            async move { session_state(http, base, id).await == "closed" }
+        })
+        .await;
+    }
+    // The unreadable session's sandbox is still there after a reconcile.
+    let sandbox_dir = state
+        .path()
+        .join("sandboxes")
+        .join("local")
+        .join(&corrupt_sandbox);
+    assert!(
+        sandbox_dir.exists(),
+        "a sandbox of an unreadable log is never destroyed"
+    );
+    let r = http
+        .get(format!("{base}/v1/sessions/{kept}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (st, out) = post(
+        &http,
+        format!("{base}/v1/sessions/{kept}/tool-calls"),
+        json!({"calls": [{"id": "k1", "name": "bash", "arguments": {"command": "echo alive"}}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{out}");
+    assert_eq!(out["results"][0]["is_error"], false, "{out}");
+}
+
+#[tokio::test]
+async fn the_native_api_honours_an_inbound_deadline() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let started = std::time::Instant::now();
+    let r = d
+        .http
+        .post(d.url(&format!("/v1/sessions/{sid}/tool-calls")))
+        .header("tether-timeout-ms", "700")
+        .json(&json!({"calls": [{"id": "slow", "name": "bash", "arguments": {"command": "sleep 20"}}]}))
+        .send()
+        .await
+        .unwrap();
+    let elapsed = started.elapsed();
+    let st = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert!(elapsed < Duration::from_secs(8), "took {elapsed:?}");
+    let c = if st == 200 {
+        body["results"][0]["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    } else {
+        code(&body).to_owned()
+    };
+    assert_eq!(c, "DEADLINE_EXCEEDED", "{st} {body}");
+    for bad in ["0", "soon", "-5"] {
+        let r = d
+            .http
+            .get(d.url(&format!("/v1/sessions/{sid}")))
+            .header("tether-timeout-ms", bad)
+            .send()
+            .await
+            .unwrap();
+        let st = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{bad}: {body}");
+    }
+    read_log(d.dir.path(), &sid);
+    d.stop().await;
+}
