@@ -38,7 +38,8 @@ use tether_daemon::telemetry::{self, INSTRUMENTS, PrometheusConfig, TelemetryCon
 use tether_tests::promql::{self, Dashboard, Variable};
 use tether_tests::{TestDaemon, free_port, workspace_root};
 
-/// Debian's Prometheus; `TETHER_PROMETHEUS_BIN` overrides.
+/// Debian's Prometheus (else `prometheus` on the `PATH`); `TETHER_PROMETHEUS_BIN`
+/// overrides.
 const PROMETHEUS_BIN: &str = "/usr/bin/prometheus";
 /// Scrape (and rule evaluation) interval of the test's Prometheus.
 const SCRAPE_INTERVAL: &str = "1s";
@@ -47,9 +48,9 @@ const SCRAPE_INTERVAL: &str = "1s";
 const RATE_WINDOW: &str = "1m";
 
 /// Limits of the daemon under test: each clock fires in its own call.
-const OUTPUT_IDLE_MS: u64 = 1_000;
 const TOTAL_MS: u64 = 400;
-const BASH_TOOL_BUDGET_MS: u64 = 2_500;
+const OUTPUT_IDLE_MS: u64 = 1_500;
+const BASH_TOOL_BUDGET_MS: u64 = 3_000;
 
 fn deploy() -> PathBuf {
     workspace_root().join("deploy")
@@ -116,7 +117,13 @@ impl Drop for Prometheus {
 impl Prometheus {
     /// Start Prometheus with `config` (YAML text) and wait until it is ready.
     async fn start(config: &str) -> Self {
-        let bin = std::env::var("TETHER_PROMETHEUS_BIN").unwrap_or_else(|_| PROMETHEUS_BIN.into());
+        let bin = std::env::var("TETHER_PROMETHEUS_BIN").unwrap_or_else(|_| {
+            if std::path::Path::new(PROMETHEUS_BIN).exists() {
+                PROMETHEUS_BIN.into()
+            } else {
+                "prometheus".into()
+            }
+        });
         let dir = tempfile::tempdir().unwrap();
         let config_path = dir.path().join("prometheus.yml");
         std::fs::write(&config_path, config).unwrap();
@@ -319,7 +326,7 @@ fn calls() -> Vec<Call> {
         // Clock `tool`: the timeout policy's budget, while the command keeps printing.
         call(
             "bash",
-            json!({"command": "while :; do echo tick; sleep 0.2; done", "timeout_ms": 20_000}),
+            json!({"command": "while :; do echo tick; sleep 0.1; done", "timeout_ms": 20_000}),
             Some("TOOL_TIMEOUT"),
         ),
     ]
