@@ -356,7 +356,12 @@ async fn the_scrape_listener_enforces_its_token_and_stops_on_shutdown() {
     assert_eq!(r.headers()["content-type"], "text/plain; version=0.0.4");
     let body = r.text().await.unwrap();
     assert!(body.contains("tether_sessions_live{"), "{body}");
-    let r = http.head(&url).bearer_auth(SCRAPE_TOKEN).send().await.unwrap();
+    let r = http
+        .head(&url)
+        .bearer_auth(SCRAPE_TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let r = http
         .get(format!("http://{addr}/other"))
