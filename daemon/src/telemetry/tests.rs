@@ -401,3 +401,26 @@ async fn the_scrape_listener_enforces_its_token_and_stops_on_shutdown() {
         "nothing listens after shutdown"
     );
 }
+
+#[tokio::test]
+async fn scrape_and_otlp_push_read_the_same_meter_provider() {
+    let cfg = TelemetryConfig {
+        otlp_endpoint: Some("http://127.0.0.1:9".into()),
+        export_timeout_ms: 200,
+        ..scrape_config(&[])
+    };
+    let t = build(&cfg, &env(&[])).unwrap();
+    assert!(t.guard.exports_metrics() && t.guard.exports_traces());
+    let ep = t.guard.scrape_endpoint().unwrap().clone();
+    t.guard
+        .metrics()
+        .tool_call("read_file", "local", "ok", Duration::from_millis(4));
+    let text = ep.render().unwrap();
+    assert!(
+        text.contains("tether_tool_duration_seconds_count{")
+            && text.contains("tool_name=\"read_file\""),
+        "{text}"
+    );
+    // The last push goes to a dead collector: it fails, and is only logged.
+    let _ = t.guard.shutdown().await;
+}
