@@ -1,8 +1,11 @@
 //! The dashboards against real data: a real Prometheus (Debian's `prometheus`, from a
 //! temporary directory on a loopback port) scrapes an in-process tetherd's `/metrics`
-//! with the shipped compose scrape job and token. Tool calls of every outcome are driven:
-//! ok, errors (`FS_NOT_FOUND`, `INVALID_REQUEST`), and a timeout of each clock the daemon
-//! counts (`total`, `output_idle`, `tool`). Then every PromQL query of every shipped
+//! with the shipped compose scrape job and token. Tool calls of every outcome are driven,
+//! on two providers: `local`, and `e2b` (a second tetherd, as a child process, serving its
+//! E2B front; envd traffic through the fault proxy): ok, errors (`FS_NOT_FOUND`,
+//! `INVALID_REQUEST`), a timeout of each clock the daemon counts (`total`, `output_idle`,
+//! `tool`) on both, a stalled file read (`TRANSPORT_IDLE_TIMEOUT`) and a backend that never
+//! answers (`CONNECT_TIMEOUT` on `sandbox.create`). Then every PromQL query of every shipped
 //! dashboard (parsed from `deploy/**/*.json`, not listed here) and every template
 //! variable runs through Prometheus' HTTP API. A query passes when:
 //!
@@ -34,9 +37,12 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_norway::Value as Yaml;
 use tether_daemon::config::Config;
+use tether_daemon::config::ProviderConfig;
 use tether_daemon::telemetry::{self, INSTRUMENTS, PrometheusConfig, TelemetryConfig};
+use tether_provider_e2b::{E2bConfig, RetryConfig};
+use tether_tests::fault_proxy::FaultProxy;
 use tether_tests::promql::{self, Dashboard, Variable};
-use tether_tests::{TestDaemon, free_port, workspace_root};
+use tether_tests::{TestDaemon, free_port, wait_until, workspace_bin, workspace_root};
 
 /// Debian's Prometheus (else `prometheus` on the `PATH`); `TETHER_PROMETHEUS_BIN`
 /// overrides.
@@ -51,6 +57,13 @@ const RATE_WINDOW: &str = "1m";
 const TOTAL_MS: u64 = 400;
 const OUTPUT_IDLE_MS: u64 = 1_500;
 const BASH_TOOL_BUDGET_MS: u64 = 3_000;
+/// The E2B provider's transport-idle limit (its keepalives come every second).
+const TRANSPORT_IDLE_MS: u64 = 2_500;
+/// The file the stalled read reads, and where the stall starts.
+const BIG_FILE_BYTES: u64 = 3 << 20;
+const STALL_AFTER_BYTES: u64 = 512 << 10;
+/// The provider whose backend never answers.
+const UNREACHABLE: &str = "e2b-unreachable";
 
 fn deploy() -> PathBuf {
     workspace_root().join("deploy")
@@ -283,14 +296,21 @@ struct Call {
     name: &'static str,
     arguments: serde_json::Value,
     want: Option<&'static str>,
+    /// Stall the envd connection mid-response first.
+    stall: bool,
 }
 
-fn calls() -> Vec<Call> {
-    let call = |name, arguments, want| Call {
+fn call(name: &'static str, arguments: serde_json::Value, want: Option<&'static str>) -> Call {
+    Call {
         name,
         arguments,
         want,
-    };
+        stall: false,
+    }
+}
+
+/// The calls of one round on any provider.
+fn calls() -> Vec<Call> {
     vec![
         call(
             "write_file",
@@ -326,18 +346,51 @@ fn calls() -> Vec<Call> {
         // Clock `tool`: the timeout policy's budget, while the command keeps printing.
         call(
             "bash",
-            json!({"command": "while :; do echo tick; sleep 0.1; done", "timeout_ms": 20_000}),
+            json!({"command": "for i in $(seq 600); do echo tick; sleep 0.1; done", "timeout_ms": 20_000}),
             Some("TOOL_TIMEOUT"),
         ),
     ]
 }
 
-/// The clocks the calls above expire.
+/// The calls of one round on the E2B provider: the same, plus a read whose stream stalls.
+fn e2b_calls() -> Vec<Call> {
+    let mut out = calls();
+    out.push(call(
+        "bash",
+        json!({"command": format!("head -c {BIG_FILE_BYTES} /dev/zero | tr '\\0' a > big.txt")}),
+        None,
+    ));
+    out.push(Call {
+        stall: true,
+        ..call(
+            "read_file",
+            json!({"path": "big.txt"}),
+            Some("TRANSPORT_IDLE_TIMEOUT"),
+        )
+    });
+    out
+}
+
+/// The clocks the calls above expire (on each provider).
 const CLOCKS: &[&str] = &["total", "output_idle", "tool"];
 
-async fn drive(d: &TestDaemon, sid: &str, round: usize) {
-    // A session opened and ended: `sandbox.create` and `sandbox.destroy` each round.
-    let brief = d.new_session().await;
+async fn new_session(d: &TestDaemon, provider: &str) -> (u16, serde_json::Value) {
+    d.post("/v1/sessions", json!({"provider": provider})).await
+}
+
+/// One round on `provider`: a session opened and ended (`sandbox.create` and
+/// `sandbox.destroy` each round), then `calls` in session `sid`, each in its own request.
+async fn drive(
+    d: &TestDaemon,
+    provider: &str,
+    sid: &str,
+    round: usize,
+    calls: Vec<Call>,
+    proxy: Option<&FaultProxy>,
+) {
+    let (st, body) = new_session(d, provider).await;
+    assert_eq!(st, 201, "{body}");
+    let brief = body["id"].as_str().unwrap().to_owned();
     let r = d
         .http
         .delete(d.url(&format!("/v1/sessions/{brief}")))
@@ -345,7 +398,12 @@ async fn drive(d: &TestDaemon, sid: &str, round: usize) {
         .await
         .unwrap();
     assert!(r.status().is_success(), "end session: {}", r.status());
-    for (i, c) in calls().into_iter().enumerate() {
+    for (i, c) in calls.into_iter().enumerate() {
+        if c.stall {
+            proxy
+                .expect("a stall needs the proxy")
+                .stall_after(STALL_AFTER_BYTES);
+        }
         let (st, body) = d
             .post(
                 &format!("/v1/sessions/{sid}/tool-calls"),
@@ -357,11 +415,106 @@ async fn drive(d: &TestDaemon, sid: &str, round: usize) {
         assert_eq!(
             result["error"]["code"].as_str(),
             c.want,
-            "{} {}: {result}",
+            "{provider}: {} {}: {result}",
             c.name,
             c.arguments
         );
     }
+}
+
+/// A tetherd child process serving its E2B front on the local provider: the backend of
+/// the E2B provider under test. Stopped on drop: SIGTERM (it terminates its commands),
+/// then SIGKILL if it is still there after its grace period.
+struct Backend {
+    child: Child,
+    base: String,
+    _state: tempfile::TempDir,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while tokio::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Backend {
+    async fn start() -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let child = Command::new(workspace_bin("tetherd"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--state-dir",
+            ])
+            .arg(state.path())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the backend tetherd");
+        let b = Self {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            _state: state,
+        };
+        let http = reqwest::Client::new();
+        wait_until("the backend tetherd", Duration::from_secs(30), || async {
+            http.get(format!("{}/v1/health", b.base))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        })
+        .await;
+        b
+    }
+}
+
+/// The E2B provider of the daemon under test: control plane straight to the backend, envd
+/// traffic through `proxy`.
+fn e2b_provider(backend: &Backend, proxy: &FaultProxy) -> ProviderConfig {
+    ProviderConfig::E2b(E2bConfig {
+        api_url: Some(backend.base.clone()),
+        sandbox_url: Some(proxy.url()),
+        api_key: Some("e2b_prometheus_test".into()),
+        inherit_env: false,
+        transport_idle_ms: TRANSPORT_IDLE_MS,
+        keepalive_interval_s: 1,
+        ..E2bConfig::default()
+    })
+}
+
+/// An E2B provider whose backend accepts connections and never answers.
+fn unreachable_provider(dead: &FaultProxy) -> ProviderConfig {
+    ProviderConfig::E2b(E2bConfig {
+        api_url: Some(dead.url()),
+        sandbox_url: Some(dead.url()),
+        api_key: Some("e2b_prometheus_test".into()),
+        inherit_env: false,
+        connect_timeout_ms: 300,
+        retry: RetryConfig {
+            max_times: 1,
+            min_delay_ms: 50,
+            max_delay_ms: 100,
+        },
+        ..E2bConfig::default()
+    })
 }
 
 // === checking one query ===
@@ -653,12 +806,20 @@ async fn every_dashboard_query_returns_series_from_a_real_prometheus() {
     let guard = telemetry::init(&cfg, &env).unwrap();
     assert!(!guard.exports_metrics() && guard.scrape_endpoint().is_some());
 
+    let backend = Backend::start().await;
+    let envd = FaultProxy::start(backend.base.trim_start_matches("http://").parse().unwrap()).await;
+    let dead = FaultProxy::start(backend.base.trim_start_matches("http://").parse().unwrap()).await;
+    dead.blackhole();
     let d = TestDaemon::start_with(|c| {
         c.default_provider = "local".to_owned();
         c.limits.output_idle_ms = OUTPUT_IDLE_MS;
         c.pipeline
             .tool_timeouts
             .insert("bash".to_owned(), BASH_TOOL_BUDGET_MS);
+        c.providers
+            .insert("e2b".to_owned(), e2b_provider(&backend, &envd));
+        c.providers
+            .insert(UNREACHABLE.to_owned(), unreachable_provider(&dead));
     })
     .await;
     let metrics_addr = d
@@ -674,11 +835,22 @@ async fn every_dashboard_query_returns_series_from_a_real_prometheus() {
     // The first scrape, with the shipped job's token, succeeded.
     prom.wait_for_value("up{job=\"tetherd\"}", 1.0).await;
 
-    // Two rounds of every outcome, with scrapes between, so that rates see increases.
+    // Two rounds of every outcome on both providers, with scrapes between, so that rates
+    // see increases.
     let sid = d.new_session().await;
-    let per_round = calls().len();
+    let (st, body) = new_session(&d, "e2b").await;
+    assert_eq!(st, 201, "{body}");
+    let e2b_sid = body["id"].as_str().unwrap().to_owned();
+    let per_round = calls().len() + e2b_calls().len();
     for round in 1..=2 {
-        drive(&d, &sid, round).await;
+        drive(&d, "local", &sid, round, calls(), None).await;
+        drive(&d, "e2b", &e2b_sid, round, e2b_calls(), Some(&envd)).await;
+        let (st, body) = new_session(&d, UNREACHABLE).await;
+        assert_eq!(
+            (st, tether_tests::code(&body)),
+            (504, "CONNECT_TIMEOUT"),
+            "{body}"
+        );
         prom.wait_for_value(
             "sum(tether_tool_duration_seconds_count{job=\"tetherd\"})",
             (round * per_round) as f64,
@@ -692,20 +864,50 @@ async fn every_dashboard_query_returns_series_from_a_real_prometheus() {
         .into_iter()
         .filter_map(|s| s.metric.get("outcome").cloned())
         .collect();
-    let wanted: BTreeSet<String> = calls()
+    let wanted: BTreeSet<String> = e2b_calls()
         .iter()
         .map(|c| c.want.unwrap_or("ok").to_owned())
         .collect();
     assert_eq!(outcomes, wanted, "every outcome reached Prometheus");
-    let clocks: BTreeMap<String, f64> = prom
-        .query("sum by (timeout_clock) (tether_timeouts_total)")
+    let clocks: BTreeMap<(String, String), f64> = prom
+        .query("sum by (timeout_clock, provider_kind) (tether_timeouts_total)")
         .await
         .unwrap()
         .into_iter()
-        .map(|s| (s.metric["timeout_clock"].clone(), s.number()))
+        .map(|s| {
+            (
+                (
+                    s.metric["provider_kind"].clone(),
+                    s.metric["timeout_clock"].clone(),
+                ),
+                s.number(),
+            )
+        })
         .collect();
-    for c in CLOCKS {
-        assert_eq!(clocks.get(*c), Some(&2.0), "clock {c} twice: {clocks:?}");
+    for provider in ["local", "e2b"] {
+        for c in CLOCKS {
+            assert_eq!(
+                clocks.get(&(provider.to_owned(), (*c).to_owned())),
+                Some(&2.0),
+                "clock {c} twice on {provider}: {clocks:?}"
+            );
+        }
+    }
+    let e2b_failures: BTreeSet<(String, String)> = prom
+        .query("sum by (remote_op, outcome) (tether_remote_op_duration_seconds_count{provider_kind=\"e2b\", outcome!=\"ok\"})")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.metric["remote_op"].clone(), s.metric["outcome"].clone()))
+        .collect();
+    for want in [
+        ("sandbox.create", "CONNECT_TIMEOUT"),
+        ("fs.read", "TRANSPORT_IDLE_TIMEOUT"),
+    ] {
+        assert!(
+            e2b_failures.contains(&(want.0.to_owned(), want.1.to_owned())),
+            "{want:?} in {e2b_failures:?}"
+        );
     }
 
     // Every dashboard query, then its mutations.
@@ -782,6 +984,7 @@ async fn every_dashboard_query_returns_series_from_a_real_prometheus() {
     d.stop().await;
     guard.shutdown().await;
     drop(prom);
+    drop(backend);
     assert!(checked > 0 && caught > 0);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
