@@ -15,7 +15,8 @@
 //!
 //! Exports never sit on a request's path: spans are queued to the batch processor's own
 //! thread (a full queue drops spans rather than wait), and metrics are read by the periodic
-//! reader's thread (or, for the scrape endpoint, by the scrape). A dead or slow collector costs log lines, never latency or errors.
+//! reader's thread (or, for the scrape endpoint, by the scrape). A dead or slow collector
+//! costs log lines, never latency or errors.
 //! [`TelemetryGuard::shutdown`] flushes both at exit, off the async worker threads.
 //!
 //! Span names and attribute keys live in [`names`]; the metric instruments in [`Metrics`].
