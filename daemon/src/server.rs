@@ -279,6 +279,8 @@ pub struct RunningDaemon {
     pub state: Arc<AppState>,
     /// What start-up recovery did.
     pub recovery: RecoveryReport,
+    /// The Prometheus scrape listener's address, when `[telemetry.prometheus]` is on.
+    pub metrics_addr: Option<SocketAddr>,
     server: JoinHandle<()>,
 }
 
@@ -300,6 +302,11 @@ impl Daemon {
             .local_addr()
             .map_err(|e| DaemonError::internal(e.to_string()))?;
         config.server.listen = addr;
+        // The scrape listener `telemetry::init` set up, bound first: a taken port fails
+        // the start-up before anything runs.
+        let scrape = crate::telemetry::scrape::bind_installed()
+            .await
+            .map_err(|e| DaemonError::internal(format!("{e}: {}", chain_of(&e))))?;
         let config = Arc::new(config);
         let shutdown = CancelToken::new();
         let tasks = TaskTracker::new();
@@ -343,6 +350,8 @@ impl Daemon {
             e2b,
         });
         spawn_housekeeping(&state);
+        let stop = shutdown.clone();
+        let metrics_addr = scrape.map(|s| s.spawn(&tasks, async move { stop.cancelled().await }));
         let app = router(Arc::clone(&state));
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
@@ -363,6 +372,7 @@ impl Daemon {
             addr,
             state,
             recovery,
+            metrics_addr,
             server,
         })
     }
@@ -370,6 +380,13 @@ impl Daemon {
 
 /// How often closed sessions past their retention are removed, seconds.
 const RETENTION_SWEEP_EVERY_S: u64 = 3_600;
+
+fn chain_of(e: &dyn std::error::Error) -> String {
+    std::iter::successors(e.source(), |s| s.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
+}
 
 /// The reaper (TTL expiry, every second), the renewer, the reconciler (orphaned
 /// sandboxes) and the retention sweep.

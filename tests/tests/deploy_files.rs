@@ -1,7 +1,12 @@
 //! The files under `deploy/` are checked against the code they deploy: every YAML parses,
 //! the dashboards query only series the daemon exports (derived from its instrument list),
-//! the manifests are complete and probe `/v1/health`, the systemd unit validates its config
-//! before starting, and every example config parses with the daemon's own config type.
+//! the Prometheus scrape configs pass `promtool check config` and reach the endpoint the
+//! configs open with the token they set, each deployment feeds Prometheus one metrics path
+//! (never the scrape and the OTLP push both), the manifests are complete and probe
+//! `/v1/health`, the systemd unit validates its config before starting, and every example
+//! config parses with the daemon's own config type.
+//!
+//! `tests/tests/prometheus.rs` runs the same dashboard queries against a real Prometheus.
 
 // Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -9,10 +14,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use serde_json::Value as Json;
 use serde_norway::Value as Yaml;
 use tether_daemon::config::Config;
 use tether_daemon::telemetry::{self, INSTRUMENTS, names};
+use tether_tests::promql::{self, files_under, label_names, label_values_query, metric_names};
 use tether_tests::workspace_root;
 
 fn deploy() -> PathBuf {
@@ -21,29 +26,6 @@ fn deploy() -> PathBuf {
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-fn files_under(dir: &Path, exts: &[&str]) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_owned()];
-    while let Some(d) = stack.pop() {
-        for entry in
-            std::fs::read_dir(&d).unwrap_or_else(|e| panic!("read_dir {}: {e}", d.display()))
-        {
-            let p = entry.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p
-                .extension()
-                .and_then(|e| e.to_str())
-                .is_some_and(|e| exts.contains(&e))
-            {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 /// Every document of a YAML file (manifests may hold several).
@@ -109,63 +91,6 @@ fn every_yaml_file_parses() {
 
 // === the dashboards ===
 
-/// `tether_*` identifiers in a PromQL expression.
-fn metric_names(expr: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let bytes = expr.as_bytes();
-    let mut i = 0;
-    while let Some(pos) = expr[i..].find("tether_") {
-        let start = i + pos;
-        let boundary =
-            start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
-        let mut end = start;
-        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
-            end += 1;
-        }
-        if boundary {
-            out.push(expr[start..end].to_owned());
-        }
-        i = end;
-    }
-    out
-}
-
-/// Label names used in `by (...)` / `without (...)` clauses and `{label op value}` matchers.
-fn label_names(expr: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    for kw in ["by (", "by(", "without (", "without("] {
-        let mut rest = expr;
-        while let Some(p) = rest.find(kw) {
-            let after = &rest[p + kw.len()..];
-            let close = after.find(')').unwrap_or(after.len());
-            out.extend(
-                after[..close]
-                    .split(',')
-                    .map(|l| l.trim().to_owned())
-                    .filter(|l| !l.is_empty()),
-            );
-            rest = &after[close..];
-        }
-    }
-    let mut rest = expr;
-    while let Some(open) = rest.find('{') {
-        let after = &rest[open + 1..];
-        let close = after.find('}').unwrap_or(after.len());
-        for matcher in after[..close].split(',') {
-            let name: String = matcher
-                .trim()
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            if !name.is_empty() {
-                out.push(name);
-            }
-        }
-        rest = &after[close..];
-    }
-    out
-}
-
 /// Check one PromQL expression: it names at least one exported series, and only labels
 /// those series carry. Returns the series it names.
 fn check_expr(
@@ -197,8 +122,14 @@ fn check_expr(
 #[test]
 fn dashboard_queries_use_only_exported_series() {
     let series = exported_series();
-    let dashboards = files_under(&deploy().join("grafana/dashboards"), &["json"]);
+    let dashboards = promql::dashboards(&deploy());
     assert!(!dashboards.is_empty());
+    assert!(
+        dashboards
+            .iter()
+            .all(|d| d.path.starts_with(deploy().join("grafana/dashboards"))),
+        "dashboards live in grafana/dashboards, which Grafana provisions"
+    );
     let datasources = yaml(&deploy().join("grafana/provisioning/datasources/datasources.yaml"));
     let uids: BTreeSet<&str> = datasources["datasources"]
         .as_sequence()
@@ -208,45 +139,54 @@ fn dashboard_queries_use_only_exported_series() {
         .collect();
 
     let mut used = BTreeSet::new();
-    for path in &dashboards {
-        let d: Json =
-            serde_json::from_str(&read(path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    for d in &dashboards {
+        let path = d.path.display();
         assert!(
-            d["uid"].is_string() && d["title"].is_string(),
-            "{}: uid and title",
-            path.display()
+            !d.uid.is_empty() && !d.title.is_empty(),
+            "{path}: uid and title"
         );
-        let panels = d["panels"]
-            .as_array()
-            .unwrap_or_else(|| panic!("{}: no panels", path.display()));
-        assert!(!panels.is_empty());
-        for p in panels {
-            let title = p["title"].as_str().unwrap_or("<untitled>");
-            let uid = p["datasource"]["uid"].as_str().unwrap_or_default();
+        assert!(!d.panels.is_empty(), "{path}: no panels");
+        for p in &d.panels {
+            let title = &p.title;
+            let uid = p.datasource.as_ref().map_or("", |d| d.uid.as_str());
             assert!(
                 uids.contains(uid),
                 "panel {title:?}: datasource uid {uid:?} is not provisioned"
             );
-            let targets = p["targets"]
-                .as_array()
-                .unwrap_or_else(|| panic!("panel {title:?}: no targets"));
-            assert!(!targets.is_empty(), "panel {title:?}: no targets");
-            for t in targets {
-                let expr = t["expr"]
-                    .as_str()
+            assert!(!p.targets.is_empty(), "panel {title:?}: no targets");
+            for t in &p.targets {
+                let expr = t
+                    .expr
+                    .as_deref()
                     .unwrap_or_else(|| panic!("panel {title:?}: target without expr"));
-                used.extend(
-                    check_expr(expr, &series).unwrap_or_else(|e| panic!("panel {title:?}: {e}")),
-                );
+                let names =
+                    check_expr(expr, &series).unwrap_or_else(|e| panic!("panel {title:?}: {e}"));
+                // A legend names labels the query keeps.
+                for l in t.legend_labels() {
+                    assert!(
+                        names.iter().any(|n| series[n].contains(&l)),
+                        "panel {title:?}: legend label `{l}` is not on {names:?}"
+                    );
+                }
+                used.extend(names);
             }
         }
-        for v in d["templating"]["list"].as_array().into_iter().flatten() {
-            if let Some(q) = v["query"]["query"].as_str().or(v["query"].as_str()) {
-                used.extend(
-                    check_expr(q, &series)
-                        .unwrap_or_else(|e| panic!("variable {}: {e}", v["name"])),
-                );
-            }
+        for v in &d.variables {
+            let q = v
+                .query
+                .as_ref()
+                .unwrap_or_else(|| panic!("variable {}: no query", v.name));
+            let (metric, label) = label_values_query(q.text())
+                .unwrap_or_else(|| panic!("variable {}: not label_values(metric, label)", v.name));
+            let labels = series
+                .get(&metric)
+                .unwrap_or_else(|| panic!("variable {}: `{metric}` is not exported", v.name));
+            assert!(
+                labels.contains(&label),
+                "variable {}: `{metric}` has no label `{label}`",
+                v.name
+            );
+            used.insert(metric);
         }
     }
     // Each instrument is on a panel: a metric nobody can see is a dashboard bug.
@@ -274,6 +214,18 @@ fn the_query_parsers_see_what_they_should() {
     assert!(check_expr("rate(tether_tool_duration_bucket[5m])", &series).is_err());
     assert!(check_expr("sum by (tool) (tether_sandboxes_live)", &series).is_err());
     assert!(check_expr("up", &series).is_err());
+    assert_eq!(
+        label_values_query("label_values(tether_tool_duration_seconds_count, tool_name)"),
+        Some((
+            "tether_tool_duration_seconds_count".to_owned(),
+            "tool_name".to_owned()
+        ))
+    );
+    let t = promql::Target {
+        expr: None,
+        legend_format: Some("p95 {{tool_name}} ({{ provider_kind }})".into()),
+    };
+    assert_eq!(t.legend_labels(), ["tool_name", "provider_kind"]);
 }
 
 // === the collector, Prometheus and compose ===
@@ -457,7 +409,10 @@ fn k8s_manifests_are_complete_and_probe_health() {
 
     // The ConfigMap's config, rendered with the Secret's keys, is a valid config, and the
     // render step names exactly the Secret's placeholders.
-    let cm = &by_kind["ConfigMap"][0];
+    let cm = by_kind["ConfigMap"]
+        .iter()
+        .find(|c| c["data"].get("tetherd.toml.template").is_some())
+        .expect("the ConfigMap of tetherd.toml");
     let template = s(&cm["data"], "tetherd.toml.template");
     let secret = &by_kind["Secret"][0];
     let mut rendered = template.to_owned();
@@ -548,6 +503,268 @@ fn compose_config_parses_with_the_daemon_config_type() {
     let cfg = Config::from_toml_str(&read(&deploy().join("compose/tetherd.toml")))
         .unwrap_or_else(|e| panic!("{e}"));
     cfg.telemetry.validate().unwrap();
+}
+
+// === the Prometheus scrape endpoint ===
+
+/// `promtool check config --syntax-only` (Debian's `prometheus` package) on `text`: the
+/// real parser, strict about unknown fields. `--syntax-only` because credential files
+/// named in a config exist only where it is deployed.
+fn promtool_check(name: &str, text: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap();
+    let out = std::process::Command::new("promtool")
+        .args(["check", "config", "--syntax-only"])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run promtool ({e}): install Debian's `prometheus` package")
+        });
+    assert!(
+        out.status.success(),
+        "promtool rejects {name}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The scrape job named `job` of a Prometheus config.
+fn scrape_job<'a>(prom: &'a Yaml, job: &str) -> &'a Yaml {
+    prom["scrape_configs"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|j| j["job_name"] == job)
+        .unwrap_or_else(|| panic!("no scrape job `{job}`"))
+}
+
+fn job_targets(job: &Yaml) -> Vec<String> {
+    job["static_configs"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["targets"].as_sequence().unwrap().iter())
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Which path a deployment's metrics take to Prometheus, given the environment it sets:
+/// exactly one of the scrape endpoint and the OTLP push, or every series arrives twice.
+fn metrics_path(cfg: &Config, env: &[(&str, &str)]) -> &'static str {
+    let env: std::collections::HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let r = cfg.telemetry.resolve(&env).unwrap();
+    match (r.prometheus.is_some(), r.metrics_endpoint.is_some()) {
+        (true, false) => "scrape",
+        (false, true) => "otlp",
+        (true, true) => panic!("metrics both scraped and pushed over OTLP: counted twice"),
+        (false, false) => panic!("no metrics reach Prometheus"),
+    }
+}
+
+#[test]
+fn compose_prometheus_scrapes_tetherd_with_the_token_it_sets() {
+    let dir = deploy().join("compose");
+    let text = read(&dir.join("prometheus.yml"));
+    promtool_check("prometheus.yml", &text);
+    let prom = yaml(&dir.join("prometheus.yml"));
+    let cfg = Config::from_toml_str(&read(&dir.join("tetherd.toml"))).unwrap();
+    let scrape = cfg
+        .telemetry
+        .prometheus
+        .clone()
+        .expect("[telemetry.prometheus] in compose/tetherd.toml");
+    let job = scrape_job(&prom, "tetherd");
+    assert_eq!(
+        job_targets(job),
+        [format!("tetherd:{}", scrape.listen.port())],
+        "the job scrapes the port tetherd listens on"
+    );
+    assert_eq!(
+        job["metrics_path"].as_str(),
+        Some(telemetry::scrape::METRICS_PATH)
+    );
+    assert_eq!(s(&job["authorization"], "type"), "Bearer");
+    let credentials = s(&job["authorization"], "credentials");
+    assert!(
+        scrape.auth_tokens.iter().any(|t| t == credentials),
+        "the job's token is not one of tetherd's {:?}",
+        scrape.auth_tokens
+    );
+
+    let compose = yaml(&dir.join("compose.yaml"));
+    let tetherd = &compose["services"]["tetherd"];
+    let port = scrape.listen.port().to_string();
+    assert!(
+        tetherd["expose"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|p| p.as_str() == Some(port.as_str())),
+        "compose exposes {port} to the network"
+    );
+    assert!(
+        tetherd["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .all(|p| !p.as_str().unwrap().ends_with(&format!(":{port}"))),
+        "/metrics is not published on the host"
+    );
+    let env: Vec<(&str, &str)> = tetherd["environment"]
+        .as_mapping()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.as_str().unwrap(), v.as_str().unwrap()))
+        .collect();
+    assert_eq!(metrics_path(&cfg, &env), "scrape");
+}
+
+#[test]
+fn k8s_scrape_config_reaches_the_metrics_port_with_the_secret_token() {
+    let dir = deploy().join("k8s");
+    let kustomization = yaml(&dir.join("kustomization.yaml"));
+    let namespace = s(&kustomization, "namespace");
+    let docs: Vec<Yaml> = files_under(&dir, &["yaml"])
+        .iter()
+        .filter(|p| !p.ends_with("kustomization.yaml"))
+        .flat_map(|p| yaml_docs(p))
+        .collect();
+    let find = |pred: &dyn Fn(&Yaml) -> bool, what: &str| -> Yaml {
+        docs.iter()
+            .find(|d| pred(d))
+            .cloned()
+            .unwrap_or_else(|| panic!("no {what}"))
+    };
+    let dep = find(&|d| d["kind"] == "Deployment", "Deployment");
+    let svc = find(&|d| d["kind"] == "Service", "Service");
+    let secret = find(&|d| d["kind"] == "Secret", "Secret");
+    let cm = find(
+        &|d| d["kind"] == "ConfigMap" && d["data"].get("tetherd.toml.template").is_some(),
+        "tetherd.toml ConfigMap",
+    );
+    let scrape_cm = find(
+        &|d| d["kind"] == "ConfigMap" && d["data"].get("scrape-config.yaml").is_some(),
+        "scrape-config ConfigMap",
+    );
+
+    // The config opens the endpoint with a token from the Secret.
+    let template = s(&cm["data"], "tetherd.toml.template");
+    let rendered = template.replace("@TETHER_METRICS_TOKEN@", "metrics-token-0123456789");
+    let rendered = rendered
+        .replace("@TETHER_AUTH_TOKEN@", "auth-token-0123456789")
+        .replace("@E2B_FRONT_API_KEY@", "e2b-key-0123456789");
+    let cfg = Config::from_toml_str(&rendered).unwrap_or_else(|e| panic!("k8s config: {e}"));
+    let scrape = cfg
+        .telemetry
+        .prometheus
+        .clone()
+        .expect("[telemetry.prometheus]");
+    assert_eq!(scrape.auth_tokens, ["metrics-token-0123456789"]);
+    assert!(secret["stringData"].get("TETHER_METRICS_TOKEN").is_some());
+
+    // The init container substitutes every placeholder of the template.
+    let pod = &dep["spec"]["template"]["spec"];
+    let init = &pod["initContainers"][0];
+    let script: String = init["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let mut rest = template;
+    while let Some(open) = rest.find('@') {
+        let after = &rest[open + 1..];
+        let close = after.find('@').expect("placeholders are @NAME@");
+        let name = &after[..close];
+        assert!(
+            script.contains(&format!("s|@{name}@|${{{name}}}|")),
+            "the init container does not substitute @{name}@"
+        );
+        rest = &after[close + 1..];
+    }
+
+    // Container port `metrics` is the listen port, and the Service carries it.
+    let tetherd = pod["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "tetherd")
+        .unwrap();
+    let metrics_port = tetherd["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .expect("a container port named metrics");
+    assert_eq!(
+        metrics_port["containerPort"].as_u64(),
+        Some(u64::from(scrape.listen.port()))
+    );
+    let svc_port = svc["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["targetPort"] == "metrics")
+        .expect("a Service port targeting metrics");
+
+    // The scrape job: promtool accepts it, it targets the Service's port and sends a token.
+    let fragment = s(&scrape_cm["data"], "scrape-config.yaml");
+    promtool_check("scrape-config.yaml", fragment);
+    let prom: Yaml = serde_norway::from_str(fragment).unwrap();
+    let job = scrape_job(&prom, "tetherd");
+    assert_eq!(
+        job_targets(job),
+        [format!(
+            "{}.{namespace}.svc:{}",
+            s(&svc["metadata"], "name"),
+            svc_port["port"].as_u64().unwrap()
+        )]
+    );
+    assert_eq!(
+        job["metrics_path"].as_str(),
+        Some(telemetry::scrape::METRICS_PATH)
+    );
+    assert_eq!(s(&job["authorization"], "type"), "Bearer");
+    assert!(
+        s(&job["authorization"], "credentials_file").ends_with("/TETHER_METRICS_TOKEN"),
+        "the job reads the Secret's key"
+    );
+
+    let env: Vec<(&str, &str)> = tetherd["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((s(e, "name"), e["value"].as_str()?)))
+        .collect();
+    assert_eq!(metrics_path(&cfg, &env), "scrape");
+}
+
+#[test]
+fn systemd_example_offers_the_scrape_endpoint_commented() {
+    let text = read(&deploy().join("systemd/tetherd.toml"));
+    let cfg = Config::from_toml_str(&text).unwrap();
+    assert_eq!(cfg.telemetry.prometheus, None, "off as shipped");
+    assert_eq!(metrics_path(&cfg, &[]), "otlp");
+    // Uncommented, the block is a valid section (on loopback, with a token).
+    let block: String = text
+        .lines()
+        .skip_while(|l| *l != "# [telemetry.prometheus]")
+        .take_while(|l| l.starts_with('#'))
+        .map(|l| format!("{}\n", l.trim_start_matches('#').trim_start()))
+        .collect();
+    assert!(
+        !block.is_empty(),
+        "no commented [telemetry.prometheus] block"
+    );
+    let on = Config::from_toml_str(&format!("{text}\n{block}")).unwrap();
+    on.telemetry.validate().unwrap();
+    let p = on.telemetry.prometheus.expect("the uncommented section");
+    assert!(p.listen.ip().is_loopback());
+    assert_eq!(p.auth_tokens.len(), 1);
 }
 
 #[test]

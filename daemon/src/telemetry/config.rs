@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -33,6 +34,11 @@ pub const DEFAULT_LOG_FILTER: &str = "info";
 pub const HTTP_TRACES_PATH: &str = "/v1/traces";
 /// Path appended to a base endpoint for OTLP/HTTP metrics.
 pub const HTTP_METRICS_PATH: &str = "/v1/metrics";
+/// Default port of the Prometheus scrape endpoint (the port OpenTelemetry's Prometheus
+/// exporters use).
+pub const DEFAULT_PROMETHEUS_PORT: u16 = 9464;
+/// Shortest accepted scrape bearer token.
+pub const MIN_SCRAPE_TOKEN_LEN: usize = 16;
 
 /// The `[telemetry]` section of `tetherd.toml`.
 ///
@@ -72,6 +78,27 @@ pub struct TelemetryConfig {
     pub log_format: LogFormat,
     /// The log filter, in `RUST_LOG` syntax. Overridden by `RUST_LOG`. Default: `"info"`.
     pub log_filter: String,
+    /// The Prometheus scrape endpoint (`[telemetry.prometheus]`). Default: off.
+    pub prometheus: Option<PrometheusConfig>,
+}
+
+/// The `[telemetry.prometheus]` section: `GET /metrics` in the Prometheus text format, on
+/// a listener of its own, serving the same instruments as the OTLP metric export.
+///
+/// Auth: on a loopback address no token is needed. Any other address needs either
+/// `auth_tokens` (a scrape then presents `Authorization: Bearer <token>`) or an explicit
+/// `allow_unauthenticated = true`; otherwise the config is refused. Tokens, when set, are
+/// required on loopback too.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrometheusConfig {
+    /// Listen address of the scrape endpoint. Default: `127.0.0.1:9464`.
+    pub listen: SocketAddr,
+    /// Bearer tokens a scrape may present (at least 16 characters each). Default: none.
+    pub auth_tokens: Vec<String>,
+    /// Serve a non-loopback address without a token (for a network that is already
+    /// closed to everyone but Prometheus). Default: false.
+    pub allow_unauthenticated: bool,
 }
 
 /// The OTLP transport.
@@ -142,6 +169,51 @@ pub struct ResolvedTelemetry {
     pub log_format: LogFormat,
     /// The log filter.
     pub log_filter: String,
+    /// The Prometheus scrape endpoint; `None`: not served (not configured, or
+    /// `OTEL_SDK_DISABLED`).
+    pub prometheus: Option<PrometheusConfig>,
+}
+
+// === impl PrometheusConfig ===
+
+impl Default for PrometheusConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from((Ipv4Addr::LOCALHOST, DEFAULT_PROMETHEUS_PORT)),
+            auth_tokens: Vec::new(),
+            allow_unauthenticated: false,
+        }
+    }
+}
+
+impl PrometheusConfig {
+    /// The auth rule: tokens of at least [`MIN_SCRAPE_TOKEN_LEN`] characters, and a
+    /// non-loopback address only with tokens or `allow_unauthenticated`.
+    pub fn validate(&self) -> Result<(), TelemetryError> {
+        if self
+            .auth_tokens
+            .iter()
+            .any(|t| t.len() < MIN_SCRAPE_TOKEN_LEN)
+        {
+            return Err(TelemetryError::InvalidConfig {
+                field: "prometheus.auth_tokens",
+                reason: format!("every token must be at least {MIN_SCRAPE_TOKEN_LEN} characters"),
+            });
+        }
+        if !self.listen.ip().is_loopback()
+            && self.auth_tokens.is_empty()
+            && !self.allow_unauthenticated
+        {
+            return Err(TelemetryError::InvalidConfig {
+                field: "prometheus.listen",
+                reason: format!(
+                    "{} is not loopback: set prometheus.auth_tokens, or allow_unauthenticated = true",
+                    self.listen
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 // === impl TelemetryConfig ===
@@ -160,6 +232,7 @@ impl Default for TelemetryConfig {
             export_timeout_ms: DEFAULT_EXPORT_TIMEOUT_MS,
             log_format: LogFormat::Text,
             log_filter: DEFAULT_LOG_FILTER.to_owned(),
+            prometheus: None,
         }
     }
 }
@@ -204,6 +277,9 @@ impl TelemetryConfig {
                 filter: self.log_filter.clone(),
                 source,
             })?;
+        if let Some(p) = &self.prometheus {
+            p.validate()?;
+        }
         Ok(())
     }
 
@@ -213,7 +289,7 @@ impl TelemetryConfig {
     ///   `OTEL_EXPORTER_OTLP_ENDPOINT`, else to `otlp_endpoint`, the last two with
     ///   `/v1/traces` appended for HTTP; metrics likewise with the `METRICS` variable and
     ///   `/v1/metrics`, and only when `metrics` is on;
-    /// - `OTEL_SDK_DISABLED=true` turns both exports off;
+    /// - `OTEL_SDK_DISABLED=true` turns both exports off, and the scrape endpoint;
     /// - `service.name` is `OTEL_SERVICE_NAME`, else `service.name` from
     ///   `OTEL_RESOURCE_ATTRIBUTES`, else `service_name`.
     pub fn resolve(&self, env: &dyn EnvSource) -> Result<ResolvedTelemetry, TelemetryError> {
@@ -345,6 +421,11 @@ impl TelemetryConfig {
             export_timeout,
             log_format: self.log_format,
             log_filter,
+            prometheus: if disabled {
+                None
+            } else {
+                self.prometheus.clone()
+            },
         })
     }
 }
@@ -411,9 +492,14 @@ impl SamplerKind {
 // === impl ResolvedTelemetry ===
 
 impl ResolvedTelemetry {
-    /// Whether anything is exported (and so whether the OpenTelemetry layer is installed).
+    /// Whether anything is pushed over OTLP.
     pub fn exports(&self) -> bool {
         self.traces_endpoint.is_some() || self.metrics_endpoint.is_some()
+    }
+
+    /// Whether metrics are kept at all: pushed over OTLP, or served for scraping.
+    pub fn keeps_metrics(&self) -> bool {
+        self.metrics_endpoint.is_some() || self.prometheus.is_some()
     }
 
     /// The `service.name` resource attribute.
@@ -817,6 +903,53 @@ mod tests {
             .resolve(&env(&[("RUST_LOG", "a=notalevel")]))
             .unwrap_err();
         assert!(matches!(err, TelemetryError::LogFilter { .. }));
+    }
+
+    #[test]
+    fn the_prometheus_section_and_its_auth_rule() {
+        #[derive(Deserialize)]
+        struct W {
+            telemetry: TelemetryConfig,
+        }
+        let parse = |text: &str| toml::from_str::<W>(text).map(|w| w.telemetry);
+        assert_eq!(
+            TelemetryConfig::default().prometheus,
+            None,
+            "off by default"
+        );
+        let on = parse("[telemetry.prometheus]\n").unwrap();
+        let p = on.prometheus.clone().unwrap();
+        assert_eq!(p.listen, "127.0.0.1:9464".parse().unwrap());
+        assert!(on.validate().is_ok(), "loopback needs no token");
+        assert!(parse("[telemetry.prometheus]\nlisten = \"127.0.0.1:9\"\nport = 1\n").is_err());
+
+        let open = parse("[telemetry.prometheus]\nlisten = \"0.0.0.0:9464\"\n").unwrap();
+        assert!(matches!(
+            open.validate(),
+            Err(TelemetryError::InvalidConfig {
+                field: "prometheus.listen",
+                ..
+            })
+        ));
+        for ok in [
+            "[telemetry.prometheus]\nlisten = \"0.0.0.0:9464\"\nauth_tokens = [\"0123456789abcdef\"]\n",
+            "[telemetry.prometheus]\nlisten = \"[::]:9464\"\nallow_unauthenticated = true\n",
+        ] {
+            parse(ok).unwrap().validate().unwrap();
+        }
+        let short = parse("[telemetry.prometheus]\nauth_tokens = [\"short\"]\n").unwrap();
+        assert!(matches!(
+            short.validate(),
+            Err(TelemetryError::InvalidConfig {
+                field: "prometheus.auth_tokens",
+                ..
+            })
+        ));
+        // Resolution carries it, unless the SDK is disabled.
+        assert_eq!(on.resolve(&env(&[])).unwrap().prometheus, Some(p));
+        let off = on.resolve(&env(&[("OTEL_SDK_DISABLED", "true")])).unwrap();
+        assert_eq!(off.prometheus, None);
+        assert!(!off.keeps_metrics());
     }
 
     #[test]

@@ -46,6 +46,22 @@ pub enum TelemetryError {
         #[source]
         source: opentelemetry_otlp::ExporterBuildError,
     },
+    /// The Prometheus exporter could not be registered.
+    #[error("cannot build the Prometheus exporter")]
+    Prometheus {
+        /// The SDK's error.
+        #[source]
+        source: opentelemetry_sdk::error::OTelSdkError,
+    },
+    /// The scrape endpoint's listen address cannot be bound.
+    #[error("cannot listen on {addr} (telemetry.prometheus.listen)")]
+    ScrapeListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The bind error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A global tracing subscriber is already installed.
     #[error("a global tracing subscriber is already installed")]
     AlreadyInitialized,

@@ -1,4 +1,5 @@
-//! Telemetry: the log, OpenTelemetry traces and metrics over OTLP, and W3C trace context.
+//! Telemetry: the log, OpenTelemetry traces and metrics over OTLP, a Prometheus scrape
+//! endpoint, and W3C trace context.
 //!
 //! This is the only place in tether that installs a `tracing` subscriber or an OpenTelemetry
 //! exporter; everything else only creates spans and records metrics. [`init`] installs:
@@ -8,11 +9,14 @@
 //!   `tracing-opentelemetry` layer feeding an OTLP span exporter (HTTP/protobuf through the
 //!   blocking reqwest client, or gRPC through tonic) behind the SDK's batch processor, and an
 //!   OTLP metric exporter behind a periodic reader, set as the global meter provider;
+//! - when `[telemetry.prometheus]` is on: a Prometheus reader on that same meter provider,
+//!   and the [`scrape`] endpoint the daemon serves on its own listener;
 //! - the W3C TraceContext propagator, used by [`extract_parent`] for inbound requests.
 //!
 //! Exports never sit on a request's path: spans are queued to the batch processor's own
 //! thread (a full queue drops spans rather than wait), and metrics are read by the periodic
-//! reader's thread. A dead or slow collector costs log lines, never latency or errors.
+//! reader's thread (or, for the scrape endpoint, by the scrape). A dead or slow collector
+//! costs log lines, never latency or errors.
 //! [`TelemetryGuard::shutdown`] flushes both at exit, off the async worker threads.
 //!
 //! Span names and attribute keys live in [`names`]; the metric instruments in [`Metrics`].
@@ -23,6 +27,7 @@ mod error;
 mod metrics;
 pub mod names;
 mod propagation;
+pub mod scrape;
 
 use std::time::Duration;
 
@@ -36,7 +41,9 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::{EnvFilter, Registry};
 
-pub use config::{LogFormat, OtlpProtocol, ResolvedTelemetry, SamplerKind, TelemetryConfig};
+pub use config::{
+    LogFormat, OtlpProtocol, PrometheusConfig, ResolvedTelemetry, SamplerKind, TelemetryConfig,
+};
 pub use env::{EnvSource, ProcessEnv};
 pub use error::TelemetryError;
 pub use metrics::{
@@ -84,10 +91,12 @@ pub struct TelemetryGuard {
     resolved: ResolvedTelemetry,
     tracer_provider: Option<SdkTracerProvider>,
     meter_provider: Option<SdkMeterProvider>,
+    scrape: Option<scrape::ScrapeEndpoint>,
 }
 
 /// Set up telemetry from the `[telemetry]` config and the environment, and install it as
-/// the process's global subscriber, propagator and meter provider.
+/// the process's global subscriber, propagator and meter provider, and the scrape endpoint
+/// ([`scrape::installed`]) the daemon then serves.
 ///
 /// Must run inside a Tokio runtime when the gRPC transport is configured. Fails with
 /// [`TelemetryError::AlreadyInitialized`] if a global subscriber exists.
@@ -99,10 +108,17 @@ pub fn init(cfg: &TelemetryConfig, env: &dyn EnvSource) -> Result<TelemetryGuard
     if let Some(mp) = &guard.meter_provider {
         opentelemetry::global::set_meter_provider(mp.clone());
     }
+    if let Some(ep) = &guard.scrape {
+        scrape::install(ep);
+    }
     let r = &guard.resolved;
     tracing::info!(
         traces_endpoint = r.traces_endpoint.as_deref().unwrap_or("none"),
         metrics_endpoint = r.metrics_endpoint.as_deref().unwrap_or("none"),
+        prometheus_listen = r
+            .prometheus
+            .as_ref()
+            .map_or_else(|| "none".to_owned(), |p| p.listen.to_string()),
         protocol = %r.protocol,
         service_name = r.service_name(),
         "Telemetry initialised."
@@ -146,24 +162,35 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
         }
     };
 
-    let meter_provider = match &resolved.metrics_endpoint {
-        None => None,
-        Some(endpoint) => {
+    // One meter provider with a reader per path (OTLP push, Prometheus pull): the same
+    // instruments and aggregations reach both.
+    let (scrape, scrape_reader) = match &resolved.prometheus {
+        Some(p) => {
+            let (ep, reader) = scrape::ScrapeEndpoint::new(p.clone())?;
+            (Some(ep), Some(reader))
+        }
+        None => (None, None),
+    };
+    let meter_provider = if resolved.keeps_metrics() {
+        let mut builder = SdkMeterProvider::builder().with_resource(resource);
+        if let Some(endpoint) = &resolved.metrics_endpoint {
             let exporter = metric_exporter(resolved.protocol, endpoint, resolved.export_timeout)
                 .map_err(|source| TelemetryError::Exporter {
                     signal: "metrics",
                     source,
                 })?;
-            let reader = PeriodicReader::builder(exporter)
-                .with_interval(resolved.metrics_interval)
-                .build();
-            Some(
-                SdkMeterProvider::builder()
-                    .with_resource(resource)
-                    .with_reader(reader)
+            builder = builder.with_reader(
+                PeriodicReader::builder(exporter)
+                    .with_interval(resolved.metrics_interval)
                     .build(),
-            )
+            );
         }
+        if let Some(reader) = scrape_reader {
+            builder = builder.with_reader(reader);
+        }
+        Some(builder.build())
+    } else {
+        None
     };
 
     let log_filter = EnvFilter::builder()
@@ -215,6 +242,7 @@ pub fn build_resolved(resolved: ResolvedTelemetry) -> Result<Telemetry, Telemetr
             resolved,
             tracer_provider,
             meter_provider,
+            scrape,
         },
     })
 }
@@ -294,9 +322,14 @@ impl TelemetryGuard {
         self.tracer_provider.is_some()
     }
 
-    /// Whether metrics are exported.
+    /// Whether metrics are pushed over OTLP.
     pub fn exports_metrics(&self) -> bool {
-        self.meter_provider.is_some()
+        self.resolved.metrics_endpoint.is_some()
+    }
+
+    /// The scrape endpoint, when `[telemetry.prometheus]` is on.
+    pub fn scrape_endpoint(&self) -> Option<&scrape::ScrapeEndpoint> {
+        self.scrape.as_ref()
     }
 
     /// tether's instruments on this pipeline's meter provider (the no-op meter when metrics
@@ -329,6 +362,7 @@ impl TelemetryGuard {
             resolved,
             tracer_provider,
             meter_provider,
+            scrape: _,
         } = self;
         let timeout = resolved.export_timeout;
         let traces = tracer_provider.map(|tp| {

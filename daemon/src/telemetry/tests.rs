@@ -248,3 +248,179 @@ async fn shutdown_on_a_current_thread_runtime_does_not_deadlock() {
     let _ = t.guard.shutdown().await;
     assert!(started.elapsed() < Duration::from_millis(300 + 1000 + 500));
 }
+
+// === the Prometheus scrape endpoint ===
+
+const SCRAPE_TOKEN: &str = "scrape-token-0123456789";
+
+fn scrape_config(tokens: &[&str]) -> TelemetryConfig {
+    TelemetryConfig {
+        prometheus: Some(PrometheusConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            auth_tokens: tokens.iter().map(|t| (*t).to_owned()).collect(),
+            allow_unauthenticated: false,
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_exposition_names_every_instrument_as_the_collector_does() {
+    let t = build(&scrape_config(&[]), &env(&[])).unwrap();
+    assert!(!t.guard.exports_metrics(), "nothing is pushed");
+    let ep = t
+        .guard
+        .scrape_endpoint()
+        .expect("a scrape endpoint")
+        .clone();
+    let m = t.guard.metrics();
+    m.tool_call("bash", "local", "ok", Duration::from_millis(30));
+    m.remote_op(
+        names::FS_READ,
+        "local",
+        "FS_NOT_FOUND",
+        Duration::from_millis(2),
+    );
+    m.timeout(names::clocks::OUTPUT_IDLE, "local");
+    m.sandboxes_live(1, "local");
+    m.sessions_live(1);
+    let text = ep.render().unwrap();
+    for spec in INSTRUMENTS {
+        for series in spec.prometheus_series() {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&format!("{series}{{")))
+                .unwrap_or_else(|| panic!("no {series} in\n{text}"));
+            for label in spec.prometheus_labels() {
+                assert!(line.contains(&format!("{label}=\"")), "{label} on {line}");
+            }
+            assert!(line.contains("otel_scope_name=\"tether\""), "{line}");
+        }
+    }
+    // The buckets are the instruments' own.
+    assert!(
+        text.contains("le=\"0.025\""),
+        "duration buckets in seconds:\n{text}"
+    );
+    assert!(
+        text.contains("# TYPE tether_timeouts_total counter"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE tether_sandboxes_live gauge"),
+        "{text}"
+    );
+    assert!(text.contains("target_info{"), "{text}");
+    assert!(text.contains("service_name=\"tetherd\""), "{text}");
+}
+
+#[test]
+fn sdk_disabled_turns_the_scrape_endpoint_off_too() {
+    let t = build(&scrape_config(&[]), &env(&[("OTEL_SDK_DISABLED", "true")])).unwrap();
+    assert!(t.guard.scrape_endpoint().is_none());
+}
+
+#[tokio::test]
+async fn the_scrape_listener_enforces_its_token_and_stops_on_shutdown() {
+    let t = build(&scrape_config(&[SCRAPE_TOKEN]), &env(&[])).unwrap();
+    let ep = t.guard.scrape_endpoint().unwrap().clone();
+    t.guard.metrics().sessions_live(1);
+    let tasks = tokio_util::task::TaskTracker::new();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let s = stop.clone();
+    let addr = ep
+        .bind()
+        .await
+        .unwrap()
+        .spawn(&tasks, async move { s.cancelled().await });
+    let url = format!("http://{addr}{}", scrape::METRICS_PATH);
+    let http = reqwest::Client::new();
+
+    let r = http.get(&url).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    let r = http
+        .get(&url)
+        .bearer_auth("wrong-token-0123456789")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http
+        .get(&url)
+        .bearer_auth(SCRAPE_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/plain; version=0.0.4");
+    let body = r.text().await.unwrap();
+    assert!(body.contains("tether_sessions_live{"), "{body}");
+    let r = http
+        .head(&url)
+        .bearer_auth(SCRAPE_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = http
+        .get(format!("http://{addr}/other"))
+        .bearer_auth(SCRAPE_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = http
+        .post(&url)
+        .bearer_auth(SCRAPE_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+
+    // A second bind of a taken address is a start-up error naming the address.
+    let taken = scrape::ScrapeEndpoint::new(PrometheusConfig {
+        listen: addr,
+        ..Default::default()
+    })
+    .unwrap()
+    .0;
+    assert!(matches!(
+        taken.bind().await,
+        Err(TelemetryError::ScrapeListen { addr: a, .. }) if a == addr
+    ));
+
+    drop(http);
+    stop.cancel();
+    tasks.close();
+    tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+        .await
+        .expect("the scrape listener stops on shutdown");
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "nothing listens after shutdown"
+    );
+}
+
+#[tokio::test]
+async fn scrape_and_otlp_push_read_the_same_meter_provider() {
+    let cfg = TelemetryConfig {
+        otlp_endpoint: Some("http://127.0.0.1:9".into()),
+        export_timeout_ms: 200,
+        ..scrape_config(&[])
+    };
+    let t = build(&cfg, &env(&[])).unwrap();
+    assert!(t.guard.exports_metrics() && t.guard.exports_traces());
+    let ep = t.guard.scrape_endpoint().unwrap().clone();
+    t.guard
+        .metrics()
+        .tool_call("read_file", "local", "ok", Duration::from_millis(4));
+    let text = ep.render().unwrap();
+    assert!(
+        text.contains("tether_tool_duration_seconds_count{")
+            && text.contains("tool_name=\"read_file\""),
+        "{text}"
+    );
+    // The last push goes to a dead collector: it fails, and is only logged.
+    let _ = t.guard.shutdown().await;
+}
