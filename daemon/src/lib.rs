@@ -6,9 +6,11 @@
 //! execution with its clocks, leases, and telemetry. It must not contain provider
 //! (backend) code: providers are reached only through the `tether-provider` seam.
 
-// The session log is a crate of its own; these names keep its paths short here.
+// The session log and telemetry are crates of their own; these names keep their paths
+// short here.
 pub use tether_session_log as session;
 pub use tether_session_log::invariants;
+pub use tether_telemetry as telemetry;
 
 pub mod api;
 pub mod cli;
@@ -23,6 +25,5 @@ pub mod providers;
 pub mod server;
 pub mod sessions;
 pub mod state;
-pub mod telemetry;
 #[cfg(test)]
 pub(crate) mod testutil;

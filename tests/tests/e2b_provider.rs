@@ -204,6 +204,8 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
     let p = via_proxy(&d, &proxy, |c| {
         c.keepalive_interval_s = 1;
         c.transport_idle_ms = 1500;
+        // Without retries a stall ends the read (with them it is resumed: see below).
+        c.retry.max_times = 0;
     });
     let sb = new_sandbox(&p).await;
     let data: Vec<u8> = (0..8u32 << 20)
@@ -252,6 +254,48 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
         "the partial data is a prefix of the file"
     );
     assert_eq!(proxy.stalls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_read_stalled_once_is_resumed_byte_for_byte() {
+    let d = TestDaemon::start().await;
+    let proxy = FaultProxy::start(addr_of(&d.base)).await;
+    let p = via_proxy(&d, &proxy, |c| {
+        c.keepalive_interval_s = 1;
+        c.transport_idle_ms = 1500;
+    });
+    let sb = new_sandbox(&p).await;
+    let data: Vec<u8> = (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let body = futures_util::stream::iter(
+        data.chunks(1 << 20)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect::<Vec<_>>(),
+    )
+    .boxed();
+    sb.fs()
+        .write(&ctx(), "big.bin", body, WriteGuard::None)
+        .await
+        .expect("write");
+    proxy.stall_after(1 << 20);
+    let t = Instant::now();
+    let mut stream = sb
+        .fs()
+        .read(&ctx(), "big.bin", ByteRange::default())
+        .await
+        .expect("read");
+    let mut got = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        got.extend_from_slice(&chunk.expect("the stalled body is resumed"));
+    }
+    assert_eq!(proxy.stalls(), 1);
+    assert!(
+        t.elapsed() >= Duration::from_millis(1500),
+        "the stall was noticed by the transport-idle clock"
+    );
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "every byte once, in order");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

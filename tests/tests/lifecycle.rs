@@ -81,6 +81,18 @@ async fn idle_expiry_survives_a_restart() {
         },
     )
     .await;
+    // "closed" shows as soon as closing starts; the log's last line follows.
+    wait_until("the log records the close", Duration::from_secs(10), || {
+        let dir = d.dir.path().to_owned();
+        let sid = sid.clone();
+        async move {
+            read_log(&dir, &sid)
+                .1
+                .last()
+                .is_some_and(|e| e["type"] == "session/closed")
+        }
+    })
+    .await;
     let (header, events) = read_log(d.dir.path(), &sid);
     assert_eq!(
         header["params"]["expiry"],

@@ -496,6 +496,12 @@ fn e2b_provider(backend: &Backend, proxy: &FaultProxy) -> ProviderConfig {
         inherit_env: false,
         transport_idle_ms: TRANSPORT_IDLE_MS,
         keepalive_interval_s: 1,
+        // No retries: a stalled read would otherwise be resumed on a new connection, and
+        // the test needs it to end as TRANSPORT_IDLE_TIMEOUT.
+        retry: RetryConfig {
+            max_times: 0,
+            ..RetryConfig::default()
+        },
         ..E2bConfig::default()
     })
 }
