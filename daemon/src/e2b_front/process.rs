@@ -464,48 +464,9 @@ fn respond(
 /// with exit code -1.
 pub(super) fn end_event(status: ExitStatus) -> EndEvent {
     match (status.code, status.signal) {
-        (Some(code), _) => {
-            let s = format!("exit status {code}");
-            EndEvent {
-                exit_code: code,
-                exited: true,
-                error: (code != 0).then(|| s.clone()),
-                status: s,
-            }
-        }
-        (None, Some(sig)) => {
-            let s = format!("signal: {}", signal_name(sig));
-            EndEvent {
-                exit_code: -1,
-                exited: false,
-                error: Some(s.clone()),
-                status: s,
-            }
-        }
-        (None, None) => EndEvent {
-            exit_code: -1,
-            exited: false,
-            status: "unknown".into(),
-            error: Some("the process ended without a status".into()),
-        },
-    }
-}
-
-/// Go's names of signals (`syscall.Signal.String`).
-fn signal_name(sig: i32) -> String {
-    match sig {
-        1 => "hangup".into(),
-        2 => "interrupt".into(),
-        3 => "quit".into(),
-        6 => "aborted".into(),
-        9 => "killed".into(),
-        10 => "user defined signal 1".into(),
-        11 => "segmentation fault".into(),
-        12 => "user defined signal 2".into(),
-        13 => "broken pipe".into(),
-        14 => "alarm clock".into(),
-        15 => "terminated".into(),
-        n => format!("signal {n}"),
+        (Some(code), _) => EndEvent::exited_with(code),
+        (None, Some(sig)) => EndEvent::signaled(sig),
+        (None, None) => EndEvent::unknown(),
     }
 }
 
@@ -552,7 +513,10 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
     };
     match r {
         Ok(()) => {
-            let mut body = connect::envelope(0, b"{}").to_vec();
+            let mut body = match connect::envelope(b"{}") {
+                Ok(frame) => frame.to_vec(),
+                Err(e) => return connect::stream_error(&e),
+            };
             body.extend_from_slice(&connect::end_frame(None));
             (
                 http::StatusCode::OK,
