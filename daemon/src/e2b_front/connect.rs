@@ -32,6 +32,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tether_protocol::connect::{self as codec, Decoder, Frame, FrameError};
 use tether_protocol::e2b::{ConnectCode, ConnectErrorBody, EndOfStream};
+use tether_provider::clock::CancelToken;
 use tokio::time::Instant;
 
 use crate::error::DaemonError;
@@ -356,8 +357,14 @@ pub(super) struct StreamOpts {
     pub(super) keepalive: Duration,
     /// The keepalive message of this service, JSON.
     pub(super) keepalive_msg: Bytes,
-    /// When the call's deadline passes, the stream ends with `deadline_exceeded`.
+    /// When the call's deadline passes, the stream ends with `deadline_exceeded`, even
+    /// when a message (the end of a process its deadline killed) is ready at that moment:
+    /// envd's handler returns its context's error first.
     pub(super) deadline: Option<Instant>,
+    /// When this fires (the sandbox is gone), the connection is cut without an end frame,
+    /// as a killed sandbox's envd cuts it: the SDKs then probe `/health` and report the
+    /// sandbox killed, never a normal end.
+    pub(super) sever: Option<CancelToken>,
     /// The span the stream is produced in.
     pub(super) span: tracing::Span,
 }
@@ -387,6 +394,7 @@ pub(super) fn stream_response(
         keepalive: Duration,
         keepalive_msg: Bytes,
         deadline: Option<Instant>,
+        sever: Option<CancelToken>,
     }
     let st = St {
         inner: messages,
@@ -394,35 +402,58 @@ pub(super) fn stream_response(
         keepalive: opts.keepalive,
         keepalive_msg: opts.keepalive_msg,
         deadline: opts.deadline,
+        sever: opts.sever,
     };
-    let frames = futures_util::stream::unfold(st, |mut st| async move {
+    let expired = || {
+        RpcError::new(
+            ConnectCode::DeadlineExceeded,
+            "the call's Connect-Timeout-Ms expired",
+        )
+    };
+    let frames = futures_util::stream::unfold(st, move |mut st| async move {
         if st.done {
             return None;
         }
         let deadline = st.deadline;
+        let sever = st.sever.clone();
         let out = tokio::select! {
             biased;
-            item = st.inner.next() => match item {
-                Some(Ok(payload)) => match envelope(&payload) {
-                    Ok(frame) => frame,
-                    Err(e) => {
-                        st.done = true;
-                        end_frame(Some(&e))
-                    }
-                },
-                Some(Err(e)) => {
-                    st.done = true;
-                    end_frame(Some(&e))
-                }
-                None => {
-                    st.done = true;
-                    end_frame(None)
-                }
-            },
+            _ = cancelled_opt(sever.as_ref()) => {
+                st.done = true;
+                return Some((Err(std::io::Error::other("the sandbox is gone")), st));
+            }
             _ = sleep_until_opt(deadline) => {
                 st.done = true;
-                end_frame(Some(&RpcError::new(ConnectCode::DeadlineExceeded, "the call's Connect-Timeout-Ms expired")))
+                end_frame(Some(&expired()))
             }
+            item = st.inner.next() => {
+                if sever.as_ref().is_some_and(CancelToken::is_cancelled) {
+                    st.done = true;
+                    return Some((Err(std::io::Error::other("the sandbox is gone")), st));
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    st.done = true;
+                    end_frame(Some(&expired()))
+                } else {
+                    match item {
+                        Some(Ok(payload)) => match envelope(&payload) {
+                            Ok(frame) => frame,
+                            Err(e) => {
+                                st.done = true;
+                                end_frame(Some(&e))
+                            }
+                        },
+                        Some(Err(e)) => {
+                            st.done = true;
+                            end_frame(Some(&e))
+                        }
+                        None => {
+                            st.done = true;
+                            end_frame(None)
+                        }
+                    }
+                }
+            },
             _ = tokio::time::sleep(st.keepalive) => match envelope(&st.keepalive_msg) {
                 Ok(frame) => frame,
                 Err(e) => {
@@ -431,7 +462,7 @@ pub(super) fn stream_response(
                 }
             },
         };
-        Some((Ok::<_, std::convert::Infallible>(out), st))
+        Some((Ok::<_, std::io::Error>(out), st))
     });
     let body = Body::from_stream(InSpan {
         inner: frames.boxed(),
@@ -453,6 +484,13 @@ pub(super) fn stream_error(e: &RpcError) -> Response {
         end_frame(Some(e)),
     )
         .into_response()
+}
+
+async fn cancelled_opt(token: Option<&CancelToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {

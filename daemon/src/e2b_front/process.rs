@@ -45,10 +45,6 @@ use crate::exec::{self, ExecLimits, RunningCommand};
 use crate::server::RequestCtx;
 use crate::state::AppState;
 
-/// Time an `end` event gets to follow a process killed at its deadline before the stream
-/// itself gives up with `deadline_exceeded`.
-const END_AFTER_DEADLINE: Duration = Duration::from_secs(2);
-
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/process.Process/{method}", post(rpc))
 }
@@ -313,6 +309,10 @@ fn list(t: &Target) -> ListResponse {
 // === Start and Connect ===
 
 async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Body) -> Response {
+    // Taken before the process starts, so the stream's deadline passes no later than the
+    // process's own (which kills it): as with envd, the stream then ends with
+    // `deadline_exceeded`, not with the killed process's `end`.
+    let deadline = opts.deadline();
     let req: StartRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
@@ -321,8 +321,7 @@ async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Bo
         Ok(cmd) => {
             tracing::Span::current().record("command.id", cmd.command_id.as_str());
             let events = cmd.events(StreamOffsets::default());
-            let deadline = opts.deadline().map(|d| d + END_AFTER_DEADLINE);
-            respond(cmd.pid, events, opts, deadline)
+            respond(t, cmd.pid, events, opts, deadline)
         }
         Err(e) => connect::stream_error(&e),
     }
@@ -413,11 +412,12 @@ async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
         stdout: cmd.journal.len(first),
         stderr: cmd.journal.len(StreamKind::Stderr),
     };
-    respond(cmd.pid, cmd.events(from), opts, opts.deadline())
+    respond(t, cmd.pid, cmd.events(from), opts, opts.deadline())
 }
 
 /// The process stream: `start`, then the command's output and its end.
 fn respond(
+    t: &Target,
     pid: u32,
     events: BoxStream<'static, crate::error::Result<ProcessEvent>>,
     opts: CallOpts,
@@ -455,6 +455,7 @@ fn respond(
             keepalive: opts.keepalive,
             keepalive_msg,
             deadline,
+            sever: Some(t.session.cancel.clone()),
             span: tracing::Span::current(),
         },
     )
