@@ -1124,6 +1124,46 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
         .read_to_end(&mut back)
         .unwrap();
     assert_eq!(back, data, "relative paths are relative to /home/user");
+    // Incompressible bytes are served as they are, gzip asked for or not.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let noise: Vec<u8> = (0..200_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let r = f
+        .envd(
+            reqwest::Method::POST,
+            "/files?path=/home/user/noise.bin",
+            &id,
+            &token,
+        )
+        .header("content-type", "application/octet-stream")
+        .body(noise.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = f
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/noise.bin",
+            &id,
+            &token,
+        )
+        .header("accept-encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(
+        r.headers().get("content-encoding").is_none(),
+        "random bytes were gzip-encoded"
+    );
+    assert_eq!(r.bytes().await.unwrap().as_ref(), noise.as_slice());
     // A byte range.
     let r = f
         .envd(
@@ -1188,7 +1228,7 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
         .iter()
         .filter(|e| matches!(e, EventBody::FsOp { op, outcome, .. } if op == "write" && outcome == "ok"))
         .count();
-    assert_eq!(writes, 3, "every upload is in the session log");
+    assert_eq!(writes, 4, "every upload is in the session log");
     f.stop().await;
 }
 
