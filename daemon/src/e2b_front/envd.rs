@@ -44,6 +44,10 @@ use crate::state::AppState;
 /// Chunks queued between an upload's body and the provider's write.
 const UPLOAD_QUEUE: usize = 8;
 
+/// What is left of an upload's body that is read (and dropped) after the upload was
+/// refused part-way, before the answer: Go's server (envd) reads up to 256 KiB.
+const DRAIN_AFTER_REFUSAL: usize = 256 * 1024;
+
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/health", get(health))
@@ -831,70 +835,90 @@ async fn serve_upload(
     if let Some(boundary) = boundary_of(&ct) {
         let mut mp = Multipart::new(body, &boundary);
         let mut seen = std::collections::HashSet::new();
-        loop {
-            let part = match mp.next_part().await {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
-                Err(e) => return RestError::bad_request(e.to_string()).into_response(),
-            };
-            if part.name.as_deref() != Some("file") {
-                continue;
-            }
-            let Some(shown) = q
-                .path
-                .clone()
-                .or(part.filename.clone())
-                .filter(|p| !p.is_empty())
-            else {
-                return RestError::bad_request(
-                    "a file part has no filename and the request no path",
-                )
-                .into_response();
-            };
-            let path = resolve_path(&shown);
-            if !seen.insert(path.clone()) {
-                return RestError::bad_request(format!(
-                    "cannot upload the same path twice: '{shown}'"
-                ))
-                .into_response();
-            }
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
-            let parts = &mut mp;
-            let p2 = path.clone();
-            // Feeds the part's bytes to the write; the sender drops (end of data) with it.
-            let feed = async move {
-                let mut total = 0u64;
-                loop {
-                    let item = match parts.next_chunk().await {
-                        Ok(Some(c)) => {
-                            total += c.len() as u64;
-                            if total > max {
-                                Err(ProviderError::fs(
-                                    ErrorCode::FsTooLarge,
-                                    &p2,
-                                    format!("file is larger than {max} bytes"),
-                                ))
-                            } else {
-                                Ok(c)
-                            }
-                        }
-                        Ok(None) => return,
-                        Err(e) => Err(ProviderError::InvalidRequest {
-                            message: e.to_string(),
-                        }),
-                    };
-                    let failed = item.is_err();
-                    if tx.send(item).await.is_err() || failed {
-                        return;
-                    }
+        let parts_done: Result<(), Response> = async {
+            loop {
+                let part = match mp.next_part().await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    Err(e) => return Err(RestError::bad_request(e.to_string()).into_response()),
+                };
+                if part.name.as_deref() != Some("file") {
+                    continue;
                 }
-            };
-            let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
-            let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
-            match res {
-                Ok(()) => written.push(entry(&path, metadata.clone())),
-                Err(e) => return RestError::from_envd(&e).into_response(),
+                let Some(shown) = q
+                    .path
+                    .clone()
+                    .or(part.filename.clone())
+                    .filter(|p| !p.is_empty())
+                else {
+                    return Err(RestError::bad_request(
+                        "a file part has no filename and the request no path",
+                    )
+                    .into_response());
+                };
+                let path = resolve_path(&shown);
+                if !seen.insert(path.clone()) {
+                    return Err(RestError::bad_request(format!(
+                        "cannot upload the same path twice: '{shown}'"
+                    ))
+                    .into_response());
+                }
+                let (tx, rx) =
+                    tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
+                let parts = &mut mp;
+                let p2 = path.clone();
+                // Feeds the part's bytes to the write; the sender drops (end of data) with it.
+                let feed = async move {
+                    let mut total = 0u64;
+                    loop {
+                        let item = match parts.next_chunk().await {
+                            Ok(Some(c)) => {
+                                total += c.len() as u64;
+                                if total > max {
+                                    Err(ProviderError::fs(
+                                        ErrorCode::FsTooLarge,
+                                        &p2,
+                                        format!("file is larger than {max} bytes"),
+                                    ))
+                                } else {
+                                    Ok(c)
+                                }
+                            }
+                            Ok(None) => return,
+                            Err(e) => Err(ProviderError::InvalidRequest {
+                                message: e.to_string(),
+                            }),
+                        };
+                        let failed = item.is_err();
+                        if tx.send(item).await.is_err() || failed {
+                            return;
+                        }
+                    }
+                };
+                let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
+                let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
+                match res {
+                    Ok(()) => written.push(entry(&path, metadata.clone())),
+                    Err(e) => return Err(RestError::from_envd(&e).into_response()),
+                }
             }
+            Ok(())
+        }
+        .await;
+        if let Err(refused) = parts_done {
+            // Refused part-way: read what the client is still sending (bounded) before
+            // answering, as Go's server does, so it gets the answer and not a reset.
+            let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+            let drained = tokio::time::timeout(limit, mp.drain(DRAIN_AFTER_REFUSAL))
+                .await
+                .unwrap_or(false);
+            let mut refused = refused;
+            if !drained {
+                refused
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return refused;
         }
         if written.is_empty() {
             return RestError::bad_request("the multipart body holds no part named \"file\"")

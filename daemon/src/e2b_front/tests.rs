@@ -1743,3 +1743,66 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
     );
     f.stop().await;
 }
+
+/// The answer of a raw HTTP/1.1 exchange: the status line, or the I/O error that ended it.
+async fn raw_exchange(addr: &str, head: &[u8], body: &[u8]) -> Result<String, std::io::Error> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut sock = tokio::net::TcpStream::connect(addr).await?;
+    sock.write_all(head).await?;
+    // The body goes in pieces, as a client streaming a file sends it.
+    for piece in body.chunks(16 * 1024) {
+        sock.write_all(piece).await?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::Error::other("closed before an answer"));
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    Ok(text.lines().next().unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn a_multipart_upload_refused_part_way_is_answered_not_reset() {
+    let f = Front::start().await;
+    let (id, token) = f.create(KEY_A).await;
+    let addr = f.base.trim_start_matches("http://").to_owned();
+    let boundary = "tether-refused-part-way";
+    let mut body = Vec::new();
+    // The second part repeats the first's path: refused there, with 200 KiB still to come.
+    for (name, data) in [
+        ("same.txt", vec![b'a'; 10]),
+        ("same.txt", vec![b'b'; 10]),
+        ("after.bin", vec![b'c'; 200 * 1024]),
+    ] {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(&data);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let head = format!(
+        "POST /files HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: {id}\r\nE2b-Sandbox-Port: 49983\r\nX-Access-Token: {token}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let status = tokio::time::timeout(
+        Duration::from_secs(20),
+        raw_exchange(&addr, head.as_bytes(), &body),
+    )
+    .await
+    .expect("the exchange hung");
+    match status {
+        Ok(line) => assert!(line.starts_with("HTTP/1.1 400"), "{line}"),
+        Err(e) => panic!("the client got {e} instead of the refusal"),
+    }
+    f.stop().await;
+}
