@@ -319,7 +319,8 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
             init.default_user = Some(u);
         }
         if let Some(w) = req.default_workdir {
-            init.default_workdir = Some(resolve_path(&w));
+            // Kept as given: envd resolves it per operation, under that user's home.
+            init.default_workdir = Some(w);
         }
     }
     (
@@ -473,11 +474,12 @@ async fn serve_download(
     q: &FilesQuery,
     headers: &HeaderMap,
 ) -> Response {
-    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
-        return RestError::unauthorized(e).into_response();
-    }
+    let user = match effective_user(q.username.clone(), &target.extra) {
+        Ok(u) => u,
+        Err(e) => return RestError::unauthorized(e).into_response(),
+    };
     let shown = q.path.clone().unwrap_or_default();
-    let path = resolve_path(&shown);
+    let path = resolve_path(&shown, &user);
     let sandbox = match target.session.sandbox() {
         Ok(s) => s,
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
@@ -814,9 +816,10 @@ async fn serve_upload(
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
-        return RestError::unauthorized(e).into_response();
-    }
+    let user = match effective_user(q.username.clone(), &target.extra) {
+        Ok(u) => u,
+        Err(e) => return RestError::unauthorized(e).into_response(),
+    };
     let metadata = match metadata_of(headers) {
         Ok(m) => m,
         Err(e) => return RestError::bad_request(e).into_response(),
@@ -856,7 +859,7 @@ async fn serve_upload(
                     )
                     .into_response());
                 };
-                let path = resolve_path(&shown);
+                let path = resolve_path(&shown, &user);
                 if !seen.insert(path.clone()) {
                     return Err(RestError::bad_request(format!(
                         "cannot upload the same path twice: '{shown}'"
@@ -936,7 +939,7 @@ async fn serve_upload(
             )
             .into_response();
         };
-        let path = resolve_path(&shown);
+        let path = resolve_path(&shown, &user);
         let gz = headers
             .get(header::CONTENT_ENCODING)
             .and_then(|v| v.to_str().ok())

@@ -120,7 +120,7 @@ async fn rpc(
         )
         .into_response();
     };
-    let (opts, target, _user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
+    let (opts, target, user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
         Ok(x) => x,
         Err(r) => return *r,
     };
@@ -131,10 +131,10 @@ async fn rpc(
     let cctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
     let resp = async {
         if m == Method::WatchDir {
-            return watch_dir(&cctx, opts, &target, body).await;
+            return watch_dir(&cctx, opts, &target, &user, body).await;
         }
         let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
-            Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
+            Ok(bytes) => unary(m, &cctx, &target, &user, &bytes).await,
             Err(e) => Err(e),
         };
         r.unwrap_or_else(IntoResponse::into_response)
@@ -152,13 +152,21 @@ async fn rpc(
     resp
 }
 
-async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Response, RpcError> {
+async fn unary(
+    m: Method,
+    ctx: &CallCtx,
+    t: &Target,
+    user: &str,
+    body: &[u8],
+) -> Result<Response, RpcError> {
     let sandbox = t.session.sandbox()?;
     let fs = sandbox.fs();
     match m {
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let st = ctx.run(fs.stat(ctx, &resolve_path(&req.path))).await?;
+            let st = ctx
+                .run(fs.stat(ctx, &resolve_path(&req.path, user)))
+                .await?;
             let entry = ctx.run(async { Ok(resolved_entry(ctx, fs, &st, &t.extra).await) });
             Ok(connect::unary_ok(&EntryResponse {
                 entry: entry.await?,
@@ -166,7 +174,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::ListDir => {
             let req: ListDirRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
+            let path = resolve_path(&req.path, user);
             let st = ctx.run(fs.stat(ctx, &path)).await?;
             if st.kind != FileKind::Dir {
                 return Err(RpcError::invalid(format!(
@@ -188,7 +196,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::MakeDir => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
+            let path = resolve_path(&req.path, user);
             let r = ctx.run(fs.mkdir(ctx, &path, true)).await;
             log_fs_op(
                 &t.session,
@@ -220,7 +228,10 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::Move => {
             let req: MoveRequest = connect::decode_unary(body)?;
-            let (from, to) = (resolve_path(&req.source), resolve_path(&req.destination));
+            let (from, to) = (
+                resolve_path(&req.source, user),
+                resolve_path(&req.destination, user),
+            );
             let r = ctx.run(fs.rename(ctx, &from, &to)).await;
             log_fs_op(
                 &t.session,
@@ -237,7 +248,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::Remove => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
+            let path = resolve_path(&req.path, user);
             // envd removes with `os.RemoveAll`: a path that is not there is already
             // removed.
             let r = match ctx.run(fs.remove(ctx, &path, true)).await {
@@ -257,7 +268,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::CreateWatcher => {
             let req: WatchRequest = connect::decode_unary(body)?;
-            let id = create_watcher(ctx, t, sandbox, &req).await?;
+            let id = create_watcher(ctx, t, user, sandbox, &req).await?;
             Ok(connect::unary_ok(&CreateWatcherResponse { watcher_id: id }))
         }
         Method::GetWatcherEvents => {
@@ -629,7 +640,7 @@ async fn to_event(
     }
 }
 
-async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
+async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: Body) -> Response {
     let req: WatchRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
@@ -638,7 +649,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Res
         Ok(s) => s,
         Err(e) => return connect::stream_error(&RpcError::from(e)),
     };
-    let path = resolve_path(&req.path);
+    let path = resolve_path(&req.path, user);
     let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.session.cancel.child());
     let events = match open_watch(
         ctx,
@@ -860,10 +871,11 @@ fn watcher(extra: &SandboxExtra, id: &str) -> Result<Arc<Watcher>, RpcError> {
 async fn create_watcher(
     ctx: &CallCtx,
     t: &Target,
+    user: &str,
     sandbox: Arc<dyn Sandbox>,
     req: &WatchRequest,
 ) -> Result<String, RpcError> {
-    let path = resolve_path(&req.path);
+    let path = resolve_path(&req.path, user);
     let stop = t.session.cancel.child();
     let wctx = CallCtx::with_cancel(format!("watcher-{}", ctx.request_id), stop.clone());
     let mut events = open_watch(

@@ -47,8 +47,16 @@ pub use auth::Tenant;
 /// The `clientID` the SDKs require in every sandbox (deprecated upstream, a constant).
 const CLIENT_ID: &str = "tether";
 
-/// The sandbox user's home, the workspace: where relative paths and `~` point.
+/// The sandbox user's home, the workspace: where `user`'s relative paths and `~` point.
 const HOME: &str = "/home/user";
+
+/// `root`'s home.
+const ROOT_HOME: &str = "/root";
+
+/// The home of an envd user (`user` or `root`, the users [`auth::check_user`] admits).
+fn home_of(user: &str) -> &'static str {
+    if user == "root" { ROOT_HOME } else { HOME }
+}
 
 /// The per-front state, in [`AppState::e2b`].
 pub struct FrontState {
@@ -482,22 +490,24 @@ fn parse_rfc3339(s: &str) -> Option<i64> {
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
-/// Resolve an envd path the way envd does: `~` is the user's home, a relative path is
-/// relative to it. The provider's seam confines the result to the sandbox.
-fn resolve_path(path: &str) -> String {
+/// Resolve an envd path the way envd does (`ExpandAndResolve`): `~` is the home of the
+/// user the operation runs as, and a relative path is relative to it (`root`'s is
+/// `/root`). The provider's seam confines the result to the sandbox.
+fn resolve_path(path: &str, user: &str) -> String {
+    let home = home_of(user);
     let p = path.trim();
     if p == "~" {
-        return HOME.to_owned();
+        return home.to_owned();
     }
     if let Some(rest) = p.strip_prefix("~/") {
-        return format!("{HOME}/{rest}");
+        return format!("{home}/{rest}");
     }
     if p.starts_with('/') {
         p.to_owned()
     } else if p.is_empty() {
-        HOME.to_owned()
+        home.to_owned()
     } else {
-        format!("{HOME}/{p}")
+        format!("{home}/{p}")
     }
 }
 

@@ -345,8 +345,8 @@ async fn start_process(
         .cwd
         .as_deref()
         .filter(|c| !c.is_empty())
-        .map(resolve_path)
-        .or(init.default_workdir);
+        .map(|c| resolve_path(c, &user))
+        .or_else(|| init.default_workdir.map(|w| resolve_path(&w, &user)));
     if let Some(dir) = &cwd {
         // envd checks the working directory before it starts anything.
         let sandbox = t.session.sandbox()?;

@@ -1604,9 +1604,9 @@ fn connect_codes_follow_the_sdk_mapping() {
     assert_eq!(super::connect_code(C::FsAlreadyExists), K::AlreadyExists);
     assert_eq!(super::connect_code(C::Unsupported), K::Unimplemented);
     assert_eq!(super::connect_code(C::Unauthorized), K::Unauthenticated);
-    assert_eq!(super::resolve_path("~/x"), "/home/user/x");
-    assert_eq!(super::resolve_path("x/y"), "/home/user/x/y");
-    assert_eq!(super::resolve_path("/tmp"), "/tmp");
+    assert_eq!(super::resolve_path("~/x", "user"), "/home/user/x");
+    assert_eq!(super::resolve_path("x/y", "user"), "/home/user/x/y");
+    assert_eq!(super::resolve_path("/tmp", "user"), "/tmp");
     assert_eq!(
         super::form_pairs("a=1%2B2&b=x+y&c"),
         vec![
@@ -1664,7 +1664,9 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
             &token,
             "process.Process/Start",
             start_body("echo $FROM_INIT; pwd", false),
-            &[],
+            // As `user` (the default is now root): a relative default workdir is under
+            // the home of the user each process runs as.
+            &[("Authorization", "Basic dXNlcjo=")],
         )
         .await;
     assert_eq!(
@@ -1672,18 +1674,32 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
         "yes\n/home/user/wd\n",
         "init's env and workdir apply to later processes: {fr:?}"
     );
-    let spec = f
+    // Without a user asked for, the init default user runs it (here with a cwd of its own).
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            envelope(
+                0,
+                &json!({"process": {"cmd": "/bin/bash", "args": ["-c", "pwd"], "cwd": "/home/user/wd"}}),
+            ),
+            &[],
+        )
+        .await;
+    assert_eq!(outputs(&fr).0, "/home/user/wd\n", "{fr:?}");
+    let users: Vec<Option<String>> = f
         .session_events(&id)
         .into_iter()
-        .find_map(|e| match e {
-            EventBody::ProcessStarted { spec, .. } => Some(spec),
+        .filter_map(|e| match e {
+            EventBody::ProcessStarted { spec, .. } => Some(spec.user),
             _ => None,
         })
-        .unwrap();
+        .collect();
     assert_eq!(
-        spec.user.as_deref(),
-        Some("root"),
-        "the init default user is recorded"
+        users,
+        [Some("user".to_owned()), Some("root".to_owned())],
+        "the user asked for, then the init default user, are recorded"
     );
     let r = f
         .envd(reqwest::Method::GET, "/envs", &id, &token)
@@ -1805,4 +1821,16 @@ async fn a_multipart_upload_refused_part_way_is_answered_not_reset() {
         Err(e) => panic!("the client got {e} instead of the refusal"),
     }
     f.stop().await;
+}
+
+#[test]
+fn paths_resolve_under_the_home_of_the_user_asked_for() {
+    use super::resolve_path;
+    assert_eq!(resolve_path("hello.txt", "user"), "/home/user/hello.txt");
+    assert_eq!(resolve_path("hello.txt", "root"), "/root/hello.txt");
+    assert_eq!(resolve_path("~/a/b", "root"), "/root/a/b");
+    assert_eq!(resolve_path("~", "root"), "/root");
+    assert_eq!(resolve_path("", "root"), "/root");
+    assert_eq!(resolve_path("", "user"), "/home/user");
+    assert_eq!(resolve_path("/etc/hosts", "user"), "/etc/hosts");
 }
