@@ -984,10 +984,53 @@ async fn serve_upload(
         ))
         .into_response();
     }
-    for w in &written {
-        target.extra.set_meta(&w.path, metadata.clone());
+    if let Err(e) = store_metadata(state, ctx, target, &written, metadata.as_ref()).await {
+        return RestError::from_envd(&e).into_response();
     }
     (StatusCode::OK, axum::Json(written)).into_response()
+}
+
+/// Keep the metadata of uploaded files as envd does, as `user.e2b.*` extended attributes
+/// replacing those of an earlier upload (none given clears them); the front's own copy
+/// where the provider has no extended attributes.
+async fn store_metadata(
+    state: &AppState,
+    ctx: &CallCtx,
+    target: &Target,
+    written: &[WrittenEntry],
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<(), DaemonError> {
+    let sandbox = target.session.sandbox()?;
+    let mctx = ctx.with_timeout(
+        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
+        "DEADLINE_EXCEEDED",
+    );
+    let values: BTreeMap<String, Vec<u8>> = metadata
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_bytes().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    for w in written {
+        let r = sandbox
+            .fs()
+            .set_xattrs(
+                &mctx,
+                &w.path,
+                super::filesystem::META_XATTR_PREFIX,
+                values.clone(),
+            )
+            .await;
+        match r {
+            Ok(()) => target.extra.set_meta(&w.path, None),
+            Err(ProviderError::Unsupported { .. }) => {
+                target.extra.set_meta(&w.path, metadata.cloned());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry {

@@ -207,7 +207,7 @@ async fn unary(
             .await;
             match r {
                 Ok(st) => Ok(connect::unary_ok(&EntryResponse {
-                    entry: entry_info(&st, &t.extra),
+                    entry: resolved_entry(ctx, fs, &st, &t.extra).await,
                 })),
                 Err(e) if e.code() == ErrorCode::FsAlreadyExists => {
                     // envd: an existing directory is `already_exists`, anything else in the
@@ -243,7 +243,7 @@ async fn unary(
             let st = r?;
             t.extra.move_meta(&from, Some(&to));
             Ok(connect::unary_ok(&EntryResponse {
-                entry: entry_info(&st, &t.extra),
+                entry: resolved_entry(ctx, fs, &st, &t.extra).await,
             }))
         }
         Method::Remove => {
@@ -323,6 +323,9 @@ pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
     }
 }
 
+/// The extended attribute namespace of file metadata (envd's `MetadataXattrPrefix`).
+pub(super) const META_XATTR_PREFIX: &str = "user.e2b.";
+
 /// How many links a symlink chain may have before it counts as a loop (Linux's limit).
 const MAX_SYMLINK_HOPS: usize = 40;
 
@@ -337,6 +340,14 @@ pub(super) async fn resolved_entry(
     extra: &SandboxExtra,
 ) -> EntryInfo {
     let mut info = entry_info(st, extra);
+    // envd keeps file metadata as `user.e2b.*` extended attributes, so what a process
+    // sets there shows too; the front's own copy serves providers without them.
+    if let Ok(attrs) = fs.xattrs(ctx, &st.path, META_XATTR_PREFIX).await {
+        info.metadata = attrs
+            .into_iter()
+            .filter_map(|(k, v)| String::from_utf8(v).ok().map(|v| (k, v)))
+            .collect();
+    }
     if st.kind != FileKind::Symlink {
         return info;
     }

@@ -1092,3 +1092,27 @@ sdkTest("Sandbox.create (unknown template -> E2B's 404)", async (ctx) => {
   assert.equal(err.statusCode, 404);
   assert.ok(err.message.includes(`template '${name}' not found`), err.message);
 });
+
+sdkTest('files.write metadata (kept as user.e2b.* xattrs)', async (ctx) => {
+  const sbx = await ctx.create();
+  const p = `${HOME}/${unique('meta')}.txt`;
+  const meta = { author: 'suite', purpose: 'upload' };
+  assert.deepEqual((await sbx.files.write(p, 'first', { metadata: meta })).metadata, meta);
+  assert.deepEqual((await sbx.files.getInfo(p)).metadata, meta);
+  // On the file itself, as the sandbox's own processes see it.
+  const r = await sbx.commands.run(
+    `python3 -c "import os; print(os.getxattr('${p}', 'user.e2b.author').decode())"`,
+  );
+  assert.equal(r.stdout, 'suite\n');
+  // Set inside the sandbox: shown as metadata, in getInfo and in list.
+  const q = `${HOME}/${unique('meta-set')}.txt`;
+  await sbx.files.write(q, 'content');
+  await sbx.commands.run(`python3 -c "import os; os.setxattr('${q}', 'user.e2b.author', b'mish')"`);
+  assert.deepEqual((await sbx.files.getInfo(q)).metadata, { author: 'mish' });
+  const listed = Object.fromEntries((await sbx.files.list(HOME)).map((e) => [e.path, e]));
+  assert.deepEqual(listed[q].metadata, { author: 'mish' });
+  // Overwriting without metadata clears what an earlier upload stored.
+  await sbx.files.write(p, 'second');
+  const after = (await sbx.files.getInfo(p)).metadata;
+  assert.ok(after === undefined || Object.keys(after).length === 0, JSON.stringify(after));
+});

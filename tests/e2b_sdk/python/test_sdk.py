@@ -917,3 +917,27 @@ def test_sandbox_create_unknown_template(env):
         Sandbox.create(name, request_timeout=REQUEST_TIMEOUT_S)
     assert getattr(caught.value, "status_code", None) == 404
     assert f"template '{name}' not found" in str(caught.value)
+
+
+@sdk("files.write metadata (kept as user.e2b.* xattrs)")
+def test_files_metadata_is_xattrs(sandbox):
+    p = f"{HOME}/{unique('meta')}.txt"
+    meta = {"author": "suite", "purpose": "upload"}
+    assert sandbox.files.write(p, "first", metadata=meta).metadata == meta
+    assert sandbox.files.get_info(p).metadata == meta
+    # On the file itself, as the sandbox's own processes see it.
+    r = sandbox.commands.run(
+        f"python3 -c \"import os; print(os.getxattr('{p}', 'user.e2b.author').decode())\""
+    )
+    assert r.stdout == "suite\n"
+    # Set inside the sandbox: shown as metadata, in get_info and in list.
+    q = f"{HOME}/{unique('meta-set')}.txt"
+    sandbox.files.write(q, "content")
+    assert sandbox.files.get_info(q).metadata is None
+    sandbox.commands.run(f"python3 -c \"import os; os.setxattr('{q}', 'user.e2b.author', b'mish')\"")
+    assert sandbox.files.get_info(q).metadata == {"author": "mish"}
+    listed = {e.path: e for e in sandbox.files.list(HOME)}
+    assert listed[q].metadata == {"author": "mish"}
+    # Overwriting without metadata clears what an earlier upload stored.
+    sandbox.files.write(p, "second")
+    assert sandbox.files.get_info(p).metadata is None
