@@ -196,26 +196,24 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 }
 
 fn envelope(flags: u8, v: &Value) -> Vec<u8> {
-    let p = v.to_string().into_bytes();
-    let mut out = vec![flags];
-    out.extend_from_slice(&(p.len() as u32).to_be_bytes());
-    out.extend_from_slice(&p);
-    out
+    tether_protocol::connect::encode(flags, v.to_string().as_bytes())
+        .unwrap()
+        .to_vec()
 }
 
-fn frames(mut b: &[u8]) -> Vec<(u8, Value)> {
+/// The envelopes of a whole stream body: each frame's flags and JSON.
+fn frames(b: &[u8]) -> Vec<(u8, Value)> {
+    use tether_protocol::connect::{Decoder, FLAG_END_STREAM, Frame};
+    let mut d = Decoder::new(usize::MAX);
+    d.push(b);
     let mut out = Vec::new();
-    while b.len() >= 5 {
-        let flags = b[0];
-        let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
-        let payload = &b[5..5 + len];
-        out.push((
-            flags,
-            serde_json::from_slice(payload).unwrap_or(Value::Null),
-        ));
-        b = &b[5 + len..];
+    while let Some(f) = d.next_frame().expect("a well-formed envelope") {
+        out.push(match f {
+            Frame::Message(m) => (0, serde_json::from_slice(&m).unwrap_or(Value::Null)),
+            Frame::End(end) => (FLAG_END_STREAM, serde_json::to_value(end).unwrap()),
+        });
     }
-    assert!(b.is_empty(), "trailing bytes after the last envelope");
+    assert!(d.finish().is_ok(), "trailing bytes after the last envelope");
     out
 }
 
