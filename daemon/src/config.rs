@@ -365,6 +365,10 @@ pub struct E2bFrontConfig {
     /// Largest timeout an SDK may set, seconds. Default 86 400.
     #[serde(default = "d_e2b_max_timeout")]
     pub max_timeout_s: u64,
+    /// Template names (or ids) create accepts; any other is refused as E2B refuses it
+    /// (404 `template '<name>' not found`). Default `["base"]`, the SDKs' default.
+    #[serde(default = "d_e2b_templates")]
+    pub templates: Vec<String>,
 }
 
 fn d_true() -> bool {
@@ -379,6 +383,9 @@ fn d_e2b_timeout() -> u64 {
 fn d_e2b_max_timeout() -> u64 {
     86_400
 }
+fn d_e2b_templates() -> Vec<String> {
+    vec!["base".to_owned()]
+}
 
 impl Default for E2bFrontConfig {
     fn default() -> Self {
@@ -389,6 +396,7 @@ impl Default for E2bFrontConfig {
             domain: d_domain(),
             default_timeout_s: d_e2b_timeout(),
             max_timeout_s: d_e2b_max_timeout(),
+            templates: d_e2b_templates(),
         }
     }
 }

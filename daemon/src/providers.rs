@@ -29,7 +29,15 @@ impl ProviderRegistry {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self> {
         let mut providers: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
+        let own = cfg.server.listen;
         for (name, pc) in &cfg.providers {
+            if let ProviderConfig::E2b(c) = pc
+                && aims_at_self(&c.clone().with_env(env), own)
+            {
+                return Err(DaemonError::invalid(format!(
+                    "provider {name}: its E2B endpoints are this daemon's own listener {own}; a daemon is never its own E2B backend"
+                )));
+            }
             providers.insert(
                 name.clone(),
                 build_with_env(pc, &cfg.server.state_dir, name, env)?,
@@ -42,11 +50,20 @@ impl ProviderRegistry {
             && (named(tether_provider_e2b::config::ENV_API_KEY)
                 || named(tether_provider_e2b::config::ENV_API_URL))
         {
-            let pc = ProviderConfig::E2b(tether_provider_e2b::E2bConfig::default());
-            providers.insert(
-                "e2b".into(),
-                build_with_env(&pc, &cfg.server.state_dir, "e2b", env)?,
-            );
+            let c = tether_provider_e2b::E2bConfig::default();
+            if aims_at_self(&c.clone().with_env(env), own) {
+                // The shell that started tetherd has the variables its own banner prints.
+                tracing::warn!(
+                    listen = %own,
+                    "E2B_* variables point at this daemon's own E2B front; no e2b provider is built from them (a daemon is never its own E2B backend)"
+                );
+            } else {
+                let pc = ProviderConfig::E2b(c);
+                providers.insert(
+                    "e2b".into(),
+                    build_with_env(&pc, &cfg.server.state_dir, "e2b", env)?,
+                );
+            }
         }
         if !providers.contains_key("local") {
             let pc = ProviderConfig::Local(tether_provider_local::LocalConfig::default());
@@ -91,6 +108,29 @@ impl ProviderRegistry {
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Arc<dyn Provider>)> {
         self.providers.iter()
     }
+}
+
+/// Whether an E2B backend's control plane or envd is `own`, this daemon's listener: the
+/// same port on a loopback host, `localhost`, or the listener's own address. A daemon that
+/// were its own backend would call itself for every sandbox (and stall its start-up on
+/// its own healthcheck). Endpoints that do not resolve are left to the provider to refuse.
+fn aims_at_self(c: &tether_provider_e2b::E2bConfig, own: std::net::SocketAddr) -> bool {
+    let Ok(ep) = c.validate() else {
+        return false;
+    };
+    let is_own = |u: &reqwest::Url| {
+        if u.port_or_known_default() != Some(own.port()) {
+            return false;
+        }
+        let host = u.host_str().unwrap_or("");
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.eq_ignore_ascii_case("localhost") {
+            return true;
+        }
+        host.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback() || ip == own.ip() || own.ip().is_unspecified())
+    };
+    is_own(&ep.api) || ep.sandbox_url.as_ref().is_some_and(is_own)
 }
 
 /// The one factory: a provider from its config section.
@@ -167,6 +207,53 @@ mod e2b_env_tests {
             ProviderRegistry::from_config_with_env(&cfg, &env_of(&[("E2B_API_URL", "not a url")]))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_daemon_is_never_its_own_e2b_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.server.state_dir = dir.path().to_owned();
+        cfg.server.listen = "127.0.0.1:7420".parse().unwrap();
+        // The banner's variables, in the shell that started the daemon: no e2b provider.
+        for env in [
+            &[
+                ("E2B_API_URL", "http://127.0.0.1:7420"),
+                ("E2B_SANDBOX_URL", "http://127.0.0.1:7420"),
+                ("E2B_API_KEY", "e2b_dev"),
+            ][..],
+            &[("E2B_API_URL", "http://localhost:7420/")][..],
+            &[
+                ("E2B_API_KEY", "e2b_dev"),
+                ("E2B_SANDBOX_URL", "http://127.0.0.1:7420"),
+            ][..],
+        ] {
+            let pairs: Vec<(String, String)> = env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            let lookup = move |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+            let r = ProviderRegistry::from_config_with_env(&cfg, &lookup).unwrap();
+            assert!(
+                r.get("e2b").is_none(),
+                "{env:?} built an e2b provider aimed at itself"
+            );
+            assert!(r.get("local").is_some());
+        }
+        // Another port of the same host is another daemon.
+        let other = ProviderRegistry::from_config_with_env(
+            &cfg,
+            &env_of(&[("E2B_API_URL", "http://127.0.0.1:7421")]),
+        )
+        .unwrap();
+        assert!(other.get("e2b").is_some());
+        // A configured section aimed at the daemon itself is refused at start.
+        let toml = "[providers.mirror]\nkind = \"e2b\"\napi_url = \"http://127.0.0.1:7420\"\ninherit_env = false\n";
+        let mut cfg2 = Config::from_toml_str(toml).unwrap();
+        cfg2.server.state_dir = dir.path().to_owned();
+        cfg2.server.listen = "0.0.0.0:7420".parse().unwrap();
+        let e = ProviderRegistry::from_config_with_env(&cfg2, &env_of(&[])).unwrap_err();
+        assert_eq!(e.code(), tether_protocol::ErrorCode::InvalidRequest);
     }
 
     #[test]

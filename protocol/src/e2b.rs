@@ -307,104 +307,9 @@ pub struct WrittenEntry {
     pub metadata: Option<BTreeMap<String, String>>,
 }
 
-// === Connect envelope and errors ===
+// === Connect errors ===
 
-/// A Connect error code (the Connect protocol's closed set, snake_case on the wire).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ConnectCode {
-    /// The operation was cancelled.
-    Canceled,
-    /// Unknown error.
-    Unknown,
-    /// Bad argument.
-    InvalidArgument,
-    /// A deadline expired.
-    DeadlineExceeded,
-    /// Not found.
-    NotFound,
-    /// Already exists.
-    AlreadyExists,
-    /// Permission denied.
-    PermissionDenied,
-    /// Out of a resource (rate limit, quota).
-    ResourceExhausted,
-    /// The system is not in the required state.
-    FailedPrecondition,
-    /// Aborted (concurrency conflict).
-    Aborted,
-    /// Out of range.
-    OutOfRange,
-    /// Not implemented.
-    Unimplemented,
-    /// Internal error.
-    Internal,
-    /// Unavailable, retryable.
-    Unavailable,
-    /// Data loss.
-    DataLoss,
-    /// No valid credentials.
-    Unauthenticated,
-}
-
-impl ConnectCode {
-    /// The HTTP status of a unary error with this code (the Connect protocol's table).
-    pub fn http_status(self) -> u16 {
-        match self {
-            Self::Canceled => 499,
-            Self::Unknown | Self::Internal | Self::DataLoss => 500,
-            Self::InvalidArgument | Self::FailedPrecondition | Self::OutOfRange => 400,
-            Self::DeadlineExceeded => 504,
-            Self::NotFound => 404,
-            Self::AlreadyExists | Self::Aborted => 409,
-            Self::PermissionDenied => 403,
-            Self::ResourceExhausted => 429,
-            Self::Unimplemented => 501,
-            Self::Unavailable => 503,
-            Self::Unauthenticated => 401,
-        }
-    }
-
-    /// The wire spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Canceled => "canceled",
-            Self::Unknown => "unknown",
-            Self::InvalidArgument => "invalid_argument",
-            Self::DeadlineExceeded => "deadline_exceeded",
-            Self::NotFound => "not_found",
-            Self::AlreadyExists => "already_exists",
-            Self::PermissionDenied => "permission_denied",
-            Self::ResourceExhausted => "resource_exhausted",
-            Self::FailedPrecondition => "failed_precondition",
-            Self::Aborted => "aborted",
-            Self::OutOfRange => "out_of_range",
-            Self::Unimplemented => "unimplemented",
-            Self::Internal => "internal",
-            Self::Unavailable => "unavailable",
-            Self::DataLoss => "data_loss",
-            Self::Unauthenticated => "unauthenticated",
-        }
-    }
-}
-
-/// A Connect error: the body of a unary error, or the `error` of an end-of-stream frame.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConnectErrorBody {
-    /// The code.
-    pub code: ConnectCode,
-    /// A human sentence.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub message: String,
-}
-
-/// The JSON of a Connect end-of-stream frame: `{}` or `{"error": ...}`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EndOfStream {
-    /// The error that ended the stream, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<ConnectErrorBody>,
-}
+pub use crate::connect::{ConnectCode, ConnectErrorBody, EndOfStream};
 
 /// An empty message (`{}`): the responses that carry nothing, `KeepAlive`, `StartEvent`
 /// of `WatchDir`.
@@ -640,6 +545,133 @@ pub struct EndEvent {
     /// The wait error text, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// Go's names of the Linux signals 1 to 31 (`syscall.Signal.String`), as envd's `status`
+/// spells them (`signal: killed`).
+const GO_SIGNAL_NAMES: [&str; 31] = [
+    "hangup",
+    "interrupt",
+    "quit",
+    "illegal instruction",
+    "trace/breakpoint trap",
+    "aborted",
+    "bus error",
+    "floating point exception",
+    "killed",
+    "user defined signal 1",
+    "segmentation fault",
+    "user defined signal 2",
+    "broken pipe",
+    "alarm clock",
+    "terminated",
+    "stack fault",
+    "child exited",
+    "continued",
+    "stopped (signal)",
+    "stopped",
+    "stopped (tty input)",
+    "stopped (tty output)",
+    "urgent I/O condition",
+    "CPU time limit exceeded",
+    "file size limit exceeded",
+    "virtual timer expired",
+    "profiling timer expired",
+    "window changed",
+    "I/O possible",
+    "power failure",
+    "bad system call",
+];
+
+/// Go's name of a signal number (`signal 40` for one it does not name).
+pub fn go_signal_name(sig: i32) -> std::borrow::Cow<'static, str> {
+    usize::try_from(sig)
+        .ok()
+        .and_then(|n| n.checked_sub(1))
+        .and_then(|i| GO_SIGNAL_NAMES.get(i))
+        .map_or_else(
+            || std::borrow::Cow::Owned(format!("signal {sig}")),
+            |n| std::borrow::Cow::Borrowed(*n),
+        )
+}
+
+/// The number of a signal from Go's name of it (`killed`, `signal 40`); a trailing
+/// ` (core dumped)` is ignored.
+pub fn go_signal_number(name: &str) -> Option<i32> {
+    let name = name.trim().trim_end_matches(" (core dumped)");
+    if let Some(i) = GO_SIGNAL_NAMES.iter().position(|n| *n == name) {
+        return i32::try_from(i + 1).ok();
+    }
+    name.strip_prefix("signal ")
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// How a process ended, as an [`EndEvent`] says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessOutcome {
+    /// It exited with this code.
+    Exited(i32),
+    /// A signal ended it.
+    Signaled(i32),
+    /// The event does not say (a status envd did not spell as Go does).
+    Unknown,
+}
+
+impl EndEvent {
+    /// The end of a process that exited with `code`: Go's `exit status N`, the same text
+    /// as the error when the code is not 0 (`exec.ExitError`).
+    pub fn exited_with(code: i32) -> Self {
+        let status = format!("exit status {code}");
+        Self {
+            exit_code: code,
+            exited: true,
+            error: (code != 0).then(|| status.clone()),
+            status,
+        }
+    }
+
+    /// The end of a process a signal ended: Go's `signal: killed`, exit code -1.
+    pub fn signaled(sig: i32) -> Self {
+        let status = format!("signal: {}", go_signal_name(sig));
+        Self {
+            exit_code: -1,
+            exited: false,
+            error: Some(status.clone()),
+            status,
+        }
+    }
+
+    /// The end of a process whose status was lost.
+    pub fn unknown() -> Self {
+        Self {
+            exit_code: -1,
+            exited: false,
+            status: "unknown".into(),
+            error: Some("the process ended without a status".into()),
+        }
+    }
+
+    /// How the process ended: from `exited` and `exitCode`, else from the `status` text.
+    pub fn outcome(&self) -> ProcessOutcome {
+        if self.exited {
+            return ProcessOutcome::Exited(self.exit_code);
+        }
+        let status = self.status.trim();
+        if let Some(n) = status.strip_prefix("signal: ").and_then(go_signal_number) {
+            return ProcessOutcome::Signaled(n);
+        }
+        if let Some(code) = status
+            .strip_prefix("exit status ")
+            .and_then(|c| c.trim().parse().ok())
+        {
+            return ProcessOutcome::Exited(code);
+        }
+        if self.exit_code >= 0 {
+            ProcessOutcome::Exited(self.exit_code)
+        } else {
+            ProcessOutcome::Unknown
+        }
+    }
 }
 
 /// `process.ProcessEvent`: a oneof of `start`, `data`, `end` and `keepalive`.
@@ -1063,6 +1095,45 @@ mod tests {
     }
 
     #[test]
+    fn process_status_and_signal_names_are_go_s() {
+        for sig in 1..=40 {
+            assert_eq!(
+                go_signal_number(&go_signal_name(sig)),
+                Some(sig),
+                "signal {sig}"
+            );
+        }
+        assert_eq!(go_signal_name(9), "killed");
+        assert_eq!(go_signal_name(15), "terminated");
+        assert_eq!(go_signal_name(40), "signal 40");
+        assert_eq!(
+            go_signal_number("segmentation fault (core dumped)"),
+            Some(11)
+        );
+        assert_eq!(go_signal_number("nonsense"), None);
+        let killed = EndEvent::signaled(9);
+        assert_eq!(
+            (killed.exit_code, killed.exited, killed.status.as_str()),
+            (-1, false, "signal: killed")
+        );
+        assert_eq!(killed.outcome(), ProcessOutcome::Signaled(9));
+        let ok = EndEvent::exited_with(0);
+        assert_eq!(
+            (ok.status.as_str(), ok.error.as_deref()),
+            ("exit status 0", None)
+        );
+        assert_eq!(ok.outcome(), ProcessOutcome::Exited(0));
+        let three = EndEvent::exited_with(3);
+        assert_eq!(three.error.as_deref(), Some("exit status 3"));
+        assert_eq!(three.outcome(), ProcessOutcome::Exited(3));
+        // Decoded from envd's JSON, where `exited` may be missing but the text says it.
+        let parsed: EndEvent =
+            serde_json::from_str(r#"{"exitCode":2,"status":"exit status 2"}"#).unwrap();
+        assert_eq!(parsed.outcome(), ProcessOutcome::Exited(2));
+        assert_eq!(EndEvent::unknown().outcome(), ProcessOutcome::Unknown);
+    }
+
+    #[test]
     fn events_serialise_as_envd_sends_them() {
         let start = ProcessEventResponse {
             event: ProcessEventMsg::Start(StartEvent { pid: 42 }),
@@ -1171,13 +1242,7 @@ mod tests {
             json!("invalid_argument")
         );
         assert_eq!(
-            serde_json::to_string(&EndOfStream {
-                error: Some(ConnectErrorBody {
-                    code: ConnectCode::NotFound,
-                    message: "x".into()
-                })
-            })
-            .unwrap(),
+            serde_json::to_string(&EndOfStream::error(ConnectCode::NotFound, "x")).unwrap(),
             r#"{"error":{"code":"not_found","message":"x"}}"#
         );
     }

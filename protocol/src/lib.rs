@@ -13,6 +13,7 @@
 
 pub mod api;
 pub mod b64;
+pub mod connect;
 pub mod e2b;
 pub mod error;
 pub mod events;

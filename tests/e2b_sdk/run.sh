@@ -26,7 +26,8 @@ if (( ${#missing[@]} )); then
     echo "e2b_sdk: environment not set: ${missing[*]}" >&2
     exit 2
 fi
-export E2B_DEBUG=false
+# The SDKs must exercise the real control plane: any E2B_DEBUG (even `false`) is dropped.
+unset E2B_DEBUG
 export PYTHONDONTWRITEBYTECODE=1
 
 status=0

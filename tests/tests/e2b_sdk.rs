@@ -83,7 +83,7 @@ async fn run_suite(which: &str) {
         .env("E2B_API_KEY", &main_key)
         .env("TETHER_E2B_OTHER_KEY", &other_key)
         .env("TETHER_E2B_BAD_KEY", key("bad"))
-        .env("E2B_DEBUG", "false")
+        .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -14,7 +14,9 @@
 //!   `deadline_exceeded`. `Keepalive-Ping-Interval` (seconds; envd's default 90) asks for
 //!   a keepalive message whenever nothing else was sent for that long.
 //!
-//! Compression is refused (the SDKs never compress), and so is the binary codec.
+//! Compression is refused (the SDKs never compress), and so is the binary codec. The
+//! framing itself is [`tether_protocol::connect`]'s, shared with the E2B provider; this
+//! module puts it on axum bodies and responses.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -22,26 +24,23 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use futures_util::stream::BoxStream;
 use futures_util::{Stream, StreamExt};
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tether_protocol::connect::{self as codec, Decoder, Frame, FrameError};
 use tether_protocol::e2b::{ConnectCode, ConnectErrorBody, EndOfStream};
+use tether_provider::clock::CancelToken;
 use tokio::time::Instant;
 
 use crate::error::DaemonError;
 
 /// The content type of unary Connect JSON.
-pub(super) const UNARY_JSON: &str = "application/json";
+pub(super) const UNARY_JSON: &str = codec::UNARY_JSON;
 /// The content type of streaming Connect JSON.
-pub(super) const STREAM_JSON: &str = "application/connect+json";
-
-/// Envelope flag: the payload is compressed.
-const FLAG_COMPRESSED: u8 = 0x01;
-/// Envelope flag: end of stream.
-const FLAG_END_STREAM: u8 = 0x02;
+pub(super) const STREAM_JSON: &str = codec::STREAM_JSON;
 
 /// envd's keepalive interval when the client asks for none.
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
@@ -80,6 +79,19 @@ impl RpcError {
             code: self.code,
             message: self.message.clone(),
         }
+    }
+}
+
+impl From<FrameError> for RpcError {
+    fn from(e: FrameError) -> Self {
+        let code = match e {
+            FrameError::TooLarge { .. } => ConnectCode::ResourceExhausted,
+            FrameError::UnknownFlags(_)
+            | FrameError::Compressed
+            | FrameError::BadEndFrame(_)
+            | FrameError::Truncated { .. } => ConnectCode::InvalidArgument,
+        };
+        Self::new(code, e.to_string())
     }
 }
 
@@ -184,21 +196,12 @@ fn check_content_type(headers: &HeaderMap, streaming: bool) -> Result<(), RpcErr
     ))
 }
 
-/// `Connect-Timeout-Ms`: a positive integer of at most 10 digits; absent = no deadline.
+/// `Connect-Timeout-Ms`; absent = no deadline.
 fn timeout_of(headers: &HeaderMap) -> Result<Option<Duration>, RpcError> {
-    let Some(v) = headers.get("connect-timeout-ms") else {
+    let Some(v) = headers.get(codec::TIMEOUT_HEADER) else {
         return Ok(None);
     };
-    let s = v.to_str().unwrap_or("").trim();
-    if s.is_empty() || s.len() > 10 || !s.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(RpcError::invalid(format!(
-            "invalid Connect-Timeout-Ms {s:?}"
-        )));
-    }
-    let ms: u64 = s
-        .parse()
-        .map_err(|_| RpcError::invalid("invalid Connect-Timeout-Ms"))?;
-    Ok((ms > 0).then(|| Duration::from_millis(ms)))
+    codec::parse_timeout_ms(v.to_str().unwrap_or("")).map_err(RpcError::invalid)
 }
 
 /// `Keepalive-Ping-Interval` in seconds; envd's default when missing or not a number.
@@ -215,12 +218,7 @@ fn keepalive_of(headers: &HeaderMap) -> Duration {
 
 /// Decode a unary request body. An empty body is the empty message.
 pub(super) fn decode_unary<T: DeserializeOwned>(body: &[u8]) -> Result<T, RpcError> {
-    let body = if body.iter().all(u8::is_ascii_whitespace) {
-        b"{}".as_slice()
-    } else {
-        body
-    };
-    serde_json::from_slice(body)
+    codec::decode_json(body)
         .map_err(|e| RpcError::invalid(format!("cannot decode the request message: {e}")))
 }
 
@@ -258,89 +256,28 @@ pub(super) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError>
 
 // === envelopes ===
 
-/// Frame one envelope.
-pub(super) fn envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut out = BytesMut::with_capacity(5 + payload.len());
-    out.extend_from_slice(&[flags]);
-    out.extend_from_slice(
-        &u32::try_from(payload.len())
-            .unwrap_or(u32::MAX)
-            .to_be_bytes(),
-    );
-    out.extend_from_slice(payload);
-    out.freeze()
+/// Frame one message envelope. Messages are bounded far below 4 GiB (request messages by
+/// [`MAX_MESSAGE_BYTES`], answers by what the front reads per message), so framing fails
+/// only on a broken invariant, reported as an internal error.
+pub(super) fn envelope(payload: &[u8]) -> Result<Bytes, RpcError> {
+    codec::message(payload).map_err(|e| RpcError::new(ConnectCode::Internal, e.to_string()))
 }
 
-/// One decoded request envelope.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Frame {
-    /// A message payload.
-    Message(Bytes),
-    /// The client's end-of-stream frame.
-    End,
-}
-
-/// Incremental envelope decoder: feed chunks, take frames.
-#[derive(Debug, Default)]
-pub(super) struct EnvelopeDecoder {
-    buf: BytesMut,
-}
-
-impl EnvelopeDecoder {
-    pub(super) fn push(&mut self, chunk: &[u8]) {
-        self.buf.extend_from_slice(chunk);
-    }
-
-    /// The next complete frame, if one is buffered.
-    pub(super) fn next_frame(&mut self) -> Result<Option<Frame>, RpcError> {
-        if self.buf.len() < 5 {
-            return Ok(None);
-        }
-        let flags = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if flags & !(FLAG_COMPRESSED | FLAG_END_STREAM) != 0 {
-            return Err(RpcError::invalid(format!(
-                "invalid envelope flags 0x{flags:02x}"
-            )));
-        }
-        if flags & FLAG_COMPRESSED != 0 {
-            return Err(RpcError::invalid(
-                "compressed envelope without a negotiated encoding",
-            ));
-        }
-        if len > MAX_MESSAGE_BYTES {
-            return Err(RpcError::new(
-                ConnectCode::ResourceExhausted,
-                format!("message of {len} bytes is over the limit"),
-            ));
-        }
-        if self.buf.len() < 5 + len {
-            return Ok(None);
-        }
-        self.buf.advance(5);
-        let payload = self.buf.split_to(len).freeze();
-        Ok(Some(if flags & FLAG_END_STREAM != 0 {
-            Frame::End
-        } else {
-            Frame::Message(payload)
-        }))
-    }
-
-    /// Bytes buffered that do not form a complete frame (at the end of the body: a
-    /// truncated envelope).
-    pub(super) fn leftover(&self) -> usize {
-        self.buf.len()
-    }
+/// A decoder of request envelopes, bounded by [`MAX_MESSAGE_BYTES`].
+fn request_decoder() -> Decoder {
+    Decoder::new(MAX_MESSAGE_BYTES)
 }
 
 /// The one request message of a server-streaming call.
 pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Result<T, RpcError> {
-    let bytes = read_body(body, MAX_MESSAGE_BYTES + 5).await?;
-    let mut dec = EnvelopeDecoder::default();
+    let bytes = read_body(body, MAX_MESSAGE_BYTES + codec::PREFIX_LEN).await?;
+    let mut dec = request_decoder();
     dec.push(&bytes);
     let msg = match dec.next_frame()? {
         Some(Frame::Message(m)) => m,
-        Some(Frame::End) => return Err(RpcError::invalid("the request stream holds no message")),
+        Some(Frame::End(_)) => {
+            return Err(RpcError::invalid("the request stream holds no message"));
+        }
         None if bytes.is_empty() => {
             return Err(RpcError::invalid("the request stream holds no message"));
         }
@@ -348,8 +285,7 @@ pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Resu
     };
     // Anything after the message may only be the client's end-of-stream frame.
     match dec.next_frame()? {
-        None if dec.leftover() == 0 => {}
-        Some(Frame::End) if dec.leftover() == 0 => {}
+        None | Some(Frame::End(_)) if dec.pending() == 0 => {}
         None => return Err(RpcError::invalid("truncated request envelope")),
         Some(_) => {
             return Err(RpcError::invalid(
@@ -366,12 +302,12 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
 ) -> BoxStream<'static, Result<T, RpcError>> {
     struct St {
         body: BoxStream<'static, Result<Bytes, axum::Error>>,
-        dec: EnvelopeDecoder,
+        dec: Decoder,
         done: bool,
     }
     let st = St {
         body: body.into_data_stream().boxed(),
-        dec: EnvelopeDecoder::default(),
+        dec: request_decoder(),
         done: false,
     };
     futures_util::stream::unfold(st, |mut st| async move {
@@ -382,10 +318,10 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
             match st.dec.next_frame() {
                 Err(e) => {
                     st.done = true;
-                    return Some((Err(e), st));
+                    return Some((Err(e.into()), st));
                 }
                 Ok(Some(Frame::Message(m))) => return Some((decode_unary::<T>(&m), st)),
-                Ok(Some(Frame::End)) => return None,
+                Ok(Some(Frame::End(_))) => return None,
                 Ok(None) => {}
             }
             match st.body.next().await {
@@ -402,10 +338,10 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
                 }
                 None => {
                     st.done = true;
-                    if st.dec.leftover() > 0 {
-                        return Some((Err(RpcError::invalid("truncated request envelope")), st));
-                    }
-                    return None;
+                    return match st.dec.finish() {
+                        Ok(()) => None,
+                        Err(e) => Some((Err(e.into()), st)),
+                    };
                 }
             }
         }
@@ -421,8 +357,14 @@ pub(super) struct StreamOpts {
     pub(super) keepalive: Duration,
     /// The keepalive message of this service, JSON.
     pub(super) keepalive_msg: Bytes,
-    /// When the call's deadline passes, the stream ends with `deadline_exceeded`.
+    /// When the call's deadline passes, the stream ends with `deadline_exceeded`, even
+    /// when a message (the end of a process its deadline killed) is ready at that moment:
+    /// envd's handler returns its context's error first.
     pub(super) deadline: Option<Instant>,
+    /// When this fires (the sandbox is gone), the connection is cut without an end frame,
+    /// as a killed sandbox's envd cuts it: the SDKs then probe `/health` and report the
+    /// sandbox killed, never a normal end.
+    pub(super) sever: Option<CancelToken>,
     /// The span the stream is produced in.
     pub(super) span: tracing::Span,
 }
@@ -434,12 +376,10 @@ pub(super) fn msg<T: Serialize>(m: &T) -> Bytes {
 
 /// The end-of-stream frame.
 pub(super) fn end_frame(error: Option<&RpcError>) -> Bytes {
-    envelope(
-        FLAG_END_STREAM,
-        &json_bytes(&EndOfStream {
-            error: error.map(RpcError::body),
-        }),
-    )
+    codec::end_stream(&EndOfStream {
+        error: error.map(RpcError::body),
+        ..EndOfStream::default()
+    })
 }
 
 /// A streaming response over `messages` (JSON payloads): message envelopes, keepalives,
@@ -454,6 +394,7 @@ pub(super) fn stream_response(
         keepalive: Duration,
         keepalive_msg: Bytes,
         deadline: Option<Instant>,
+        sever: Option<CancelToken>,
     }
     let st = St {
         inner: messages,
@@ -461,32 +402,67 @@ pub(super) fn stream_response(
         keepalive: opts.keepalive,
         keepalive_msg: opts.keepalive_msg,
         deadline: opts.deadline,
+        sever: opts.sever,
     };
-    let frames = futures_util::stream::unfold(st, |mut st| async move {
+    let expired = || {
+        RpcError::new(
+            ConnectCode::DeadlineExceeded,
+            "the call's Connect-Timeout-Ms expired",
+        )
+    };
+    let frames = futures_util::stream::unfold(st, move |mut st| async move {
         if st.done {
             return None;
         }
         let deadline = st.deadline;
+        let sever = st.sever.clone();
         let out = tokio::select! {
             biased;
-            item = st.inner.next() => match item {
-                Some(Ok(payload)) => envelope(0, &payload),
-                Some(Err(e)) => {
+            _ = cancelled_opt(sever.as_ref()) => {
+                st.done = true;
+                return Some((Err(std::io::Error::other("the sandbox is gone")), st));
+            }
+            _ = sleep_until_opt(deadline) => {
+                st.done = true;
+                end_frame(Some(&expired()))
+            }
+            item = st.inner.next() => {
+                if sever.as_ref().is_some_and(CancelToken::is_cancelled) {
+                    st.done = true;
+                    return Some((Err(std::io::Error::other("the sandbox is gone")), st));
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    st.done = true;
+                    end_frame(Some(&expired()))
+                } else {
+                    match item {
+                        Some(Ok(payload)) => match envelope(&payload) {
+                            Ok(frame) => frame,
+                            Err(e) => {
+                                st.done = true;
+                                end_frame(Some(&e))
+                            }
+                        },
+                        Some(Err(e)) => {
+                            st.done = true;
+                            end_frame(Some(&e))
+                        }
+                        None => {
+                            st.done = true;
+                            end_frame(None)
+                        }
+                    }
+                }
+            },
+            _ = tokio::time::sleep(st.keepalive) => match envelope(&st.keepalive_msg) {
+                Ok(frame) => frame,
+                Err(e) => {
                     st.done = true;
                     end_frame(Some(&e))
                 }
-                None => {
-                    st.done = true;
-                    end_frame(None)
-                }
             },
-            _ = sleep_until_opt(deadline) => {
-                st.done = true;
-                end_frame(Some(&RpcError::new(ConnectCode::DeadlineExceeded, "the call's Connect-Timeout-Ms expired")))
-            }
-            _ = tokio::time::sleep(st.keepalive) => envelope(0, &st.keepalive_msg),
         };
-        Some((Ok::<_, std::convert::Infallible>(out), st))
+        Some((Ok::<_, std::io::Error>(out), st))
     });
     let body = Body::from_stream(InSpan {
         inner: frames.boxed(),
@@ -508,6 +484,13 @@ pub(super) fn stream_error(e: &RpcError) -> Response {
         end_frame(Some(e)),
     )
         .into_response()
+}
+
+async fn cancelled_opt(token: Option<&CancelToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {

@@ -213,6 +213,19 @@ async fn do_create(
         return Err(RestError::bad_request("templateID is required"));
     }
     tracing::Span::current().record("template", req.template_id.as_str());
+    // E2B resolves the name before anything else (`name:tag` names a tag of `name`) and
+    // answers a name it does not know 404 `template '<name>' not found`.
+    let identifier = req
+        .template_id
+        .split_once(':')
+        .map_or(req.template_id.as_str(), |(name, _)| name)
+        .trim();
+    if !state.e2b.cfg.templates.iter().any(|t| t == identifier) {
+        return Err(RestError::new(
+            StatusCode::NOT_FOUND,
+            format!("template '{identifier}' not found"),
+        ));
+    }
     let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
     let timeout = check_timeout(state, req.timeout.unwrap_or(default), 1)?;
     let idem = headers

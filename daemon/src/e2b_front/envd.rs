@@ -44,6 +44,10 @@ use crate::state::AppState;
 /// Chunks queued between an upload's body and the provider's write.
 const UPLOAD_QUEUE: usize = 8;
 
+/// What is left of an upload's body that is read (and dropped) after the upload was
+/// refused part-way, before the answer: Go's server (envd) reads up to 256 KiB.
+const DRAIN_AFTER_REFUSAL: usize = 256 * 1024;
+
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/health", get(health))
@@ -73,6 +77,8 @@ pub(super) enum Reject {
     PortClosed(String),
     /// Wrong or missing access token.
     Unauthorized,
+    /// A signed `/files` URL whose signature is right but whose expiration has passed.
+    SignatureExpired,
 }
 
 impl IntoResponse for Reject {
@@ -84,17 +90,22 @@ impl IntoResponse for Reject {
             .into_response(),
             Self::NotFound(id) => proxy_error(id, "The sandbox was not found"),
             Self::PortClosed(id) => proxy_error(id, "The sandbox is running but port is not open"),
-            Self::Unauthorized => {
-                let body = ApiError {
-                    code: 401,
-                    message: "unauthorized access, please provide a valid access token or method signing if supported"
-                        .into(),
-                    error_code: None,
-                };
-                (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
-            }
+            Self::Unauthorized => unauthorized(
+                "unauthorized access, please provide a valid access token or method signing if supported",
+            ),
+            // envd's words: the SDKs' tests compare the whole body.
+            Self::SignatureExpired => unauthorized("signature is already expired"),
         }
     }
+}
+
+fn unauthorized(message: &str) -> Response {
+    let body = ApiError {
+        code: 401,
+        message: message.into(),
+        error_code: None,
+    };
+    (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
 }
 
 fn proxy_error(sandbox_id: String, message: &str) -> Response {
@@ -308,7 +319,8 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
             init.default_user = Some(u);
         }
         if let Some(w) = req.default_workdir {
-            init.default_workdir = Some(resolve_path(&w));
+            // Kept as given: envd resolves it per operation, under that user's home.
+            init.default_workdir = Some(w);
         }
     }
     (
@@ -363,15 +375,12 @@ fn files_target(
         Some(_) => Some(locate(state, headers)?),
         None => None,
     };
-    let signed_ok = |t: &Target| -> bool {
+    // The signature is checked before its expiration, so a forged URL never learns
+    // whether its expiration was the problem.
+    let signed = |t: &Target| -> Signed {
         let Some(sig) = &q.signature else {
-            return false;
+            return Signed::No;
         };
-        if let Some(exp) = q.expiration
-            && exp < super::now_ms() / 1000
-        {
-            return false;
-        }
         let token = state.e2b.access_token(&t.id);
         let want = auth::file_signature(
             q.path.as_deref().unwrap_or(""),
@@ -380,14 +389,27 @@ fn files_target(
             &token,
             q.expiration,
         );
-        auth::constant_time_eq(want.as_bytes(), sig.as_bytes())
+        if !auth::constant_time_eq(want.as_bytes(), sig.as_bytes()) {
+            return Signed::No;
+        }
+        match q.expiration {
+            Some(exp) if exp < super::now_ms() / 1000 => Signed::Expired,
+            _ => Signed::Valid,
+        }
+    };
+    let admit = |t: Target, how: Signed| match how {
+        Signed::Valid => Ok(t),
+        Signed::Expired => Err(Reject::SignatureExpired),
+        Signed::No => Err(Reject::Unauthorized),
     };
     match located {
         Some(t) => match auth::access_token_matches(headers, &state.e2b.access_token(&t.id)) {
             Some(true) => Ok(t),
             Some(false) => Err(Reject::Unauthorized),
-            None if signed_ok(&t) => Ok(t),
-            None => Err(Reject::Unauthorized),
+            None => {
+                let how = signed(&t);
+                admit(t, how)
+            }
         },
         None => {
             if q.signature.is_none() {
@@ -399,10 +421,24 @@ fn files_target(
                 .into_iter()
                 .filter(|s| s.owner.is_some() && s.state() == SessionState::Active)
                 .filter_map(|s| find(state, &s.id))
-                .find(|t| signed_ok(t))
-                .ok_or(Reject::Unauthorized)
+                .find_map(|t| match signed(&t) {
+                    Signed::No => None,
+                    how => Some(admit(t, how)),
+                })
+                .unwrap_or(Err(Reject::Unauthorized))
         }
     }
+}
+
+/// What a `/files` URL's signature says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Signed {
+    /// None, or not this sandbox's.
+    No,
+    /// This sandbox's, expired.
+    Expired,
+    /// This sandbox's, in force.
+    Valid,
 }
 
 async fn download(
@@ -438,11 +474,12 @@ async fn serve_download(
     q: &FilesQuery,
     headers: &HeaderMap,
 ) -> Response {
-    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
-        return RestError::unauthorized(e).into_response();
-    }
+    let user = match effective_user(q.username.clone(), &target.extra) {
+        Ok(u) => u,
+        Err(e) => return RestError::unauthorized(e).into_response(),
+    };
     let shown = q.path.clone().unwrap_or_default();
-    let path = resolve_path(&shown);
+    let path = resolve_path(&shown, &user);
     let sandbox = match target.session.sandbox() {
         Ok(s) => s,
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
@@ -479,7 +516,7 @@ async fn serve_download(
                 .into_response();
         }
     };
-    let gzip = range.is_none() && accepts_gzip(headers);
+    let gzip_asked = range.is_none() && accepts_gzip(headers);
     // The body outlives this handler: read under a context of its own.
     let rctx = detached_ctx(ctx, &target.session, limit);
     let want = range.map_or(ByteRange::default(), |(a, b)| ByteRange {
@@ -489,6 +526,15 @@ async fn serve_download(
     let stream = match sandbox.fs().read(&rctx, &path, want).await {
         Ok(s) => s,
         Err(e) => return RestError::from_envd(&e.into()).into_response(),
+    };
+    // gzip only where it pays: the first bytes decide (see `worth_gzip`).
+    let (stream, gzip) = if gzip_asked {
+        match sniff(stream).await {
+            Ok((s, worth)) => (s, worth),
+            Err(e) => return RestError::from_envd(&e.into()).into_response(),
+        }
+    } else {
+        (stream, false)
     };
     let base = path.rsplit('/').next().unwrap_or("file").replace('"', "");
     let mut resp = if gzip {
@@ -579,6 +625,70 @@ fn accepts_gzip(headers: &HeaderMap) -> bool {
                 .unwrap_or(1.0);
             (coding.eq_ignore_ascii_case("gzip") || coding == "*") && q > 0.0
         })
+}
+
+/// How much of a download is looked at before deciding whether to gzip it.
+const SNIFF_BYTES: usize = 64 * 1024;
+/// A download shorter than this is served as it is (gzip's header and trailer, and the
+/// encoder's set-up, cost more than they save).
+const GZIP_MIN_BYTES: usize = 1024;
+/// gzip is used when the sample shrinks to at most this fraction (in percent).
+const GZIP_MAX_RATIO_PCT: usize = 90;
+
+/// Whether a download whose first bytes are `sample` is worth gzip-encoding: the sample is
+/// compressed at the level the stream would use, and must shrink by at least a tenth.
+///
+/// Content sniffing rather than a lower level or a size rule: level 1 is already the
+/// encoder's fastest and still spends ~1.5 s of CPU per 256 MiB of random bytes for no
+/// gain, and size says nothing about compressibility. Already-compressed or random data
+/// (archives, images, model weights) fails the sample at once; text and most binaries pass
+/// it. Compressing 64 KiB once costs well under a millisecond.
+fn worth_gzip(sample: &[u8]) -> bool {
+    if sample.len() < GZIP_MIN_BYTES {
+        return false;
+    }
+    let mut enc = flate2::write::GzEncoder::new(
+        Vec::with_capacity(sample.len()),
+        flate2::Compression::fast(),
+    );
+    match enc.write_all(sample).and_then(|()| enc.finish()) {
+        Ok(out) => out.len() * 100 <= sample.len() * GZIP_MAX_RATIO_PCT,
+        Err(_) => false,
+    }
+}
+
+/// Read the first [`SNIFF_BYTES`] of a download and decide on gzip; the stream handed back
+/// still yields every byte.
+async fn sniff(mut input: ByteStream) -> tether_provider::Result<(ByteStream, bool)> {
+    let mut head: Vec<Bytes> = Vec::new();
+    let mut seen = 0usize;
+    let mut ended = false;
+    while seen < SNIFF_BYTES {
+        match input.next().await {
+            Some(Ok(chunk)) => {
+                seen += chunk.len();
+                head.push(chunk);
+            }
+            Some(Err(e)) => return Err(e),
+            None => {
+                ended = true;
+                break;
+            }
+        }
+    }
+    let sample: Vec<u8> = head
+        .iter()
+        .flat_map(|c| c.iter().copied())
+        .take(SNIFF_BYTES)
+        .collect();
+    let worth = worth_gzip(&sample);
+    let replay = futures_util::stream::iter(head.into_iter().map(Ok));
+    let stream: ByteStream = if ended {
+        replay.boxed()
+    } else {
+        replay.chain(input).boxed()
+    };
+    Ok((stream, worth))
 }
 
 /// gzip-encode a byte stream chunk by chunk (bounded memory).
@@ -706,9 +816,10 @@ async fn serve_upload(
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    if let Err(e) = effective_user(q.username.clone(), &target.extra) {
-        return RestError::unauthorized(e).into_response();
-    }
+    let user = match effective_user(q.username.clone(), &target.extra) {
+        Ok(u) => u,
+        Err(e) => return RestError::unauthorized(e).into_response(),
+    };
     let metadata = match metadata_of(headers) {
         Ok(m) => m,
         Err(e) => return RestError::bad_request(e).into_response(),
@@ -727,70 +838,90 @@ async fn serve_upload(
     if let Some(boundary) = boundary_of(&ct) {
         let mut mp = Multipart::new(body, &boundary);
         let mut seen = std::collections::HashSet::new();
-        loop {
-            let part = match mp.next_part().await {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
-                Err(e) => return RestError::bad_request(e.to_string()).into_response(),
-            };
-            if part.name.as_deref() != Some("file") {
-                continue;
-            }
-            let Some(shown) = q
-                .path
-                .clone()
-                .or(part.filename.clone())
-                .filter(|p| !p.is_empty())
-            else {
-                return RestError::bad_request(
-                    "a file part has no filename and the request no path",
-                )
-                .into_response();
-            };
-            let path = resolve_path(&shown);
-            if !seen.insert(path.clone()) {
-                return RestError::bad_request(format!(
-                    "cannot upload the same path twice: '{shown}'"
-                ))
-                .into_response();
-            }
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
-            let parts = &mut mp;
-            let p2 = path.clone();
-            // Feeds the part's bytes to the write; the sender drops (end of data) with it.
-            let feed = async move {
-                let mut total = 0u64;
-                loop {
-                    let item = match parts.next_chunk().await {
-                        Ok(Some(c)) => {
-                            total += c.len() as u64;
-                            if total > max {
-                                Err(ProviderError::fs(
-                                    ErrorCode::FsTooLarge,
-                                    &p2,
-                                    format!("file is larger than {max} bytes"),
-                                ))
-                            } else {
-                                Ok(c)
-                            }
-                        }
-                        Ok(None) => return,
-                        Err(e) => Err(ProviderError::InvalidRequest {
-                            message: e.to_string(),
-                        }),
-                    };
-                    let failed = item.is_err();
-                    if tx.send(item).await.is_err() || failed {
-                        return;
-                    }
+        let parts_done: Result<(), Response> = async {
+            loop {
+                let part = match mp.next_part().await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    Err(e) => return Err(RestError::bad_request(e.to_string()).into_response()),
+                };
+                if part.name.as_deref() != Some("file") {
+                    continue;
                 }
-            };
-            let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
-            let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
-            match res {
-                Ok(()) => written.push(entry(&path, metadata.clone())),
-                Err(e) => return RestError::from_envd(&e).into_response(),
+                let Some(shown) = q
+                    .path
+                    .clone()
+                    .or(part.filename.clone())
+                    .filter(|p| !p.is_empty())
+                else {
+                    return Err(RestError::bad_request(
+                        "a file part has no filename and the request no path",
+                    )
+                    .into_response());
+                };
+                let path = resolve_path(&shown, &user);
+                if !seen.insert(path.clone()) {
+                    return Err(RestError::bad_request(format!(
+                        "cannot upload the same path twice: '{shown}'"
+                    ))
+                    .into_response());
+                }
+                let (tx, rx) =
+                    tokio::sync::mpsc::channel::<Result<Bytes, ProviderError>>(UPLOAD_QUEUE);
+                let parts = &mut mp;
+                let p2 = path.clone();
+                // Feeds the part's bytes to the write; the sender drops (end of data) with it.
+                let feed = async move {
+                    let mut total = 0u64;
+                    loop {
+                        let item = match parts.next_chunk().await {
+                            Ok(Some(c)) => {
+                                total += c.len() as u64;
+                                if total > max {
+                                    Err(ProviderError::fs(
+                                        ErrorCode::FsTooLarge,
+                                        &p2,
+                                        format!("file is larger than {max} bytes"),
+                                    ))
+                                } else {
+                                    Ok(c)
+                                }
+                            }
+                            Ok(None) => return,
+                            Err(e) => Err(ProviderError::InvalidRequest {
+                                message: e.to_string(),
+                            }),
+                        };
+                        let failed = item.is_err();
+                        if tx.send(item).await.is_err() || failed {
+                            return;
+                        }
+                    }
+                };
+                let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
+                let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
+                match res {
+                    Ok(()) => written.push(entry(&path, metadata.clone())),
+                    Err(e) => return Err(RestError::from_envd(&e).into_response()),
+                }
             }
+            Ok(())
+        }
+        .await;
+        if let Err(refused) = parts_done {
+            // Refused part-way: read what the client is still sending (bounded) before
+            // answering, as Go's server does, so it gets the answer and not a reset.
+            let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+            let drained = tokio::time::timeout(limit, mp.drain(DRAIN_AFTER_REFUSAL))
+                .await
+                .unwrap_or(false);
+            let mut refused = refused;
+            if !drained {
+                refused
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return refused;
         }
         if written.is_empty() {
             return RestError::bad_request("the multipart body holds no part named \"file\"")
@@ -808,7 +939,7 @@ async fn serve_upload(
             )
             .into_response();
         };
-        let path = resolve_path(&shown);
+        let path = resolve_path(&shown, &user);
         let gz = headers
             .get(header::CONTENT_ENCODING)
             .and_then(|v| v.to_str().ok())
@@ -853,10 +984,53 @@ async fn serve_upload(
         ))
         .into_response();
     }
-    for w in &written {
-        target.extra.set_meta(&w.path, metadata.clone());
+    if let Err(e) = store_metadata(state, ctx, target, &written, metadata.as_ref()).await {
+        return RestError::from_envd(&e).into_response();
     }
     (StatusCode::OK, axum::Json(written)).into_response()
+}
+
+/// Keep the metadata of uploaded files as envd does, as `user.e2b.*` extended attributes
+/// replacing those of an earlier upload (none given clears them); the front's own copy
+/// where the provider has no extended attributes.
+async fn store_metadata(
+    state: &AppState,
+    ctx: &CallCtx,
+    target: &Target,
+    written: &[WrittenEntry],
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<(), DaemonError> {
+    let sandbox = target.session.sandbox()?;
+    let mctx = ctx.with_timeout(
+        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
+        "DEADLINE_EXCEEDED",
+    );
+    let values: BTreeMap<String, Vec<u8>> = metadata
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_bytes().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    for w in written {
+        let r = sandbox
+            .fs()
+            .set_xattrs(
+                &mctx,
+                &w.path,
+                super::filesystem::META_XATTR_PREFIX,
+                values.clone(),
+            )
+            .await;
+        match r {
+            Ok(()) => target.extra.set_meta(&w.path, None),
+            Err(ProviderError::Unsupported { .. }) => {
+                target.extra.set_meta(&w.path, metadata.cloned());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry {
@@ -868,7 +1042,7 @@ fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry
     }
 }
 
-/// Write one file through the seam, logged.
+/// Write one file through the seam, logged; the watches report it as envd does.
 async fn write_one(
     state: &AppState,
     ctx: &CallCtx,
@@ -882,10 +1056,15 @@ async fn write_one(
         Duration::from_millis(state.config.limits.fs_op_timeout_ms),
         "DEADLINE_EXCEEDED",
     );
+    target.extra.upload_started(path);
     let r = sandbox
         .fs()
         .write(&wctx, path, data, WriteGuard::None)
         .await;
+    if let Ok(o) = &r {
+        super::filesystem::announce_upload(&wctx, &sandbox, &target.extra, path, o.created).await;
+    }
+    target.extra.upload_ended(path);
     log_fs_op(
         &target.session,
         "write",
@@ -964,6 +1143,38 @@ mod tests {
         h.insert("e2b-sandbox-id", HeaderValue::from_static("iabc"));
         h.insert("e2b-sandbox-port", HeaderValue::from_static("8080"));
         assert_eq!(addressed(&h), Some(("iabc".into(), 8080)));
+    }
+
+    #[tokio::test]
+    async fn gzip_is_chosen_by_what_the_bytes_are() {
+        let text: Vec<u8> = (0..10_000u32)
+            .flat_map(|i| format!("line {i} of a log\n").into_bytes())
+            .collect();
+        assert!(worth_gzip(&text[..SNIFF_BYTES]));
+        // Pseudo-random bytes (xorshift) do not shrink.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let random: Vec<u8> = (0..SNIFF_BYTES)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        assert!(!worth_gzip(&random));
+        assert!(!worth_gzip(b"tiny"));
+        // Sniffing hands every byte back, in order, whatever the chunking.
+        for data in [text.clone(), random.clone(), b"short".to_vec()] {
+            let chunks: Vec<tether_provider::Result<Bytes>> = data
+                .chunks(7_000)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            let (s, _) = sniff(futures_util::stream::iter(chunks).boxed())
+                .await
+                .unwrap();
+            let back: Vec<Bytes> = s.map(|r| r.unwrap()).collect().await;
+            assert_eq!(back.concat(), data);
+        }
     }
 
     #[tokio::test]

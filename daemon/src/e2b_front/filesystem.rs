@@ -120,7 +120,7 @@ async fn rpc(
         )
         .into_response();
     };
-    let (opts, target, _user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
+    let (opts, target, user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
         Ok(x) => x,
         Err(r) => return *r,
     };
@@ -131,10 +131,10 @@ async fn rpc(
     let cctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
     let resp = async {
         if m == Method::WatchDir {
-            return watch_dir(&cctx, opts, &target, body).await;
+            return watch_dir(&cctx, opts, &target, &user, body).await;
         }
         let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
-            Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
+            Ok(bytes) => unary(m, &cctx, &target, &user, &bytes).await,
             Err(e) => Err(e),
         };
         r.unwrap_or_else(IntoResponse::into_response)
@@ -152,20 +152,29 @@ async fn rpc(
     resp
 }
 
-async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Response, RpcError> {
+async fn unary(
+    m: Method,
+    ctx: &CallCtx,
+    t: &Target,
+    user: &str,
+    body: &[u8],
+) -> Result<Response, RpcError> {
     let sandbox = t.session.sandbox()?;
     let fs = sandbox.fs();
     match m {
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let st = ctx.run(fs.stat(ctx, &resolve_path(&req.path))).await?;
+            let st = ctx
+                .run(fs.stat(ctx, &resolve_path(&req.path, user)))
+                .await?;
+            let entry = ctx.run(async { Ok(resolved_entry(ctx, fs, &st, &t.extra).await) });
             Ok(connect::unary_ok(&EntryResponse {
-                entry: entry_info(&st, &t.extra),
+                entry: entry.await?,
             }))
         }
         Method::ListDir => {
             let req: ListDirRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
+            let path = resolve_path(&req.path, user);
             let st = ctx.run(fs.stat(ctx, &path)).await?;
             if st.kind != FileKind::Dir {
                 return Err(RpcError::invalid(format!(
@@ -173,16 +182,21 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                     req.path
                 )));
             }
-            let entries = ctx.run(fs.list(ctx, &path, req.depth.max(1))).await?;
-            let entries = entries
-                .iter()
-                .map(|e| entry_info(&e.stat, &t.extra))
-                .collect();
-            Ok(connect::unary_ok(&ListDirResponse { entries }))
+            let listed = ctx.run(fs.list(ctx, &path, req.depth.max(1))).await?;
+            let entries = ctx.run(async {
+                let mut out = Vec::with_capacity(listed.len());
+                for e in &listed {
+                    out.push(resolved_entry(ctx, fs, &e.stat, &t.extra).await);
+                }
+                Ok(out)
+            });
+            Ok(connect::unary_ok(&ListDirResponse {
+                entries: entries.await?,
+            }))
         }
         Method::MakeDir => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
+            let path = resolve_path(&req.path, user);
             let r = ctx.run(fs.mkdir(ctx, &path, true)).await;
             log_fs_op(
                 &t.session,
@@ -193,7 +207,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             .await;
             match r {
                 Ok(st) => Ok(connect::unary_ok(&EntryResponse {
-                    entry: entry_info(&st, &t.extra),
+                    entry: resolved_entry(ctx, fs, &st, &t.extra).await,
                 })),
                 Err(e) if e.code() == ErrorCode::FsAlreadyExists => {
                     // envd: an existing directory is `already_exists`, anything else in the
@@ -214,7 +228,10 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::Move => {
             let req: MoveRequest = connect::decode_unary(body)?;
-            let (from, to) = (resolve_path(&req.source), resolve_path(&req.destination));
+            let (from, to) = (
+                resolve_path(&req.source, user),
+                resolve_path(&req.destination, user),
+            );
             let r = ctx.run(fs.rename(ctx, &from, &to)).await;
             log_fs_op(
                 &t.session,
@@ -226,13 +243,18 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
             let st = r?;
             t.extra.move_meta(&from, Some(&to));
             Ok(connect::unary_ok(&EntryResponse {
-                entry: entry_info(&st, &t.extra),
+                entry: resolved_entry(ctx, fs, &st, &t.extra).await,
             }))
         }
         Method::Remove => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let path = resolve_path(&req.path);
-            let r = ctx.run(fs.remove(ctx, &path, true)).await;
+            let path = resolve_path(&req.path, user);
+            // envd removes with `os.RemoveAll`: a path that is not there is already
+            // removed.
+            let r = match ctx.run(fs.remove(ctx, &path, true)).await {
+                Err(e) if e.code() == ErrorCode::FsNotFound => Ok(()),
+                r => r,
+            };
             log_fs_op(
                 &t.session,
                 "remove",
@@ -246,7 +268,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
         }
         Method::CreateWatcher => {
             let req: WatchRequest = connect::decode_unary(body)?;
-            let id = create_watcher(ctx, t, sandbox, &req).await?;
+            let id = create_watcher(ctx, t, user, sandbox, &req).await?;
             Ok(connect::unary_ok(&CreateWatcherResponse { watcher_id: id }))
         }
         Method::GetWatcherEvents => {
@@ -285,15 +307,9 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
 
 /// `EntryInfo` of a seam stat.
 pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
-    let kind = match st.kind {
-        FileKind::File => FileType::File,
-        FileKind::Dir => FileType::Directory,
-        FileKind::Symlink => FileType::Symlink,
-        FileKind::Other => FileType::Unspecified,
-    };
     EntryInfo {
         name: st.name.clone(),
-        kind,
+        kind: file_type(st.kind),
         path: st.path.clone(),
         size: i64::try_from(st.size).unwrap_or(i64::MAX),
         mode: st.mode & 0o7777,
@@ -304,6 +320,96 @@ pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
         symlink_target: st.symlink_target.clone(),
         metadata: extra.meta_of(&st.path),
         is_symlink: st.kind == FileKind::Symlink,
+    }
+}
+
+/// The extended attribute namespace of file metadata (envd's `MetadataXattrPrefix`).
+pub(super) const META_XATTR_PREFIX: &str = "user.e2b.";
+
+/// How many links a symlink chain may have before it counts as a loop (Linux's limit).
+const MAX_SYMLINK_HOPS: usize = 40;
+
+/// `EntryInfo` of a seam stat, as envd reports it: a symlink is described by what it
+/// points to (type and mode of the final target, `symlinkTarget` its absolute path),
+/// while name, path, size and `permissions` stay the link's. A link that leads nowhere
+/// has type unspecified, mode 0, and its own path as target (Go's `EvalSymlinks` failed).
+pub(super) async fn resolved_entry(
+    ctx: &CallCtx,
+    fs: &dyn tether_provider::Fs,
+    st: &FileStat,
+    extra: &SandboxExtra,
+) -> EntryInfo {
+    let mut info = entry_info(st, extra);
+    // envd keeps file metadata as `user.e2b.*` extended attributes, so what a process
+    // sets there shows too; the front's own copy serves providers without them.
+    if let Ok(attrs) = fs.xattrs(ctx, &st.path, META_XATTR_PREFIX).await {
+        info.metadata = attrs
+            .into_iter()
+            .filter_map(|(k, v)| String::from_utf8(v).ok().map(|v| (k, v)))
+            .collect();
+    }
+    if st.kind != FileKind::Symlink {
+        return info;
+    }
+    let mut at = st.clone();
+    let mut target = None;
+    for _ in 0..MAX_SYMLINK_HOPS {
+        let Some(raw) = at.symlink_target.as_deref() else {
+            break;
+        };
+        let next = link_destination(&at.path, raw);
+        match fs.stat(ctx, &next).await {
+            Ok(n) if n.kind == FileKind::Symlink => at = n,
+            Ok(n) => {
+                target = Some(n);
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    match target {
+        Some(t) => {
+            info.kind = file_type(t.kind);
+            info.mode = t.mode & 0o777;
+            info.symlink_target = Some(t.path);
+        }
+        None => {
+            info.kind = FileType::Unspecified;
+            info.mode = 0;
+            info.symlink_target = Some(st.path.clone());
+        }
+    }
+    info
+}
+
+/// Where a link at `link` with target `raw` points: `raw` itself when absolute, else
+/// relative to the link's directory; `.` and `..` resolved lexically.
+fn link_destination(link: &str, raw: &str) -> String {
+    let joined = if raw.starts_with('/') {
+        raw.to_owned()
+    } else {
+        let dir = link.rsplit_once('/').map_or("", |(d, _)| d);
+        format!("{dir}/{raw}")
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for p in joined.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    format!("/{}", parts.join("/"))
+}
+
+fn file_type(kind: FileKind) -> FileType {
+    match kind {
+        FileKind::File => FileType::File,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Other => FileType::Unspecified,
     }
 }
 
@@ -531,12 +637,10 @@ async fn to_event(
     let entry = if include_entry && !matches!(ev.kind, FsEventKind::Remove | FsEventKind::Rename) {
         let path = format!("{}/{}", root.trim_end_matches('/'), ev.name);
         let sctx = ctx.with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
-        sandbox
-            .fs()
-            .stat(&sctx, &path)
-            .await
-            .ok()
-            .map(|st| entry_info(&st, extra))
+        match sandbox.fs().stat(&sctx, &path).await.ok() {
+            Some(st) => Some(resolved_entry(&sctx, sandbox.fs(), &st, extra).await),
+            None => None,
+        }
     } else {
         None
     };
@@ -547,7 +651,7 @@ async fn to_event(
     }
 }
 
-async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
+async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: Body) -> Response {
     let req: WatchRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
@@ -556,7 +660,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Res
         Ok(s) => s,
         Err(e) => return connect::stream_error(&RpcError::from(e)),
     };
-    let path = resolve_path(&req.path);
+    let path = resolve_path(&req.path, user);
     let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.session.cancel.child());
     let events = match open_watch(
         ctx,
@@ -568,7 +672,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Res
     )
     .await
     {
-        Ok(s) => s,
+        Ok(s) => with_uploads(s, Arc::clone(&t.extra), path.clone(), req.recursive),
         Err(e) => return connect::stream_error(&e),
     };
     let extra = Arc::clone(&t.extra);
@@ -594,9 +698,137 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Res
             keepalive: opts.keepalive,
             keepalive_msg: connect::msg(&WatchDirResponse::Keepalive(Empty {})),
             deadline: opts.deadline(),
+            sever: Some(t.session.cancel.clone()),
             span: tracing::Span::current(),
         },
     )
+}
+
+// === uploads as envd reports them ===
+
+/// What an upload did to a path, as envd's watches see it.
+#[derive(Debug, Clone)]
+pub(super) struct Announced {
+    /// The absolute sandbox path.
+    path: String,
+    /// The events, in order.
+    kinds: Vec<FsEventKind>,
+}
+
+/// The name of `abs` in a watch of `root`: relative to it, and for a watch that is not
+/// recursive only a direct child.
+fn watched_name(root: &str, recursive: bool, abs: &str) -> Option<String> {
+    let prefix = format!("{}/", root.trim_end_matches('/'));
+    let rel = abs.strip_prefix(&prefix)?;
+    (!rel.is_empty() && (recursive || !rel.contains('/'))).then(|| rel.to_owned())
+}
+
+/// Whether a provider's event is one an upload in progress (or just answered) makes,
+/// which the front reports itself.
+fn upload_noise(extra: &SandboxExtra, root: &str, ev: &FsEvent) -> bool {
+    matches!(
+        ev.kind,
+        FsEventKind::Create | FsEventKind::Write | FsEventKind::Chmod
+    ) && extra.upload_quiet(&format!("{}/{}", root.trim_end_matches('/'), ev.name))
+}
+
+/// An upload of `path` ended: the watches get envd's events of it. A new file is
+/// created, its owner set and its bytes written (`CREATE`, `CHMOD`, `WRITE`); an existing
+/// one is written. The `CreateWatcher` buffers have them before the upload is answered
+/// (the Python SDK reads them right after); the `WatchDir` streams get them in order.
+pub(super) async fn announce_upload(
+    ctx: &CallCtx,
+    sandbox: &Arc<dyn Sandbox>,
+    extra: &Arc<SandboxExtra>,
+    path: &str,
+    created: bool,
+) {
+    let kinds = if created {
+        vec![FsEventKind::Create, FsEventKind::Chmod, FsEventKind::Write]
+    } else {
+        vec![FsEventKind::Write]
+    };
+    let watchers: Vec<Arc<Watcher>> = extra
+        .watchers
+        .read()
+        .map(|m| m.values().cloned().collect())
+        .unwrap_or_default();
+    for w in watchers {
+        let Some(name) = watched_name(&w.root, w.recursive, path) else {
+            continue;
+        };
+        for kind in &kinds {
+            let ev = FsEvent {
+                kind: *kind,
+                name: name.clone(),
+            };
+            w.push(to_event(ctx, sandbox, extra, &w.root, ev, w.include_entry).await);
+        }
+    }
+    // No stream listening is not an error.
+    let _ = extra.announced.send(Announced {
+        path: path.to_owned(),
+        kinds,
+    });
+}
+
+/// A watch's events with uploads reported as envd reports them: the provider's own
+/// events of an uploaded path dropped, the front's announcements merged in. Ends when
+/// the provider's watch ends.
+fn with_uploads(
+    events: BoxStream<'static, Result<FsEvent, RpcError>>,
+    extra: Arc<SandboxExtra>,
+    root: String,
+    recursive: bool,
+) -> BoxStream<'static, Result<FsEvent, RpcError>> {
+    struct St {
+        events: BoxStream<'static, Result<FsEvent, RpcError>>,
+        announced: tokio::sync::broadcast::Receiver<Announced>,
+        extra: Arc<SandboxExtra>,
+        root: String,
+        recursive: bool,
+        pending: VecDeque<FsEvent>,
+    }
+    let st = St {
+        announced: extra.announced.subscribe(),
+        events,
+        extra,
+        root,
+        recursive,
+        pending: VecDeque::new(),
+    };
+    futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.pending.pop_front() {
+                return Some((Ok(e), st));
+            }
+            tokio::select! {
+                biased;
+                a = st.announced.recv() => match a {
+                    Ok(a) => {
+                        if let Some(name) = watched_name(&st.root, st.recursive, &a.path) {
+                            st.pending.extend(a.kinds.iter().map(|kind| FsEvent {
+                                kind: *kind,
+                                name: name.clone(),
+                            }));
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::debug!(missed = n, "A watch stream fell behind the upload announcements");
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        st.announced = st.extra.announced.subscribe();
+                    }
+                },
+                e = st.events.next() => match e {
+                    Some(Ok(ev)) if upload_noise(&st.extra, &st.root, &ev) => {}
+                    Some(item) => return Some((item, st)),
+                    None => return None,
+                },
+            }
+        }
+    })
+    .boxed()
 }
 
 // === watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher) ===
@@ -607,6 +839,10 @@ pub(super) struct Watcher {
     events: RwLock<VecDeque<FilesystemEvent>>,
     failure: RwLock<Option<RpcError>>,
     stop: CancelToken,
+    /// The watched directory (absolute), how deep, and whether events carry entries.
+    root: String,
+    recursive: bool,
+    include_entry: bool,
 }
 
 impl Watcher {
@@ -646,10 +882,11 @@ fn watcher(extra: &SandboxExtra, id: &str) -> Result<Arc<Watcher>, RpcError> {
 async fn create_watcher(
     ctx: &CallCtx,
     t: &Target,
+    user: &str,
     sandbox: Arc<dyn Sandbox>,
     req: &WatchRequest,
 ) -> Result<String, RpcError> {
-    let path = resolve_path(&req.path);
+    let path = resolve_path(&req.path, user);
     let stop = t.session.cancel.child();
     let wctx = CallCtx::with_cancel(format!("watcher-{}", ctx.request_id), stop.clone());
     let mut events = open_watch(
@@ -666,6 +903,9 @@ async fn create_watcher(
         events: RwLock::new(VecDeque::new()),
         failure: RwLock::new(None),
         stop: stop.clone(),
+        root: path.clone(),
+        recursive: req.recursive,
+        include_entry: req.include_entry,
     });
     if let Ok(mut m) = t.extra.watchers.write() {
         m.insert(id.clone(), Arc::clone(&w));
@@ -681,6 +921,7 @@ async fn create_watcher(
                     n = events.next() => n,
                 };
                 match next {
+                    Some(Ok(ev)) if upload_noise(&extra, &path, &ev) => {}
                     Some(Ok(ev)) => {
                         w.push(to_event(&wctx, &sandbox, &extra, &path, ev, include).await)
                     }
@@ -735,6 +976,41 @@ mod tests {
             ]
         );
         assert!(diff(&b, &b).is_empty());
+    }
+
+    #[test]
+    fn link_destinations_resolve_like_a_path_walk() {
+        assert_eq!(
+            link_destination("/home/user/l", "d.txt"),
+            "/home/user/d.txt"
+        );
+        assert_eq!(
+            link_destination("/home/user/a/l", "../b/./c"),
+            "/home/user/b/c"
+        );
+        assert_eq!(link_destination("/home/user/l", "/etc/hosts"), "/etc/hosts");
+        assert_eq!(link_destination("/l", "../../x"), "/x");
+    }
+
+    #[test]
+    fn uploads_are_named_as_the_watch_sees_them() {
+        assert_eq!(
+            watched_name("/home/user/w", false, "/home/user/w/a.txt").as_deref(),
+            Some("a.txt")
+        );
+        assert_eq!(
+            watched_name("/home/user/w", false, "/home/user/w/d/a.txt"),
+            None
+        );
+        assert_eq!(
+            watched_name("/home/user/w/", true, "/home/user/w/d/a.txt").as_deref(),
+            Some("d/a.txt")
+        );
+        assert_eq!(
+            watched_name("/home/user/w", true, "/home/user/wx/a.txt"),
+            None
+        );
+        assert_eq!(watched_name("/home/user/w", true, "/home/user/w"), None);
     }
 
     #[test]

@@ -47,8 +47,16 @@ pub use auth::Tenant;
 /// The `clientID` the SDKs require in every sandbox (deprecated upstream, a constant).
 const CLIENT_ID: &str = "tether";
 
-/// The sandbox user's home, the workspace: where relative paths and `~` point.
+/// The sandbox user's home, the workspace: where `user`'s relative paths and `~` point.
 const HOME: &str = "/home/user";
+
+/// `root`'s home.
+const ROOT_HOME: &str = "/root";
+
+/// The home of an envd user (`user` or `root`, the users [`auth::check_user`] admits).
+fn home_of(user: &str) -> &'static str {
+    if user == "root" { ROOT_HOME } else { HOME }
+}
 
 /// The per-front state, in [`AppState::e2b`].
 pub struct FrontState {
@@ -146,7 +154,18 @@ struct SandboxExtra {
     /// User metadata of files written through `/files` (`X-Metadata-*`), by path.
     file_meta: RwLock<HashMap<String, BTreeMap<String, String>>>,
     watchers: RwLock<HashMap<String, Arc<filesystem::Watcher>>>,
+    /// Uploads in flight (`None`) or just answered (until when), by path: the watches
+    /// drop the provider's own events of these paths and report envd's instead.
+    uploads: RwLock<HashMap<String, Option<tokio::time::Instant>>>,
+    /// envd's events of answered uploads, for the `WatchDir` streams.
+    announced: tokio::sync::broadcast::Sender<filesystem::Announced>,
 }
+
+/// How long after an upload was answered the provider's events of its path are dropped.
+const UPLOAD_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Announcements a slow `WatchDir` stream may lag behind before it loses some.
+const ANNOUNCE_BUFFER: usize = 256;
 
 /// Defaults set by envd's `POST /init`.
 #[derive(Debug, Clone, Default)]
@@ -166,7 +185,38 @@ impl SandboxExtra {
             tags: RwLock::new(HashSet::new()),
             file_meta: RwLock::new(HashMap::new()),
             watchers: RwLock::new(HashMap::new()),
+            uploads: RwLock::new(HashMap::new()),
+            announced: tokio::sync::broadcast::channel(ANNOUNCE_BUFFER).0,
         }
+    }
+
+    /// An upload of `path` starts: the watches stop reporting the provider's events of it.
+    fn upload_started(&self, path: &str) {
+        if let Ok(mut u) = self.uploads.write() {
+            let now = tokio::time::Instant::now();
+            u.retain(|_, until| until.is_none_or(|t| t > now));
+            u.insert(path.to_owned(), None);
+        }
+    }
+
+    /// An upload of `path` was answered: the provider's late events of it stay dropped for
+    /// a moment.
+    fn upload_ended(&self, path: &str) {
+        if let Ok(mut u) = self.uploads.write() {
+            u.insert(
+                path.to_owned(),
+                Some(tokio::time::Instant::now() + UPLOAD_QUIET),
+            );
+        }
+    }
+
+    /// Whether the provider's events of `path` are dropped now.
+    fn upload_quiet(&self, path: &str) -> bool {
+        self.uploads
+            .read()
+            .ok()
+            .and_then(|u| u.get(path).copied())
+            .is_some_and(|until| until.is_none_or(|t| t > tokio::time::Instant::now()))
     }
 
     fn is_paused(&self) -> bool {
@@ -267,7 +317,9 @@ pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig) -> String {
     };
     out.push_str(&format!("  export E2B_API_KEY={key}\n"));
     // The SDKs must not take their debug shortcut (no control plane, envd on :49983).
-    out.push_str("  export E2B_DEBUG=false");
+    // Unset rather than `false`: E2B's own test suites take their debug branches when the
+    // variable is set at all.
+    out.push_str("  unset E2B_DEBUG");
     out
 }
 
@@ -442,22 +494,24 @@ fn parse_rfc3339(s: &str) -> Option<i64> {
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
-/// Resolve an envd path the way envd does: `~` is the user's home, a relative path is
-/// relative to it. The provider's seam confines the result to the sandbox.
-fn resolve_path(path: &str) -> String {
+/// Resolve an envd path the way envd does (`ExpandAndResolve`): `~` is the home of the
+/// user the operation runs as, and a relative path is relative to it (`root`'s is
+/// `/root`). The provider's seam confines the result to the sandbox.
+fn resolve_path(path: &str, user: &str) -> String {
+    let home = home_of(user);
     let p = path.trim();
     if p == "~" {
-        return HOME.to_owned();
+        return home.to_owned();
     }
     if let Some(rest) = p.strip_prefix("~/") {
-        return format!("{HOME}/{rest}");
+        return format!("{home}/{rest}");
     }
     if p.starts_with('/') {
         p.to_owned()
     } else if p.is_empty() {
-        HOME.to_owned()
+        home.to_owned()
     } else {
-        format!("{HOME}/{p}")
+        format!("{home}/{p}")
     }
 }
 

@@ -161,6 +161,24 @@ impl Multipart {
         }
     }
 
+    /// Read and drop what is left of the body, up to `limit` bytes: `true` when the body
+    /// was read to its end within it.
+    pub(super) async fn drain(&mut self, limit: usize) -> bool {
+        let mut read = self.buf.len();
+        self.buf.clear();
+        while !self.eof {
+            if read > limit {
+                return false;
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => read += chunk.len(),
+                Some(Err(_)) => return false,
+                None => self.eof = true,
+            }
+        }
+        read <= limit
+    }
+
     /// The next chunk of the current part's body; `None` at its end.
     pub(super) async fn next_chunk(&mut self) -> Result<Option<Bytes>, MultipartError> {
         if self.state != State::Body {

@@ -45,10 +45,6 @@ use crate::exec::{self, ExecLimits, RunningCommand};
 use crate::server::RequestCtx;
 use crate::state::AppState;
 
-/// Time an `end` event gets to follow a process killed at its deadline before the stream
-/// itself gives up with `deadline_exceeded`.
-const END_AFTER_DEADLINE: Duration = Duration::from_secs(2);
-
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/process.Process/{method}", post(rpc))
 }
@@ -313,6 +309,10 @@ fn list(t: &Target) -> ListResponse {
 // === Start and Connect ===
 
 async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Body) -> Response {
+    // Taken before the process starts, so the stream's deadline passes no later than the
+    // process's own (which kills it): as with envd, the stream then ends with
+    // `deadline_exceeded`, not with the killed process's `end`.
+    let deadline = opts.deadline();
     let req: StartRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
@@ -321,8 +321,7 @@ async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Bo
         Ok(cmd) => {
             tracing::Span::current().record("command.id", cmd.command_id.as_str());
             let events = cmd.events(StreamOffsets::default());
-            let deadline = opts.deadline().map(|d| d + END_AFTER_DEADLINE);
-            respond(cmd.pid, events, opts, deadline)
+            respond(t, cmd.pid, events, opts, deadline)
         }
         Err(e) => connect::stream_error(&e),
     }
@@ -346,8 +345,8 @@ async fn start_process(
         .cwd
         .as_deref()
         .filter(|c| !c.is_empty())
-        .map(resolve_path)
-        .or(init.default_workdir);
+        .map(|c| resolve_path(c, &user))
+        .or_else(|| init.default_workdir.map(|w| resolve_path(&w, &user)));
     if let Some(dir) = &cwd {
         // envd checks the working directory before it starts anything.
         let sandbox = t.session.sandbox()?;
@@ -413,11 +412,12 @@ async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
         stdout: cmd.journal.len(first),
         stderr: cmd.journal.len(StreamKind::Stderr),
     };
-    respond(cmd.pid, cmd.events(from), opts, opts.deadline())
+    respond(t, cmd.pid, cmd.events(from), opts, opts.deadline())
 }
 
 /// The process stream: `start`, then the command's output and its end.
 fn respond(
+    t: &Target,
     pid: u32,
     events: BoxStream<'static, crate::error::Result<ProcessEvent>>,
     opts: CallOpts,
@@ -455,6 +455,7 @@ fn respond(
             keepalive: opts.keepalive,
             keepalive_msg,
             deadline,
+            sever: Some(t.session.cancel.clone()),
             span: tracing::Span::current(),
         },
     )
@@ -464,48 +465,9 @@ fn respond(
 /// with exit code -1.
 pub(super) fn end_event(status: ExitStatus) -> EndEvent {
     match (status.code, status.signal) {
-        (Some(code), _) => {
-            let s = format!("exit status {code}");
-            EndEvent {
-                exit_code: code,
-                exited: true,
-                error: (code != 0).then(|| s.clone()),
-                status: s,
-            }
-        }
-        (None, Some(sig)) => {
-            let s = format!("signal: {}", signal_name(sig));
-            EndEvent {
-                exit_code: -1,
-                exited: false,
-                error: Some(s.clone()),
-                status: s,
-            }
-        }
-        (None, None) => EndEvent {
-            exit_code: -1,
-            exited: false,
-            status: "unknown".into(),
-            error: Some("the process ended without a status".into()),
-        },
-    }
-}
-
-/// Go's names of signals (`syscall.Signal.String`).
-fn signal_name(sig: i32) -> String {
-    match sig {
-        1 => "hangup".into(),
-        2 => "interrupt".into(),
-        3 => "quit".into(),
-        6 => "aborted".into(),
-        9 => "killed".into(),
-        10 => "user defined signal 1".into(),
-        11 => "segmentation fault".into(),
-        12 => "user defined signal 2".into(),
-        13 => "broken pipe".into(),
-        14 => "alarm clock".into(),
-        15 => "terminated".into(),
-        n => format!("signal {n}"),
+        (Some(code), _) => EndEvent::exited_with(code),
+        (None, Some(sig)) => EndEvent::signaled(sig),
+        (None, None) => EndEvent::unknown(),
     }
 }
 
@@ -552,7 +514,10 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
     };
     match r {
         Ok(()) => {
-            let mut body = connect::envelope(0, b"{}").to_vec();
+            let mut body = match connect::envelope(b"{}") {
+                Ok(frame) => frame.to_vec(),
+                Err(e) => return connect::stream_error(&e),
+            };
             body.extend_from_slice(&connect::end_frame(None));
             (
                 http::StatusCode::OK,

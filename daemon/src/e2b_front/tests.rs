@@ -205,26 +205,24 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 }
 
 fn envelope(flags: u8, v: &Value) -> Vec<u8> {
-    let p = v.to_string().into_bytes();
-    let mut out = vec![flags];
-    out.extend_from_slice(&(p.len() as u32).to_be_bytes());
-    out.extend_from_slice(&p);
-    out
+    tether_protocol::connect::encode(flags, v.to_string().as_bytes())
+        .unwrap()
+        .to_vec()
 }
 
-fn frames(mut b: &[u8]) -> Vec<(u8, Value)> {
+/// The envelopes of a whole stream body: each frame's flags and JSON.
+fn frames(b: &[u8]) -> Vec<(u8, Value)> {
+    use tether_protocol::connect::{Decoder, FLAG_END_STREAM, Frame};
+    let mut d = Decoder::new(usize::MAX);
+    d.push(b);
     let mut out = Vec::new();
-    while b.len() >= 5 {
-        let flags = b[0];
-        let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
-        let payload = &b[5..5 + len];
-        out.push((
-            flags,
-            serde_json::from_slice(payload).unwrap_or(Value::Null),
-        ));
-        b = &b[5 + len..];
+    while let Some(f) = d.next_frame().expect("a well-formed envelope") {
+        out.push(match f {
+            Frame::Message(m) => (0, serde_json::from_slice(&m).unwrap_or(Value::Null)),
+            Frame::End(end) => (FLAG_END_STREAM, serde_json::to_value(end).unwrap()),
+        });
     }
-    assert!(b.is_empty(), "trailing bytes after the last envelope");
+    assert!(d.finish().is_ok(), "trailing bytes after the last envelope");
     out
 }
 
@@ -865,15 +863,15 @@ async fn the_call_timeout_kills_the_process_and_keepalives_flow() {
         started.elapsed() < Duration::from_secs(10),
         "the deadline ended the call"
     );
+    // As envd: the stream ends with the call's `deadline_exceeded`, never with the end
+    // event of the process the deadline killed.
     let (_, _, end) = outputs(&fr);
-    match end {
-        // envd's SIGKILL, or tether's terminate (TERM first, no grace).
-        Some(end) => assert!(
-            end["status"] == "signal: killed" || end["status"] == "signal: terminated",
-            "{end}"
-        ),
-        None => assert_eq!(fr.last().unwrap().1["error"]["code"], "deadline_exceeded"),
-    }
+    assert_eq!(end, None, "{fr:?}");
+    assert_eq!(
+        fr.last().unwrap().1["error"]["code"],
+        "deadline_exceeded",
+        "{fr:?}"
+    );
     // The process was killed by its deadline (E2B semantics), as the log shows.
     wait_for(
         "the deadline's kill in the log",
@@ -1133,6 +1131,46 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
         .read_to_end(&mut back)
         .unwrap();
     assert_eq!(back, data, "relative paths are relative to /home/user");
+    // Incompressible bytes are served as they are, gzip asked for or not.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let noise: Vec<u8> = (0..200_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let r = f
+        .envd(
+            reqwest::Method::POST,
+            "/files?path=/home/user/noise.bin",
+            &id,
+            &token,
+        )
+        .header("content-type", "application/octet-stream")
+        .body(noise.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = f
+        .envd(
+            reqwest::Method::GET,
+            "/files?path=/home/user/noise.bin",
+            &id,
+            &token,
+        )
+        .header("accept-encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(
+        r.headers().get("content-encoding").is_none(),
+        "random bytes were gzip-encoded"
+    );
+    assert_eq!(r.bytes().await.unwrap().as_ref(), noise.as_slice());
     // A byte range.
     let r = f
         .envd(
@@ -1197,7 +1235,7 @@ async fn files_round_trip_in_every_encoding_and_are_logged() {
         .iter()
         .filter(|e| matches!(e, EventBody::FsOp { op, outcome, .. } if op == "write" && outcome == "ok"))
         .count();
-    assert_eq!(writes, 3, "every upload is in the session log");
+    assert_eq!(writes, 4, "every upload is in the session log");
     f.stop().await;
 }
 
@@ -1540,10 +1578,13 @@ fn recipe_names_the_sdk_variables() {
         "E2B_API_URL=http://127.0.0.1:7420",
         "E2B_SANDBOX_URL=http://127.0.0.1:7420",
         "E2B_API_KEY=",
-        "E2B_DEBUG=false",
+        "unset E2B_DEBUG",
     ] {
         assert!(r.contains(want), "{want} not in {r}");
     }
+    // Any value of E2B_DEBUG, `false` included, sends E2B's own test suites down their
+    // debug branches.
+    assert!(!r.contains("E2B_DEBUG="), "{r}");
     cfg.api_keys.push(ApiKey {
         key: "k".into(),
         tenant: None,
@@ -1570,9 +1611,9 @@ fn connect_codes_follow_the_sdk_mapping() {
     assert_eq!(super::connect_code(C::FsAlreadyExists), K::AlreadyExists);
     assert_eq!(super::connect_code(C::Unsupported), K::Unimplemented);
     assert_eq!(super::connect_code(C::Unauthorized), K::Unauthenticated);
-    assert_eq!(super::resolve_path("~/x"), "/home/user/x");
-    assert_eq!(super::resolve_path("x/y"), "/home/user/x/y");
-    assert_eq!(super::resolve_path("/tmp"), "/tmp");
+    assert_eq!(super::resolve_path("~/x", "user"), "/home/user/x");
+    assert_eq!(super::resolve_path("x/y", "user"), "/home/user/x/y");
+    assert_eq!(super::resolve_path("/tmp", "user"), "/tmp");
     assert_eq!(
         super::form_pairs("a=1%2B2&b=x+y&c"),
         vec![
@@ -1630,7 +1671,9 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
             &token,
             "process.Process/Start",
             start_body("echo $FROM_INIT; pwd", false),
-            &[],
+            // As `user` (the default is now root): a relative default workdir is under
+            // the home of the user each process runs as.
+            &[("Authorization", "Basic dXNlcjo=")],
         )
         .await;
     assert_eq!(
@@ -1638,18 +1681,32 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
         "yes\n/home/user/wd\n",
         "init's env and workdir apply to later processes: {fr:?}"
     );
-    let spec = f
+    // Without a user asked for, the init default user runs it (here with a cwd of its own).
+    let (_, _, fr) = f
+        .stream(
+            &id,
+            &token,
+            "process.Process/Start",
+            envelope(
+                0,
+                &json!({"process": {"cmd": "/bin/bash", "args": ["-c", "pwd"], "cwd": "/home/user/wd"}}),
+            ),
+            &[],
+        )
+        .await;
+    assert_eq!(outputs(&fr).0, "/home/user/wd\n", "{fr:?}");
+    let users: Vec<Option<String>> = f
         .session_events(&id)
         .into_iter()
-        .find_map(|e| match e {
-            EventBody::ProcessStarted { spec, .. } => Some(spec),
+        .filter_map(|e| match e {
+            EventBody::ProcessStarted { spec, .. } => Some(spec.user),
             _ => None,
         })
-        .unwrap();
+        .collect();
     assert_eq!(
-        spec.user.as_deref(),
-        Some("root"),
-        "the init default user is recorded"
+        users,
+        [Some("user".to_owned()), Some("root".to_owned())],
+        "the user asked for, then the init default user, are recorded"
     );
     let r = f
         .envd(reqwest::Method::GET, "/envs", &id, &token)
@@ -1708,4 +1765,79 @@ async fn init_authenticates_itself_and_sets_sandbox_defaults() {
         "connect extends the life"
     );
     f.stop().await;
+}
+
+/// The answer of a raw HTTP/1.1 exchange: the status line, or the I/O error that ended it.
+async fn raw_exchange(addr: &str, head: &[u8], body: &[u8]) -> Result<String, std::io::Error> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut sock = tokio::net::TcpStream::connect(addr).await?;
+    sock.write_all(head).await?;
+    // The body goes in pieces, as a client streaming a file sends it.
+    for piece in body.chunks(16 * 1024) {
+        sock.write_all(piece).await?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::Error::other("closed before an answer"));
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    Ok(text.lines().next().unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn a_multipart_upload_refused_part_way_is_answered_not_reset() {
+    let f = Front::start().await;
+    let (id, token) = f.create(KEY_A).await;
+    let addr = f.base.trim_start_matches("http://").to_owned();
+    let boundary = "tether-refused-part-way";
+    let mut body = Vec::new();
+    // The second part repeats the first's path: refused there, with 200 KiB still to come.
+    for (name, data) in [
+        ("same.txt", vec![b'a'; 10]),
+        ("same.txt", vec![b'b'; 10]),
+        ("after.bin", vec![b'c'; 200 * 1024]),
+    ] {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(&data);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let head = format!(
+        "POST /files HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: {id}\r\nE2b-Sandbox-Port: 49983\r\nX-Access-Token: {token}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let status = tokio::time::timeout(
+        Duration::from_secs(20),
+        raw_exchange(&addr, head.as_bytes(), &body),
+    )
+    .await
+    .expect("the exchange hung");
+    match status {
+        Ok(line) => assert!(line.starts_with("HTTP/1.1 400"), "{line}"),
+        Err(e) => panic!("the client got {e} instead of the refusal"),
+    }
+    f.stop().await;
+}
+
+#[test]
+fn paths_resolve_under_the_home_of_the_user_asked_for() {
+    use super::resolve_path;
+    assert_eq!(resolve_path("hello.txt", "user"), "/home/user/hello.txt");
+    assert_eq!(resolve_path("hello.txt", "root"), "/root/hello.txt");
+    assert_eq!(resolve_path("~/a/b", "root"), "/root/a/b");
+    assert_eq!(resolve_path("~", "root"), "/root");
+    assert_eq!(resolve_path("", "root"), "/root");
+    assert_eq!(resolve_path("", "user"), "/home/user");
+    assert_eq!(resolve_path("/etc/hosts", "user"), "/etc/hosts");
 }

@@ -287,6 +287,33 @@ pub trait Fs: Send + Sync {
         let _ = (ctx, path, recursive);
         Err(ProviderError::Unsupported { op: "watch" })
     }
+
+    /// The extended attributes of a path (followed if a symlink) whose names start with
+    /// `prefix` (`user.e2b.`), by name without the prefix. Optional: `Unsupported` where
+    /// the provider (or the file system under it) has none.
+    async fn xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+    ) -> Result<BTreeMap<String, Vec<u8>>> {
+        let _ = (ctx, path, prefix);
+        Err(ProviderError::Unsupported { op: "xattrs" })
+    }
+
+    /// Replace a path's extended attributes under `prefix` with `values` (names without
+    /// the prefix): those not in `values` are removed, so an empty map clears them.
+    /// Optional: `Unsupported` where the provider has none.
+    async fn set_xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+        values: BTreeMap<String, Vec<u8>>,
+    ) -> Result<()> {
+        let _ = (ctx, path, prefix, values);
+        Err(ProviderError::Unsupported { op: "set_xattrs" })
+    }
 }
 
 /// Starting and finding commands. Every command runs in its own process group (session)

@@ -1,5 +1,6 @@
 //! The raw transport: the E2B control-plane REST client, the envd client (its REST
-//! endpoints and its Connect services), and the Connect codec.
+//! endpoints and its Connect services) over the Connect codec of
+//! [`tether_protocol::connect`], which tetherd's E2B front shares.
 //!
 //! One `reqwest::Client` is shared by everything a provider does. Every call is bounded
 //! by tether's clocks, each reported with its own code: the connect / first-byte phase
@@ -7,113 +8,31 @@
 //! (`TRANSPORT_IDLE_TIMEOUT`), and the total of a request/response call plus the caller's
 //! deadline (`DEADLINE_EXCEEDED`). Idempotent calls are retried with `backon` within the
 //! remaining deadline, honouring `Retry-After`.
-//!
-//! The Connect codec is written here rather than taken from the `connectrpc` crate. That
-//! crate (0.9) works only with its own `buffa`-generated message types and its own hyper
-//! client: using it would mean a second set of envd message types beside the serde ones
-//! in `tether_protocol::e2b` that tetherd's E2B front serves, a proto code-generation step,
-//! and a second HTTP client outside our shared one and outside our per-phase clocks. What
-//! the SDKs use of Connect is small: JSON bodies for unary calls, and for server streams
-//! 5-byte envelopes (a flag byte, a big-endian length) where flag `0x02` marks the final
-//! frame, whose JSON carries the call's error if it failed.
 
 use std::future::Future;
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use base64::Engine as _;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::{Method, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tether_protocol::e2b::{ENVD_PORT, EndOfStream};
+use tether_protocol::connect::{self as codec, Decoder, Frame};
+use tether_protocol::e2b::ENVD_PORT;
 use tether_provider::clock::{CancelReason, CancelToken, IdleWatchdog};
 use tether_provider::{CallCtx, ProviderError, Result};
 
 use crate::config::{E2bConfig, Endpoints, RetryConfig, join};
 use crate::error::{Op, WireError, from_connect, from_reqwest, from_status, malformed};
 
-/// Flag of a compressed envelope (never sent: identity only).
-pub const FLAG_COMPRESSED: u8 = 0x01;
-/// Flag of the end-of-stream envelope.
-pub const FLAG_END_STREAM: u8 = 0x02;
-/// Content type of Connect streams with the JSON codec.
-pub const CONNECT_STREAM_JSON: &str = "application/connect+json";
 /// Largest envelope accepted (a longer length prefix means a corrupted stream).
 pub const MAX_ENVELOPE_BYTES: usize = 64 * 1024 * 1024;
 
 const USER_AGENT: &str = concat!("tether-provider-e2b/", env!("CARGO_PKG_VERSION"));
-
-// === Connect envelopes ===
-
-/// One Connect envelope: flags, big-endian length, payload.
-pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(5 + payload.len());
-    b.extend_from_slice(&[flags]);
-    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    b.extend_from_slice(payload);
-    b.freeze()
-}
-
-/// A decoded envelope.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Frame {
-    /// A message.
-    Message(Bytes),
-    /// The end of the stream, with its JSON (an error, if the call failed).
-    End(EndOfStream),
-}
-
-/// An incremental envelope decoder: feed it body chunks as they come, split anywhere.
-#[derive(Debug, Default)]
-pub struct EnvelopeReader {
-    buf: BytesMut,
-}
-
-impl EnvelopeReader {
-    /// Add bytes from the body.
-    pub fn push(&mut self, chunk: &[u8]) {
-        self.buf.extend_from_slice(chunk);
-    }
-
-    /// Bytes received but not yet decoded.
-    pub fn pending(&self) -> usize {
-        self.buf.len()
-    }
-
-    /// The next complete frame, if one is buffered.
-    pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
-        if self.buf.len() < 5 {
-            return Ok(None);
-        }
-        let flags = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > MAX_ENVELOPE_BYTES {
-            return Err(format!("an envelope of {len} bytes"));
-        }
-        if flags & FLAG_COMPRESSED != 0 {
-            return Err("a compressed envelope (identity was asked for)".into());
-        }
-        if self.buf.len() < 5 + len {
-            return Ok(None);
-        }
-        self.buf.advance(5);
-        let payload = self.buf.split_to(len).freeze();
-        if flags & FLAG_END_STREAM != 0 {
-            let end = if payload.iter().all(u8::is_ascii_whitespace) {
-                EndOfStream::default()
-            } else {
-                serde_json::from_slice(&payload)
-                    .map_err(|e| format!("an undecodable end-of-stream frame: {e}"))?
-            };
-            return Ok(Some(Frame::End(end)));
-        }
-        Ok(Some(Frame::Message(payload)))
-    }
-}
 
 // === timing ===
 
@@ -246,12 +165,7 @@ impl Http {
 
 /// Decode a JSON body, empty meaning `{}`.
 pub(crate) fn decode<T: DeserializeOwned>(body: &[u8], what: &str) -> Result<T> {
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        body
-    };
-    serde_json::from_slice(body).map_err(|e| ProviderError::Backend {
+    codec::decode_json(body).map_err(|e| ProviderError::Backend {
         message: format!("malformed answer to {what}"),
         source: Some(Box::new(WireError::Json(e))),
     })
@@ -349,7 +263,7 @@ impl ByteBody {
 /// A Connect server stream of `T` messages.
 pub(crate) struct ConnectStream {
     body: ByteBody,
-    reader: EnvelopeReader,
+    reader: Decoder,
     op: &'static str,
     id: String,
     fs: bool,
@@ -412,7 +326,7 @@ impl ConnectStream {
                     };
                 }
                 Ok(None) => {}
-                Err(what) => return Err(malformed(what)),
+                Err(what) => return Err(malformed(what.to_string())),
             }
             match self.body.next().await? {
                 Some(chunk) => self.reader.push(&chunk),
@@ -627,7 +541,7 @@ impl Envd {
     ) -> reqwest::RequestBuilder {
         let mut req = self
             .request(Method::POST, &format!("/{method}"))
-            .header("connect-protocol-version", "1")
+            .header(codec::PROTOCOL_VERSION_HEADER, "1")
             .header(reqwest::header::CONTENT_TYPE, content_type);
         if let Some(u) = self.effective_user(user) {
             req = req.header(reqwest::header::AUTHORIZATION, basic_user(&u));
@@ -659,11 +573,9 @@ impl Envd {
             source: Some(Box::new(e)),
         })?;
         let tctx = ctx.with_timeout(self.http.request, "DEADLINE_EXCEEDED");
-        let mut rb = self
-            .rpc_request(method, user, "application/json")
-            .body(body);
+        let mut rb = self.rpc_request(method, user, codec::UNARY_JSON).body(body);
         if let Some(left) = tctx.remaining() {
-            rb = rb.header("connect-timeout-ms", left.as_millis().max(1).to_string());
+            rb = rb.header(codec::TIMEOUT_HEADER, codec::format_timeout_ms(left));
         }
         let (status, headers, body) = self.http.call(&tctx, rb, op).await?;
         if status == StatusCode::OK {
@@ -688,12 +600,15 @@ impl Envd {
             message: "cannot encode a request".into(),
             source: Some(Box::new(e)),
         })?;
+        let frame = codec::message(&json).map_err(|e| ProviderError::InvalidRequest {
+            message: format!("{method}: {e}"),
+        })?;
         let rb = self
-            .rpc_request(method, user, CONNECT_STREAM_JSON)
+            .rpc_request(method, user, codec::STREAM_JSON)
             .header("connect-accept-encoding", "identity")
             .header("connect-content-encoding", "identity")
             .header("keepalive-ping-interval", self.keepalive_s.to_string())
-            .body(envelope(0, &json));
+            .body(frame);
         let resp = self.http.send(ctx, rb, op).await?;
         let status = resp.status();
         if status != StatusCode::OK {
@@ -710,7 +625,7 @@ impl Envd {
             .get(reqwest::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
-        if !ct.starts_with(CONNECT_STREAM_JSON) {
+        if !ct.starts_with(codec::STREAM_JSON) {
             return Err(malformed(format!(
                 "a {method} stream of content type {ct:?}"
             )));
@@ -723,7 +638,7 @@ impl Envd {
         let watchdog = self.http.transport_watchdog(parent)?;
         Ok(ConnectStream {
             body: ByteBody::new(resp, watchdog, method),
-            reader: EnvelopeReader::default(),
+            reader: Decoder::new(MAX_ENVELOPE_BYTES),
             op: method_op(method),
             id,
             fs,

@@ -15,6 +15,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 use tether_protocol::ErrorCode;
+use tether_protocol::connect;
 use tether_protocol::e2b::ConnectCode;
 use tether_provider::ProviderError;
 use tether_provider::clock::{CancelReason, TimeoutReason};
@@ -172,20 +173,22 @@ pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 
 /// The message and (if the body is a Connect error) the Connect code of an error body.
 fn parse_body(body: &[u8]) -> (String, Option<ConnectCode>) {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
-        let text = String::from_utf8_lossy(body);
-        return (text.chars().take(300).collect(), None);
-    };
-    let message = v
-        .get("message")
-        .and_then(|m| m.as_str())
-        .unwrap_or_default()
-        .to_owned();
-    let code = v
-        .get("code")
-        .and_then(|c| c.as_str())
-        .and_then(|c| serde_json::from_value(serde_json::json!(c)).ok());
-    (message, code)
+    if let Some(e) = connect::decode_error(body) {
+        return (e.message, Some(e.code));
+    }
+    /// A REST error body (`{"code": <status>, "message"}`), or any JSON with a message.
+    #[derive(serde::Deserialize)]
+    struct WithMessage {
+        #[serde(default)]
+        message: String,
+    }
+    match serde_json::from_slice::<WithMessage>(body) {
+        Ok(m) => (m.message, None),
+        Err(_) => (
+            String::from_utf8_lossy(body).chars().take(300).collect(),
+            None,
+        ),
+    }
 }
 
 /// An error answer of a REST endpoint (control plane, `/files`, `/health`), or a plain

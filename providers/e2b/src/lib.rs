@@ -25,9 +25,7 @@ mod tests;
 #[cfg(all(test, feature = "e2b-live"))]
 mod integration_tests;
 
-pub use client::{
-    CONNECT_STREAM_JSON, EnvdVersion, EnvelopeReader, FLAG_END_STREAM, Frame, envelope,
-};
+pub use client::{EnvdVersion, MAX_ENVELOPE_BYTES};
 pub use config::{E2bConfig, Endpoints, RetryConfig};
 pub use error::WireError;
 pub use fs::{E2bFs, TEMP_PREFIX, VERSION_META, resolve, to_stat, version_of};

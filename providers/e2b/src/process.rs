@@ -37,8 +37,8 @@ use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     DataEvent, Empty, EndEvent, ListDirRequest, ListDirResponse, ListResponse, PathRequest,
     ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg, ProcessInput,
-    ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest, SendInputRequest,
-    SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
+    ProcessOutcome, ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest,
+    SendInputRequest, SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
 };
 use tether_protocol::process::{
     Command, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode, StreamKind,
@@ -187,78 +187,21 @@ const FOLLOW_POLL: Duration = Duration::from_millis(200);
 const OUT: usize = 0;
 const ERR: usize = 1;
 
-/// Go's `syscall.Signal` names, as envd reports them in `status` (`signal: killed`).
-fn signal_number(name: &str) -> Option<i32> {
-    let name = name.trim().trim_end_matches(" (core dumped)");
-    Some(match name {
-        "hangup" => 1,
-        "interrupt" => 2,
-        "quit" => 3,
-        "illegal instruction" => 4,
-        "trace/breakpoint trap" => 5,
-        "aborted" => 6,
-        "bus error" => 7,
-        "floating point exception" => 8,
-        "killed" => 9,
-        "user defined signal 1" => 10,
-        "segmentation fault" => 11,
-        "user defined signal 2" => 12,
-        "broken pipe" => 13,
-        "alarm clock" => 14,
-        "terminated" => 15,
-        "stack fault" => 16,
-        "child exited" => 17,
-        "continued" => 18,
-        "stopped (signal)" => 19,
-        "stopped" => 20,
-        "stopped (tty input)" => 21,
-        "stopped (tty output)" => 22,
-        "urgent I/O condition" => 23,
-        "CPU time limit exceeded" => 24,
-        "file size limit exceeded" => 25,
-        "virtual timer expired" => 26,
-        "profiling timer expired" => 27,
-        "window changed" => 28,
-        "I/O possible" => 29,
-        "power failure" => 30,
-        "bad system call" => 31,
-        other => {
-            return other
-                .strip_prefix("signal ")
-                .and_then(|n| n.trim().parse().ok());
-        }
-    })
-}
-
 /// The exit status of envd's end event (Go's `ProcessState`).
 pub(crate) fn exit_status(e: &EndEvent) -> ExitStatus {
-    if e.exited {
-        return ExitStatus {
-            code: Some(e.exit_code),
-            signal: None,
-        };
-    }
-    if let Some(name) = e.status.strip_prefix("signal: ")
-        && let Some(n) = signal_number(name)
-    {
-        return ExitStatus {
-            code: None,
-            signal: Some(n),
-        };
-    }
-    if let Some(code) = e
-        .status
-        .strip_prefix("exit status ")
-        .and_then(|c| c.trim().parse().ok())
-    {
-        return ExitStatus {
+    match e.outcome() {
+        ProcessOutcome::Exited(code) => ExitStatus {
             code: Some(code),
             signal: None,
-        };
-    }
-    ExitStatus {
-        code: (e.exit_code >= 0).then_some(e.exit_code),
-        signal: None,
+        },
+        ProcessOutcome::Signaled(sig) => ExitStatus {
+            code: None,
+            signal: Some(sig),
+        },
+        ProcessOutcome::Unknown => ExitStatus {
+            code: None,
+            signal: None,
+        },
     }
 }
 

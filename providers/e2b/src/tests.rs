@@ -1,4 +1,5 @@
-//! Unit tests of the E2B provider's pieces: the Connect codec, configuration from the
+//! Unit tests of the E2B provider's pieces (the Connect codec's are in
+//! `tether_protocol::connect`): configuration from the
 //! environment, endpoint resolution, error mapping, exit statuses, the output window,
 //! paths and versions, and the bash wrapper itself. The whole provider against small
 //! in-test backends is in `tests/fake_backend.rs`; against tetherd's E2B front in the
@@ -16,71 +17,11 @@ use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{ConnectCode, EndEvent, EntryInfo, FileType};
 use tether_protocol::fs::FileKind;
 
-use crate::client::{EnvdVersion, EnvelopeReader, FLAG_END_STREAM, Frame, basic_user, envelope};
+use crate::client::{EnvdVersion, basic_user};
 use crate::config::{E2bConfig, Endpoints, RetryConfig};
 use crate::error::{Op, from_connect, from_status};
 use crate::fs::{resolve, to_stat, version_of};
 use crate::process::{Window, exit_status};
-
-// --- the Connect codec ---
-
-#[test]
-fn envelopes_decode_whatever_the_chunking() {
-    let mut wire = Vec::new();
-    wire.extend_from_slice(&envelope(0, br#"{"event":{"start":{"pid":7}}}"#));
-    wire.extend_from_slice(&envelope(0, b""));
-    wire.extend_from_slice(&envelope(0, &vec![b'x'; 70_000]));
-    wire.extend_from_slice(&envelope(FLAG_END_STREAM, b"{}"));
-    for split in [1usize, 2, 3, 4, 5, 6, 7, 4096, wire.len()] {
-        let mut r = EnvelopeReader::default();
-        let mut frames = Vec::new();
-        for chunk in wire.chunks(split) {
-            r.push(chunk);
-            while let Some(f) = r.next_frame().unwrap() {
-                frames.push(f);
-            }
-        }
-        assert_eq!(frames.len(), 4, "split {split}");
-        assert_eq!(
-            frames[0],
-            Frame::Message(Bytes::from_static(br#"{"event":{"start":{"pid":7}}}"#))
-        );
-        assert_eq!(frames[1], Frame::Message(Bytes::new()));
-        assert!(matches!(&frames[2], Frame::Message(m) if m.len() == 70_000));
-        assert!(matches!(&frames[3], Frame::End(e) if e.error.is_none()));
-        assert_eq!(r.pending(), 0);
-    }
-}
-
-#[test]
-fn an_end_frame_carries_the_calls_error_and_corruption_is_refused() {
-    let mut r = EnvelopeReader::default();
-    r.push(&envelope(
-        FLAG_END_STREAM,
-        br#"{"error":{"code":"invalid_argument","message":"cwd '/x' does not exist"}}"#,
-    ));
-    match r.next_frame().unwrap() {
-        Some(Frame::End(e)) => {
-            assert_eq!(e.error.map(|e| e.code), Some(ConnectCode::InvalidArgument))
-        }
-        other => panic!("{other:?}"),
-    }
-    // An empty end frame is a clean end too.
-    let mut r = EnvelopeReader::default();
-    r.push(&envelope(FLAG_END_STREAM, b""));
-    assert!(matches!(r.next_frame().unwrap(), Some(Frame::End(e)) if e.error.is_none()));
-    // A compressed frame (identity was asked for) and an absurd length are refused.
-    let mut r = EnvelopeReader::default();
-    r.push(&envelope(0x01, b"x"));
-    assert!(r.next_frame().is_err());
-    let mut r = EnvelopeReader::default();
-    r.push(&[0, 0xff, 0xff, 0xff, 0xff]);
-    assert!(r.next_frame().is_err());
-    // A header alone is not a frame yet.
-    let mut r = EnvelopeReader::default();
-    r.push(&[0, 0, 0, 0, 3, b'{']);
-    assert_eq!(r.next_frame().unwrap(), None);
-}
 
 // --- configuration ---
 

@@ -21,11 +21,10 @@ use axum::routing::{get, post};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tether_protocol::ErrorCode;
+use tether_protocol::connect::FLAG_END_STREAM;
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
 use tether_provider::{CallCtx, Provider, SandboxSpec, StreamOffsets};
-use tether_provider_e2b::{
-    E2bConfig, E2bProvider, FLAG_END_STREAM, RetryConfig, WRAPPER, envelope,
-};
+use tether_provider_e2b::{E2bConfig, E2bProvider, RetryConfig, WRAPPER};
 use tokio::time::Instant;
 
 /// What the fake saw and what it should answer.
@@ -216,6 +215,11 @@ fn stream_answer(frames: Vec<Bytes>, end: Option<Bytes>) -> Response {
         body,
     )
         .into_response()
+}
+
+/// One Connect envelope, by the codec the provider and tetherd share.
+fn envelope(flags: u8, payload: &[u8]) -> Bytes {
+    tether_protocol::connect::encode(flags, payload).unwrap()
 }
 
 fn msg(v: Value) -> Bytes {

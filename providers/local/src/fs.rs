@@ -750,6 +750,74 @@ impl Fs for LocalFs {
         .await
     }
 
+    async fn xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+    ) -> Result<std::collections::BTreeMap<String, Vec<u8>>> {
+        let (ws, p, prefix) = (self.ws.clone(), path.to_owned(), prefix.to_owned());
+        blocking(ctx, move || {
+            let comps = ws.resolve(&p, true)?;
+            let fd = ws
+                .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
+                .map_err(|e| fs_errno(&p, e))?;
+            let mut out = std::collections::BTreeMap::new();
+            for name in xattr_names(&fd).map_err(|e| xattr_errno(&p, e))? {
+                let Some(key) = name.strip_prefix(prefix.as_bytes()) else {
+                    continue;
+                };
+                let Ok(key) = String::from_utf8(key.to_vec()) else {
+                    continue;
+                };
+                match xattr_value(&fd, &name) {
+                    Ok(v) => {
+                        out.insert(key, v);
+                    }
+                    // Removed in between.
+                    Err(Errno::NODATA) => {}
+                    Err(e) => return Err(xattr_errno(&p, e)),
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn set_xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+        values: std::collections::BTreeMap<String, Vec<u8>>,
+    ) -> Result<()> {
+        let (ws, p, prefix) = (self.ws.clone(), path.to_owned(), prefix.to_owned());
+        blocking(ctx, move || {
+            let comps = ws.resolve(&p, true)?;
+            let fd = ws
+                .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
+                .map_err(|e| fs_errno(&p, e))?;
+            for name in xattr_names(&fd).map_err(|e| xattr_errno(&p, e))? {
+                let stale = name.strip_prefix(prefix.as_bytes()).is_some_and(|k| {
+                    std::str::from_utf8(k).map_or(true, |k| !values.contains_key(k))
+                });
+                if stale {
+                    match rustix::fs::fremovexattr(&fd, name.as_slice()) {
+                        Ok(()) | Err(Errno::NODATA) => {}
+                        Err(e) => return Err(xattr_errno(&p, e)),
+                    }
+                }
+            }
+            for (k, v) in &values {
+                let name = format!("{prefix}{k}");
+                rustix::fs::fsetxattr(&fd, name.as_str(), v, rustix::fs::XattrFlags::empty())
+                    .map_err(|e| xattr_errno(&p, e))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     async fn watch(
         &self,
         ctx: &CallCtx,
@@ -1085,5 +1153,51 @@ impl Watcher {
         };
         self.send(kind, join_rel(&rel).to_string_lossy().into_owned())
             .await
+    }
+}
+
+/// The extended attribute names of an open file.
+fn xattr_names(fd: &OwnedFd) -> rustix::io::Result<Vec<Vec<u8>>> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match rustix::fs::flistxattr(fd, &mut buf[..]) {
+            Ok(n) => {
+                return Ok(buf[..n]
+                    .split(|b| *b == 0)
+                    .filter(|n| !n.is_empty())
+                    .map(<[u8]>::to_vec)
+                    .collect());
+            }
+            Err(Errno::RANGE) if buf.len() < XATTR_LIST_MAX => buf.resize(buf.len() * 4, 0),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The value of one extended attribute of an open file.
+fn xattr_value(fd: &OwnedFd, name: &[u8]) -> rustix::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match rustix::fs::fgetxattr(fd, name, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            Err(Errno::RANGE) if buf.len() < XATTR_SIZE_MAX => buf.resize(buf.len() * 4, 0),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Linux's limits on an attribute list and on one value.
+const XATTR_LIST_MAX: usize = 64 * 1024;
+const XATTR_SIZE_MAX: usize = 64 * 1024;
+
+/// An xattr `errno`: a file system without them is `Unsupported`.
+fn xattr_errno(path: &str, e: Errno) -> ProviderError {
+    if e == Errno::NOTSUP || e == Errno::OPNOTSUPP {
+        ProviderError::Unsupported { op: "xattrs" }
+    } else {
+        fs_errno(path, e)
     }
 }

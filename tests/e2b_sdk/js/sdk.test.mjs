@@ -18,8 +18,9 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 
-// The suite always exercises the real control plane, whatever the caller's shell has set.
-process.env.E2B_DEBUG = 'false';
+// The suite always exercises the real control plane, whatever the caller's shell has set. Unset,
+// not 'false': E2B's own suites take their debug branches when the variable is set at all.
+delete process.env.E2B_DEBUG;
 
 const {
   AuthenticationError,
@@ -974,4 +975,144 @@ sdkTest('sandbox isolation (host file out of reach)', async (ctx) => {
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+// === envd fidelity (what envd itself answers, where a guess would differ) ===
+
+sdkTest('files.remove (missing path: success, as os.RemoveAll)', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.remove(`${HOME}/${unique('never-there')}`);
+  await sbx.files.remove(unique('relative-never-there'));
+  await sbx.files.remove(`${HOME}/${unique('no-dir')}/below/file.txt`);
+});
+
+sdkTest("files.getInfo / files.list (symlink: target's type and mode)", async (ctx) => {
+  const sbx = await ctx.create();
+  const d = `${HOME}/${unique('links')}`;
+  await sbx.files.write(`${d}/target.txt`, 'pointed at');
+  await sbx.files.makeDir(`${d}/sub`);
+  await sbx.commands.run(
+    `cd ${d} && chmod 600 target.txt && ln -s target.txt file-link` +
+      ` && ln -s sub dir-link && ln -s file-link chain-link`,
+  );
+  const link = await sbx.files.getInfo(`${d}/file-link`);
+  assert.equal(link.name, 'file-link');
+  assert.equal(link.path, `${d}/file-link`);
+  assert.equal(link.type, FileType.FILE);
+  assert.equal(link.mode, 0o600);
+  assert.equal(link.symlinkTarget, `${d}/target.txt`);
+  const chain = await sbx.files.getInfo(`${d}/chain-link`);
+  assert.deepEqual([chain.type, chain.symlinkTarget], [FileType.FILE, `${d}/target.txt`]);
+  const dlink = await sbx.files.getInfo(`${d}/dir-link`);
+  assert.equal(dlink.type, FileType.DIR);
+  assert.equal(dlink.mode, 0o755);
+  assert.equal(dlink.symlinkTarget, `${d}/sub`);
+  const listed = Object.fromEntries((await sbx.files.list(d)).map((e) => [e.name, e]));
+  assert.equal(listed['file-link'].type, FileType.FILE);
+  assert.equal(listed['file-link'].symlinkTarget, `${d}/target.txt`);
+  assert.equal(listed['dir-link'].type, FileType.DIR);
+  assert.equal(listed['target.txt'].symlinkTarget, undefined);
+});
+
+sdkTest("downloadUrl (expired signature -> envd's 401)", async (ctx) => {
+  const sbx = await ctx.create({ secure: true });
+  const p = `${HOME}/signed.txt`;
+  await sbx.files.write(p, 'signed content');
+  const expired = await sbx.downloadUrl(p, { useSignatureExpiration: -10_000 });
+  const res = await fetch(expired, { signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS) });
+  assert.equal(res.status, 401);
+  assert.deepEqual(JSON.parse(await res.text()), {
+    code: 401,
+    message: 'signature is already expired',
+  });
+  const inForce = await sbx.downloadUrl(p, { useSignatureExpiration: 10_000 });
+  const ok = await fetch(inForce, { signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS) });
+  assert.equal(ok.status, 200);
+  assert.equal(await ok.text(), 'signed content');
+});
+
+sdkTest('files.watchDir (upload of a new file: CREATE, CHMOD, WRITE)', async (ctx) => {
+  const sbx = await ctx.create();
+  const watched = `${HOME}/${unique('watch-up')}`;
+  await sbx.files.makeDir(watched);
+  const seen = [];
+  const handle = await sbx.files.watchDir(watched, (e) => seen.push(e), { timeoutMs: 0 });
+  try {
+    await sbx.files.write(`${watched}/uploaded.txt`, 'payload');
+    const mine = () => seen.filter((e) => e.name === 'uploaded.txt');
+    await waitUntil(() => mine().length >= 3, 5_000);
+    assert.deepEqual(
+      mine()
+        .slice(0, 3)
+        .map((e) => e.type),
+      [FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE],
+      `got ${JSON.stringify(seen)}`,
+    );
+  } finally {
+    await handle.stop();
+  }
+});
+
+sdkTest('commands.run (background) timeoutMs -> TimeoutError on wait', async (ctx) => {
+  const sbx = await ctx.create();
+  const marker = unique('bgto');
+  const handle = await sbx.commands.run(`sleep 30; : ${marker}`, {
+    background: true,
+    timeoutMs: 2000,
+  });
+  const started = Date.now();
+  // envd ends the stream with the call's deadline_exceeded, not with the killed process's end.
+  const err = await rejectsWith(handle.wait(), TimeoutError, 'wait past timeoutMs');
+  assert.ok(!/killed or reached its end of life/.test(err.message), err.message);
+  assert.ok(Date.now() - started < 10_000);
+  assert.ok(await waitUntil(async () => (await runningPidsWith(sbx, marker)).length === 0, 10_000));
+});
+
+sdkTest("Sandbox.kill under a running command -> 'sandbox was killed'", async (ctx) => {
+  const sbx = await ctx.create();
+  const cmd = await sbx.commands.run('sleep 60', { background: true });
+  await sbx.kill();
+  ctx.forget(sbx.sandboxId);
+  const err = await cmd.wait().catch((e) => e);
+  assert.ok(err instanceof SandboxError, `expected SandboxError, got ${err?.name}: ${err?.message}`);
+  assert.ok(
+    err.message.includes('sandbox was killed or reached its end of life'),
+    err.message,
+  );
+});
+
+sdkTest("Sandbox.create (unknown template -> E2B's 404)", async (ctx) => {
+  await requireServer();
+  const name = unique('no-such-template');
+  const err = await rejectsWith(
+    Sandbox.create(name, { requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+    SandboxError,
+    'create of an unknown template',
+  );
+  assert.equal(err.statusCode, 404);
+  assert.ok(err.message.includes(`template '${name}' not found`), err.message);
+});
+
+sdkTest('files.write metadata (kept as user.e2b.* xattrs)', async (ctx) => {
+  const sbx = await ctx.create();
+  const p = `${HOME}/${unique('meta')}.txt`;
+  const meta = { author: 'suite', purpose: 'upload' };
+  assert.deepEqual((await sbx.files.write(p, 'first', { metadata: meta })).metadata, meta);
+  assert.deepEqual((await sbx.files.getInfo(p)).metadata, meta);
+  // On the file itself, as the sandbox's own processes see it.
+  const r = await sbx.commands.run(
+    `python3 -c "import os; print(os.getxattr('${p}', 'user.e2b.author').decode())"`,
+  );
+  assert.equal(r.stdout, 'suite\n');
+  // Set inside the sandbox: shown as metadata, in getInfo and in list.
+  const q = `${HOME}/${unique('meta-set')}.txt`;
+  await sbx.files.write(q, 'content');
+  await sbx.commands.run(`python3 -c "import os; os.setxattr('${q}', 'user.e2b.author', b'mish')"`);
+  assert.deepEqual((await sbx.files.getInfo(q)).metadata, { author: 'mish' });
+  const listed = Object.fromEntries((await sbx.files.list(HOME)).map((e) => [e.path, e]));
+  assert.deepEqual(listed[q].metadata, { author: 'mish' });
+  // Overwriting without metadata clears what an earlier upload stored.
+  await sbx.files.write(p, 'second');
+  const after = (await sbx.files.getInfo(p)).metadata;
+  assert.ok(after === undefined || Object.keys(after).length === 0, JSON.stringify(after));
 });

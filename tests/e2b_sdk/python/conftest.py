@@ -28,10 +28,11 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 
 # The SDK decides between the control plane and its debug shortcut from E2B_DEBUG; the suite must
-# always exercise the real control plane, whatever the caller's shell has set.
-os.environ["E2B_DEBUG"] = "false"
+# always exercise the real control plane, whatever the caller's shell has set. Unset, not `false`:
+# E2B's own suites take their debug branches when the variable is set at all.
+os.environ.pop("E2B_DEBUG", None)
 
-from e2b import Sandbox  # noqa: E402  (import after fixing E2B_DEBUG on purpose)
+from e2b import Sandbox  # noqa: E402  (import after dropping E2B_DEBUG on purpose)
 
 # === configuration ===
 

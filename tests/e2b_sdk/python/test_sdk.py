@@ -810,3 +810,134 @@ def test_sandbox_isolation_host_file(sandbox):
     finally:
         os.unlink(canary)
         os.rmdir(canary_dir)
+
+
+# === envd fidelity (what envd itself answers, where a guess would differ) ===
+
+
+@sdk("files.remove (missing path: success, as os.RemoveAll)")
+def test_files_remove_missing(sandbox):
+    sandbox.files.remove(f"{HOME}/{unique('never-there')}")
+    sandbox.files.remove(unique("relative-never-there"))
+    sandbox.files.remove(f"{HOME}/{unique('no-dir')}/below/file.txt")
+
+
+@sdk("files.get_info / files.list (symlink: target's mode, absolute target)")
+def test_files_symlink_entries(sandbox):
+    # envd describes a link by its final target (mode, resolved absolute path) and marks it
+    # `is_symlink`, which this SDK reports as type SYMLINK; an entry that is not a link has none.
+    d = f"{HOME}/{unique('links')}"
+    sandbox.files.write(f"{d}/target.txt", "pointed at")
+    sandbox.files.make_dir(f"{d}/sub")
+    sandbox.commands.run(
+        f"cd {d} && chmod 600 target.txt && ln -s target.txt file-link"
+        f" && ln -s sub dir-link && ln -s file-link chain-link"
+    )
+    link = sandbox.files.get_info(f"{d}/file-link")
+    assert link.name == "file-link"
+    assert link.path == f"{d}/file-link"
+    assert link.type == FileType.SYMLINK
+    assert link.mode == 0o600
+    assert link.symlink_target == f"{d}/target.txt"
+    chain = sandbox.files.get_info(f"{d}/chain-link")
+    assert (chain.mode, chain.symlink_target) == (0o600, f"{d}/target.txt")
+    dlink = sandbox.files.get_info(f"{d}/dir-link")
+    assert dlink.mode == 0o755
+    assert dlink.symlink_target == f"{d}/sub"
+    listed = {e.name: e for e in sandbox.files.list(d)}
+    assert listed["file-link"].symlink_target == f"{d}/target.txt"
+    assert listed["file-link"].mode == 0o600
+    assert listed["target.txt"].type == FileType.FILE
+    assert listed["target.txt"].symlink_target is None
+    assert listed["sub"].type == FileType.DIR
+
+
+@sdk("download_url (expired signature -> envd's 401)")
+def test_download_url_expired_signature(make_sandbox):
+    sbx = make_sandbox(secure=True)
+    path = f"{HOME}/signed.txt"
+    sbx.files.write(path, "signed content")
+    expired = sbx.download_url(path, "user", use_signature_expiration=-120)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(expired, timeout=REQUEST_TIMEOUT_S)
+    assert caught.value.code == 401
+    body = json.loads(caught.value.read().decode())
+    assert body == {"code": 401, "message": "signature is already expired"}
+    in_force = sbx.download_url(path, "user", use_signature_expiration=120)
+    with urllib.request.urlopen(in_force, timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.read() == b"signed content"
+
+
+@sdk("files.watch_dir (upload of a new file: CREATE, CHMOD, WRITE)")
+def test_files_watch_upload_events(sandbox):
+    watched = f"{HOME}/{unique('watch-up')}"
+    sandbox.files.make_dir(watched)
+    handle = sandbox.files.watch_dir(watched)
+    try:
+        sandbox.files.write(f"{watched}/uploaded.txt", "payload")
+        # As envd: the three events are there as soon as the upload is answered.
+        events = [e for e in handle.get_new_events() if e.name == "uploaded.txt"]
+        assert [e.type for e in events[:3]] == [
+            FilesystemEventType.CREATE,
+            FilesystemEventType.CHMOD,
+            FilesystemEventType.WRITE,
+        ], f"got {events}"
+    finally:
+        handle.stop()
+
+
+@sdk("commands.run (background) timeout -> TimeoutException on wait")
+def test_commands_background_timeout(sandbox):
+    marker = unique("bgto")
+    handle = sandbox.commands.run(f"sleep 30; : {marker}", background=True, timeout=2)
+    started = time.monotonic()
+    # envd ends the stream with the call's deadline_exceeded, not with the killed process's end.
+    with pytest.raises(TimeoutException) as caught:
+        handle.wait()
+    assert not isinstance(caught.value, (SandboxNotRunningException, SandboxUnreachableException))
+    assert time.monotonic() - started < 10
+    assert wait_until(lambda: not running_pids_with(sandbox, marker), 10)
+
+
+@sdk("Sandbox.kill under a running command -> 'sandbox was killed'")
+def test_kill_under_running_command(make_sandbox):
+    sbx = make_sandbox()
+    handle = sbx.commands.run("sleep 60", background=True)
+    assert sbx.kill() is True
+    make_sandbox.forget(sbx.sandbox_id)
+    with pytest.raises(SandboxException) as caught:
+        handle.wait()
+    assert "sandbox was killed or reached its end of life" in str(caught.value)
+
+
+@sdk("Sandbox.create (unknown template -> E2B's 404)")
+def test_sandbox_create_unknown_template(env):
+    name = unique("no-such-template")
+    with pytest.raises(SandboxException) as caught:
+        Sandbox.create(name, request_timeout=REQUEST_TIMEOUT_S)
+    assert getattr(caught.value, "status_code", None) == 404
+    assert f"template '{name}' not found" in str(caught.value)
+
+
+@sdk("files.write metadata (kept as user.e2b.* xattrs)")
+def test_files_metadata_is_xattrs(sandbox):
+    p = f"{HOME}/{unique('meta')}.txt"
+    meta = {"author": "suite", "purpose": "upload"}
+    assert sandbox.files.write(p, "first", metadata=meta).metadata == meta
+    assert sandbox.files.get_info(p).metadata == meta
+    # On the file itself, as the sandbox's own processes see it.
+    r = sandbox.commands.run(
+        f"python3 -c \"import os; print(os.getxattr('{p}', 'user.e2b.author').decode())\""
+    )
+    assert r.stdout == "suite\n"
+    # Set inside the sandbox: shown as metadata, in get_info and in list.
+    q = f"{HOME}/{unique('meta-set')}.txt"
+    sandbox.files.write(q, "content")
+    assert sandbox.files.get_info(q).metadata is None
+    sandbox.commands.run(f"python3 -c \"import os; os.setxattr('{q}', 'user.e2b.author', b'mish')\"")
+    assert sandbox.files.get_info(q).metadata == {"author": "mish"}
+    listed = {e.path: e for e in sandbox.files.list(HOME)}
+    assert listed[q].metadata == {"author": "mish"}
+    # Overwriting without metadata clears what an earlier upload stored.
+    sandbox.files.write(p, "second")
+    assert sandbox.files.get_info(p).metadata is None
