@@ -154,7 +154,7 @@ pub const OTEL_KIND: &str = "otel.kind";
 /// The `outcome` value of a success.
 pub const OUTCOME_OK: &str = "ok";
 
-/// The `timeout.clock` values are the names of `tether_protocol::Clock`.
+// The `timeout.clock` values are the names of `tether_protocol::Clock`.
 
 #[cfg(test)]
 mod remote_ops_tests {

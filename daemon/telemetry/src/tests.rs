@@ -10,7 +10,6 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use super::*;
-use tether_provider::Clock;
 
 fn env(pairs: &[(&'static str, &str)]) -> HashMap<String, String> {
     pairs
