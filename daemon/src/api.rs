@@ -30,6 +30,7 @@ use crate::server::{ApiJson, RequestCtx};
 use crate::sessions::{NewSession, Scope, Session};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
+use tether_provider::Clock;
 
 type St = State<Arc<AppState>>;
 
@@ -110,13 +111,8 @@ async fn create_session(
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
         },
     };
-    // Sandbox creation owns remote work: run it to completion even if the client leaves.
-    let s2 = Arc::clone(&state);
-    let session = state
-        .tasks
-        .spawn(async move { s2.sessions.create(&ctx, new).await }.in_current_span())
-        .await
-        .map_err(|e| DaemonError::internal(e.to_string()))??;
+    // Sandbox creation owns remote work: it runs to completion even if the client leaves.
+    let session = state.sessions.create_owned(&ctx, new).await?;
     Ok((StatusCode::CREATED, ApiJson(session.info())).into_response())
 }
 
@@ -337,7 +333,7 @@ async fn start_process(
         total: total.map(|ms| Duration::from_millis(ms as u64)),
         output_idle: idle.map(Duration::from_millis),
     };
-    let sctx = ctx.with_timeout(s.deadlines.process_start, "DEADLINE_EXCEEDED");
+    let sctx = ctx.with_timeout(s.deadlines.process_start, Clock::Total);
     let cmd = exec::start(&s, &sctx, spec, limits).await?;
     Ok((
         StatusCode::CREATED,
@@ -369,7 +365,7 @@ async fn list_processes(
                 ),
                 stdout_bytes: o.as_ref().map_or(0, |o| o.stdout_bytes),
                 stderr_bytes: o.as_ref().map_or(0, |o| o.stderr_bytes),
-                clock: o.and_then(|o| o.clock.map(str::to_owned)),
+                clock: o.and_then(|o| o.clock),
             }
         })
         .collect();
@@ -504,7 +500,7 @@ async fn process_wait(
         }),
         stdout_bytes: o.stdout_bytes,
         stderr_bytes: o.stderr_bytes,
-        clock: o.clock.map(str::to_owned),
+        clock: o.clock,
     }))
 }
 
@@ -639,7 +635,7 @@ async fn get_file(
     // The body streams after this handler returns: bound it by the shutdown token and the
     // transfer deadline, not the request's (which ends with the handler).
     let tctx = CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child())
-        .with_timeout(s.deadlines.transfer, "DEADLINE_EXCEEDED");
+        .with_timeout(s.deadlines.transfer, Clock::Total);
     let path = q.path.as_str();
     let stream = ops::fs(
         &s,

@@ -127,7 +127,7 @@ impl DaemonError {
     }
 
     /// The clock that fired, for timeouts.
-    pub fn clock(&self) -> Option<&'static str> {
+    pub fn clock(&self) -> Option<tether_provider::Clock> {
         match self {
             Self::Provider(e) => e.clock(),
             _ => None,
@@ -153,7 +153,7 @@ impl DaemonError {
                 message: self.public_message(),
                 retryable: code.retryable(),
                 request_id: request_id.map(str::to_owned),
-                clock: self.clock().map(str::to_owned),
+                clock: self.clock(),
             },
         }
     }

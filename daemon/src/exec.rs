@@ -24,13 +24,14 @@ use tether_protocol::ErrorCode;
 use tether_protocol::events::EventBody;
 use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken, IdleWatchdog, deadline, timeout_of};
-use tether_provider::{CallCtx, ProcessHandle, StreamOffsets, clock_name};
+use tether_provider::{CallCtx, ProcessHandle, StreamOffsets};
 use tokio::sync::watch;
 use tracing::Instrument;
 
 use crate::error::{DaemonError, Result};
 use crate::session::OutputJournal;
 use crate::sessions::Session;
+use tether_provider::Clock;
 
 /// Limits of one command.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -46,8 +47,8 @@ pub struct ExecLimits {
 pub struct CommandOutcome {
     /// The exit status, when the command was seen to exit.
     pub status: Option<ExitStatus>,
-    /// The clock that ended it (`total`, `output_idle`), if one did.
-    pub clock: Option<&'static str>,
+    /// The clock that ended it, if one did.
+    pub clock: Option<Clock>,
     /// The limit of that clock, ms.
     pub timeout_ms: Option<u64>,
     /// Set when the command was ended by a kill request or session close.
@@ -66,10 +67,7 @@ impl CommandOutcome {
     /// The error code of this outcome, if it is not a normal exit.
     pub fn error_code(&self) -> Option<ErrorCode> {
         if let Some(c) = self.clock {
-            return Some(match c {
-                "output_idle" => ErrorCode::IdleTimeout,
-                _ => ErrorCode::DeadlineExceeded,
-            });
+            return Some(c.code());
         }
         if self.killed.is_some() {
             // Ended by the daemon's shutdown: the session lives on after the next start,
@@ -302,7 +300,7 @@ pub async fn start(
             let span = tracing::Span::current();
             span.record("outcome", outcome.error_code().map_or("ok", |c| c.as_str()));
             if let Some(c) = outcome.clock {
-                span.record("timeout.clock", c);
+                span.record("timeout.clock", c.name());
             }
             if let Some(code) = outcome.status.and_then(|s| s.code) {
                 span.record("exit_code", i64::from(code));
@@ -317,7 +315,7 @@ pub async fn start(
                     status: outcome.status.unwrap_or(ExitStatus { code: None, signal: None }),
                     stdout_bytes: outcome.stdout_bytes,
                     stderr_bytes: outcome.stderr_bytes,
-                    clock: outcome.clock.map(str::to_owned),
+                    clock: outcome.clock,
                 })
                 .await;
             if let Err(e) = logged {
@@ -343,7 +341,7 @@ async fn pump(
     grace: Duration,
 ) -> CommandOutcome {
     let total_ms = limits.total.map_or(0.0, |d| d.as_secs_f64() * 1000.0);
-    let total = match deadline(Some(&kill), total_ms, "DEADLINE_EXCEEDED") {
+    let total = match deadline(Some(&kill), total_ms, Clock::Total) {
         Ok(d) => d,
         Err(e) => return pump_error(journal, ErrorCode::InvalidRequest, e.to_string()),
     };
@@ -351,7 +349,7 @@ async fn pump(
         Some(d) if !d.is_zero() => match IdleWatchdog::new(
             Some(total.token()),
             d.as_secs_f64() * 1000.0,
-            "IDLE_TIMEOUT",
+            Clock::OutputIdle,
         ) {
             Ok(w) => Some(w),
             Err(e) => return pump_error(journal, ErrorCode::InvalidRequest, e.to_string()),
@@ -401,7 +399,7 @@ async fn pump(
                 error = Some((e.code(), e.to_string()));
                 // A provider clock (connect, transport idle) fired inside the provider:
                 // counted here, where its end is seen.
-                if let Some(clock @ ("connect" | "transport_idle")) = e.clock() {
+                if let Some(clock @ (Clock::Connect | Clock::TransportIdle)) = e.clock() {
                     session.metrics().timeout(clock, &session.provider_kind);
                 }
                 terminate(session, &handle).await;
@@ -440,7 +438,7 @@ async fn pump(
     }
     let (clock, timeout_ms, killed) = match &fired {
         Some(r) => match timeout_of(r, None) {
-            Some(t) => (Some(clock_name(t.code)), Some(t.timeout_ms), None),
+            Some(t) => (Some(t.clock), Some(t.timeout_ms), None),
             None => (None, None, Some(r.to_string())),
         },
         None => (None, None, None),
@@ -460,7 +458,7 @@ async fn pump(
 
 async fn terminate(session: &Arc<Session>, handle: &Arc<dyn ProcessHandle>) {
     let ctx = CallCtx::new(format!("terminate-{}", handle.command_id()))
-        .with_timeout(session.deadlines.terminate, "DEADLINE_EXCEEDED");
+        .with_timeout(session.deadlines.terminate, Clock::Total);
     let span = tracing::info_span!("process.kill", session.id = %session.id, command.id = %handle.command_id());
     match handle.terminate(&ctx).instrument(span).await {
         Ok(r) if r.survivors > 0 => {
@@ -500,7 +498,7 @@ pub async fn run(
             match ctx.cancel.reason() {
                 // The caller's own deadline (`Tether-Timeout-Ms`, an E2B
                 // `Connect-Timeout-Ms`): the command ends as that deadline, with its clock.
-                Some(r @ CancelReason::Timeout(t)) if t.code == "DEADLINE_EXCEEDED" => {
+                Some(r @ CancelReason::Timeout(t)) if t.clock == Clock::Total => {
                     cmd.kill.cancel(r);
                 }
                 // A tool's own deadline or a caller going away: the caller classifies it.

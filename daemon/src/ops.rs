@@ -21,6 +21,7 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::sessions::Session;
+use tether_provider::Clock;
 
 /// A file operation: names its span and metric and says whether it changes the sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +124,7 @@ where
     F: FnOnce(CallCtx) -> Fut,
     Fut: Future<Output = Result<T, ProviderError>>,
 {
-    let fctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let fctx = ctx.with_timeout(limit, Clock::Total);
     let started = Instant::now();
     let out = fctx.run(f(fctx.clone())).instrument(span.clone()).await;
     let outcome = match &out {
@@ -131,12 +132,12 @@ where
         Err(e) => {
             span.record("error.code", e.code().as_str());
             if let Some(clock) = e.clock() {
-                span.record("timeout.clock", clock);
+                span.record("timeout.clock", clock.name());
                 // This operation's own deadline, and the provider's own clocks (connect,
                 // transport idle: armed inside the provider, so counted here); a tool
                 // deadline or a command clock is counted where it is armed.
-                if fctx.timed_out(Some("DEADLINE_EXCEEDED"))
-                    || matches!(clock, "connect" | "transport_idle")
+                if fctx.timed_out(Some(Clock::Total))
+                    || matches!(clock, Clock::Connect | Clock::TransportIdle)
                 {
                     session.metrics().timeout(clock, &session.provider_kind);
                 }

@@ -30,6 +30,7 @@ use crate::providers::ProviderRegistry;
 use crate::sessions::{RecoveryReport, SessionManager};
 use crate::state::AppState;
 use crate::telemetry::Metrics;
+use tether_provider::Clock;
 
 tokio::task_local! {
     static REQUEST_ID: String;
@@ -176,7 +177,7 @@ async fn request_layer(
             .filter(|ms| *ms > 0)
         {
             Some(ms) => {
-                ctx = ctx.with_timeout(Duration::from_millis(ms.min(max)), "DEADLINE_EXCEEDED");
+                ctx = ctx.with_timeout(Duration::from_millis(ms.min(max)), Clock::Total);
             }
             None => {
                 return REQUEST_ID
@@ -316,7 +317,7 @@ impl Daemon {
         let providers = Arc::new(ProviderRegistry::from_config(&config)?);
         for (name, p) in providers.iter() {
             let ctx = CallCtx::new("healthcheck")
-                .with_timeout(config.limits.deadlines().sandbox_op, "DEADLINE_EXCEEDED");
+                .with_timeout(config.limits.deadlines().sandbox_op, Clock::Total);
             if let Err(e) = p.healthcheck(&ctx).await {
                 tracing::warn!(provider = %name, code = %e.code(), error = %e, "Provider healthcheck failed");
             }
@@ -338,7 +339,8 @@ impl Daemon {
             Pipeline::new(&config.pipeline, &config.limits, metrics.clone())
                 .map_err(|e| DaemonError::invalid(e.to_string()))?,
         );
-        let e2b = crate::e2b_front::FrontState::new(&config.e2b_front);
+        let e2b =
+            crate::e2b_front::FrontState::new(&config.e2b_front, config.limits.deadlines().fs_op);
         let state = Arc::new(AppState {
             config: Arc::clone(&config),
             sessions: Arc::clone(&sessions),

@@ -32,6 +32,7 @@ use crate::leases::{META_DAEMON, META_SESSION, now_ms};
 use crate::providers::ProviderRegistry;
 use crate::session::{LogConfig, SessionLog};
 use crate::telemetry::Metrics;
+use tether_provider::Clock;
 
 /// Where a session stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -396,6 +397,23 @@ impl SessionManager {
         Ok(session)
     }
 
+    /// [`SessionManager::create`] on a tracked task, under a context detached from the
+    /// caller's cancellation (with its request id and trace): a create owns remote work,
+    /// so it runs to completion and is recorded even when the caller leaves mid-flight.
+    pub async fn create_owned(
+        self: &Arc<Self>,
+        ctx: &CallCtx,
+        req: NewSession,
+    ) -> Result<Arc<Session>> {
+        let me = Arc::clone(self);
+        let cctx = CallCtx::with_cancel(ctx.request_id.clone(), self.shutdown.child())
+            .with_trace(ctx.trace.clone());
+        self.tasks
+            .spawn(async move { me.create(&cctx, req).await }.in_current_span())
+            .await
+            .map_err(|e| DaemonError::internal(format!("the create task failed: {e}")))?
+    }
+
     /// A session over an open log; its parameters are the log header's, its expiry the
     /// header's or the latest `session/expiry`, counted from `last_activity_ms`.
     fn build_session(
@@ -464,7 +482,7 @@ impl SessionManager {
             error.code = tracing::field::Empty,
         );
         let started = tokio::time::Instant::now();
-        let cctx = ctx.with_timeout(self.deadlines.sandbox_create, "DEADLINE_EXCEEDED");
+        let cctx = ctx.with_timeout(self.deadlines.sandbox_create, Clock::Total);
         let created = session
             .provider
             .create(&cctx, spec)
@@ -524,7 +542,7 @@ impl SessionManager {
     async fn destroy_sandbox(&self, s: &Session, sid: &str) -> bool {
         let span = tracing::info_span!("sandbox.destroy", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
         let ctx = CallCtx::new(format!("close-{}", s.id))
-            .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+            .with_timeout(self.deadlines.sandbox_op, Clock::Total);
         let started = tokio::time::Instant::now();
         let r = s.provider.destroy(&ctx, sid).instrument(span.clone()).await;
         let outcome = r.as_ref().map_or_else(|e| e.code().as_str(), |_| "ok");
@@ -827,7 +845,7 @@ impl SessionManager {
             match leased_sandbox(&events) {
                 Some(sid) => {
                     let ctx = CallCtx::new(format!("recover-{id}"))
-                        .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+                        .with_timeout(self.deadlines.sandbox_op, Clock::Total);
                     match session.provider.connect(&ctx, &sid).await {
                         Ok(sb) => {
                             set(&session.sandbox, Some(sb));
@@ -893,8 +911,8 @@ impl SessionManager {
     pub async fn reconcile(&self) -> Vec<String> {
         let mut destroyed = Vec::new();
         for (name, provider) in self.providers.iter() {
-            let ctx = CallCtx::new("reconcile")
-                .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+            let ctx =
+                CallCtx::new("reconcile").with_timeout(self.deadlines.sandbox_op, Clock::Total);
             let Ok(list) = provider.list(&ctx).await else {
                 tracing::warn!(provider = %name, "Reconcile: listing the provider's sandboxes failed");
                 continue;
@@ -921,8 +939,8 @@ impl SessionManager {
                 if owned {
                     continue;
                 }
-                let ctx = CallCtx::new("reconcile")
-                    .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+                let ctx =
+                    CallCtx::new("reconcile").with_timeout(self.deadlines.sandbox_op, Clock::Total);
                 match provider.destroy(&ctx, &info.id).await {
                     Ok(()) => {
                         tracing::info!(provider = %name, sandbox.id = %info.id, session.id = %owner, "Destroyed an orphaned sandbox");
@@ -949,7 +967,7 @@ impl SessionManager {
             }
             let Some(sid) = s.sandbox_id() else { continue };
             let ctx = CallCtx::new(format!("renew-{}", s.id))
-                .with_timeout(self.deadlines.sandbox_op, "DEADLINE_EXCEEDED");
+                .with_timeout(self.deadlines.sandbox_op, Clock::Total);
             let span = tracing::info_span!("sandbox.renew", session.id = %s.id, sandbox.id = %sid, provider.kind = %s.provider_kind, outcome = tracing::field::Empty);
             let started = tokio::time::Instant::now();
             let r = s

@@ -208,7 +208,7 @@ pub struct WaitResponse {
     pub stderr_bytes: u64,
     /// The clock that ended it, if one did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clock: Option<String>,
+    pub clock: Option<crate::Clock>,
 }
 
 /// An injected context to post as a user message with a non-user source.

@@ -227,14 +227,73 @@ impl ErrorCode {
 
     /// Whether this code names the expiry of one of tether's clocks.
     pub fn is_timeout(self) -> bool {
-        matches!(
-            self,
-            Self::ToolTimeout
-                | Self::IdleTimeout
-                | Self::ConnectTimeout
-                | Self::TransportIdleTimeout
-                | Self::DeadlineExceeded
-        )
+        Clock::of_code(self).is_some()
+    }
+}
+
+/// The clocks of a call: each separately configured, separately reported. On the wire
+/// (error bodies, events) by its snake_case name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Clock {
+    /// Connect / first byte (`CONNECT_TIMEOUT`).
+    Connect,
+    /// No bytes at all on the transport, keepalives included (`TRANSPORT_IDLE_TIMEOUT`).
+    TransportIdle,
+    /// No output from a command (`IDLE_TIMEOUT`).
+    OutputIdle,
+    /// The total deadline of the call (`DEADLINE_EXCEEDED`).
+    Total,
+    /// A tool call's own deadline (`TOOL_TIMEOUT`).
+    Tool,
+}
+
+impl Clock {
+    /// Every clock.
+    pub const ALL: &'static [Clock] = &[
+        Self::Connect,
+        Self::TransportIdle,
+        Self::OutputIdle,
+        Self::Total,
+        Self::Tool,
+    ];
+
+    /// The wire name (`connect`, `transport_idle`, `output_idle`, `total`, `tool`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::TransportIdle => "transport_idle",
+            Self::OutputIdle => "output_idle",
+            Self::Total => "total",
+            Self::Tool => "tool",
+        }
+    }
+
+    /// The error code its expiry is reported with.
+    pub fn code(self) -> ErrorCode {
+        match self {
+            Self::Connect => ErrorCode::ConnectTimeout,
+            Self::TransportIdle => ErrorCode::TransportIdleTimeout,
+            Self::OutputIdle => ErrorCode::IdleTimeout,
+            Self::Total => ErrorCode::DeadlineExceeded,
+            Self::Tool => ErrorCode::ToolTimeout,
+        }
+    }
+
+    /// The clock whose expiry `code` reports, if any.
+    pub fn of_code(code: ErrorCode) -> Option<Self> {
+        Self::ALL.iter().copied().find(|c| c.code() == code)
+    }
+
+    /// The clock of a wire name.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|c| c.name() == name)
+    }
+}
+
+impl std::fmt::Display for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -267,7 +326,7 @@ pub struct ErrorDetail {
     pub request_id: Option<String>,
     /// Which clock fired, for timeout codes (`total`, `output_idle`, `transport_idle`, `connect`, `tool`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clock: Option<String>,
+    pub clock: Option<Clock>,
 }
 
 #[cfg(test)]

@@ -122,7 +122,7 @@ pub struct ToolError {
     pub message: String,
     /// Which clock fired, for timeouts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clock: Option<String>,
+    pub clock: Option<crate::Clock>,
     /// The limit that expired, in milliseconds, for timeouts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
@@ -254,7 +254,7 @@ pub enum EventBody {
         stderr_bytes: u64,
         /// The clock that ended it, when one did.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        clock: Option<String>,
+        clock: Option<crate::Clock>,
     },
     /// A file operation done through an API other than a tool (E2B front, native files API).
     #[serde(rename = "fs/op")]
@@ -355,7 +355,7 @@ mod tests {
                     error: Some(ToolError {
                         code: ErrorCode::ToolTimeout,
                         message: "tool call timed out after 100ms".into(),
-                        clock: Some("tool".into()),
+                        clock: Some(crate::Clock::Tool),
                         timeout_ms: Some(100),
                     }),
                     additional_contexts: vec![AdditionalContext {

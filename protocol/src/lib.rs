@@ -20,7 +20,7 @@ pub mod events;
 pub mod fs;
 pub mod process;
 
-pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use error::{Clock, ErrorBody, ErrorCode, ErrorDetail};
 
 /// Version of the native API, reported by `GET /v1/health`.
 pub const API_VERSION: &str = "v1";

@@ -13,6 +13,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_provider::Clock;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -174,7 +175,7 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
         };
         let took = t.elapsed();
         assert_eq!(e.code(), ErrorCode::ConnectTimeout, "{op}: {e}");
-        assert_eq!(e.clock(), Some("connect"), "{op}");
+        assert_eq!(e.clock(), Some(Clock::Connect), "{op}");
         assert!(e.retryable(), "{op}");
         assert!(
             took >= Duration::from_millis(300),
@@ -184,10 +185,10 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
     }
     // A total deadline shorter than the retries ends the call at the deadline.
     let t = Instant::now();
-    let short = ctx().with_timeout(Duration::from_millis(450), "DEADLINE_EXCEEDED");
+    let short = ctx().with_timeout(Duration::from_millis(450), Clock::Total);
     let e = p.list(&short).await.expect_err("list under a deadline");
     assert_eq!(e.code(), ErrorCode::DeadlineExceeded, "{e}");
-    assert_eq!(e.clock(), Some("total"));
+    assert_eq!(e.clock(), Some(Clock::Total));
     assert!(
         t.elapsed() < Duration::from_millis(450) + margin,
         "took {:?}",
@@ -239,7 +240,7 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
     };
     let took = t.elapsed();
     assert_eq!(err.code(), ErrorCode::TransportIdleTimeout, "{err}");
-    assert_eq!(err.clock(), Some("transport_idle"));
+    assert_eq!(err.clock(), Some(Clock::TransportIdle));
     assert!(
         took >= Duration::from_millis(1500) && took < Duration::from_millis(1500 + 1000),
         "took {took:?}"
@@ -450,7 +451,7 @@ async fn a_stalled_command_stream_with_no_way_back_fails_with_transport_idle_tim
     let took = t.elapsed();
     let err = rest.error.expect("the stream must fail");
     assert_eq!(err.code(), ErrorCode::TransportIdleTimeout, "{err}");
-    assert_eq!(err.clock(), Some("transport_idle"));
+    assert_eq!(err.clock(), Some(Clock::TransportIdle));
     // Transport idle, then two re-attach attempts of at most 300 ms and one backoff.
     assert!(
         took < Duration::from_millis(1500 + 2 * 300 + 100 + 1000),
@@ -505,7 +506,7 @@ async fn keepalives_keep_a_quiet_command_transport_alive_but_not_its_output() {
     let took = t.elapsed();
     let err = seen.error.expect("the output watchdog fires");
     assert_eq!(err.code(), ErrorCode::IdleTimeout, "{err}");
-    assert_eq!(err.clock(), Some("output_idle"));
+    assert_eq!(err.clock(), Some(Clock::OutputIdle));
     assert_eq!(seen.stdout, b"start\n", "partial output is delivered first");
     assert!(took < Duration::from_millis(600 + 700), "took {took:?}");
     // The command itself runs on: twice the transport idle limit without output, kept
@@ -615,7 +616,7 @@ async fn a_stalled_upload_ends_with_transport_idle_timeout() {
         .expect_err("the upload must fail");
     let since = frozen_at.get().expect("the freeze happened").elapsed();
     assert_eq!(e.code(), ErrorCode::TransportIdleTimeout, "{e}");
-    assert_eq!(e.clock(), Some("transport_idle"));
+    assert_eq!(e.clock(), Some(Clock::TransportIdle));
     assert!(
         since >= Duration::from_millis(1500) && since < Duration::from_millis(1500 + 1500),
         "took {since:?} after the freeze"

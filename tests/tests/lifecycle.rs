@@ -518,7 +518,7 @@ async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
 async fn the_native_api_honours_an_inbound_deadline() {
     let d = TestDaemon::start().await;
     let sid = d.new_session().await;
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let r = d
         .http
         .post(d.url(&format!("/v1/sessions/{sid}/tool-calls")))

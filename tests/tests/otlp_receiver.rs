@@ -103,7 +103,7 @@ async fn emit(rx: &OtlpReceiver, protocol: OtlpProtocol) -> tether_provider::Tra
             metrics.tool_call("bash", "local", "IDLE_TIMEOUT", Duration::from_millis(250));
             metrics.tool_call("bash", "local", "IDLE_TIMEOUT", Duration::from_millis(750));
             metrics.remote_op("process.start", "local", "ok", Duration::from_millis(20));
-            metrics.timeout("output_idle", "local");
+            metrics.timeout(tether_protocol::Clock::OutputIdle, "local");
             metrics.sandboxes_live(1, "local");
             metrics.sessions_live(1);
             injected

@@ -31,6 +31,7 @@ use crate::server::RequestCtx;
 use crate::sessions::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
+use tether_provider::Clock;
 
 /// Largest page of `GET /v2/sandboxes`.
 const MAX_PAGE: usize = 100;
@@ -276,10 +277,11 @@ async fn do_create(
         },
     };
     prune(state);
-    let session = state.sessions.create(ctx, new).await?;
+    // A create owns remote work: it runs to completion even if the client leaves.
+    let session = state.sessions.create_owned(ctx, new).await?;
     let extra = state.e2b.insert_extra(
         &session.id,
-        SandboxExtra::new(&req.template_id, allow_internet),
+        SandboxExtra::new(&req.template_id, allow_internet, state.e2b.fs_op),
     );
     if let Some(key) = idem
         && let Ok(mut m) = state.e2b.idempotency.write()
@@ -693,7 +695,7 @@ async fn pause(
         let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
         let pctx = ctx.with_timeout(
             Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
-            "DEADLINE_EXCEEDED",
+            Clock::Total,
         );
         match provider.pause(&pctx, &sid).await {
             Ok(()) => {
@@ -736,7 +738,7 @@ async fn resume_sandbox(
     let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
     let rctx = ctx.with_timeout(
         Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
-        "DEADLINE_EXCEEDED",
+        Clock::Total,
     );
     match provider.resume(&rctx, &sid).await {
         // The session keeps its handle: the provider's sandbox id does not change.

@@ -40,6 +40,7 @@ use crate::error::DaemonError;
 use crate::server::RequestCtx;
 use crate::sessions::{Scope, Session, SessionState};
 use crate::state::AppState;
+use tether_provider::Clock;
 
 /// Chunks queued between an upload's body and the provider's write.
 const UPLOAD_QUEUE: usize = 8;
@@ -234,7 +235,7 @@ pub(super) fn effective_user(
 fn detached_ctx(ctx: &CallCtx, session: &Session, limit: Duration) -> CallCtx {
     CallCtx::with_cancel(ctx.request_id.clone(), session.cancel.child())
         .with_trace(ctx.trace.clone())
-        .with_timeout(limit, "DEADLINE_EXCEEDED")
+        .with_timeout(limit, Clock::Total)
 }
 
 /// Record a file operation in the session log.
@@ -485,7 +486,7 @@ async fn serve_download(
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
     };
     let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
-    let sctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let sctx = ctx.with_timeout(limit, Clock::Total);
     let stat = match sandbox.fs().stat(&sctx, &path).await {
         Ok(s) => s,
         Err(e) if e.code() == ErrorCode::FsNotFound => {
@@ -1003,7 +1004,7 @@ async fn store_metadata(
     let sandbox = target.session.sandbox()?;
     let mctx = ctx.with_timeout(
         Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        "DEADLINE_EXCEEDED",
+        Clock::Total,
     );
     let values: BTreeMap<String, Vec<u8>> = metadata
         .map(|m| {
@@ -1054,7 +1055,7 @@ async fn write_one(
     target.session.touch();
     let wctx = ctx.with_timeout(
         Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        "DEADLINE_EXCEEDED",
+        Clock::Total,
     );
     target.extra.upload_started(path);
     let r = sandbox

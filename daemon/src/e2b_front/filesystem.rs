@@ -35,6 +35,7 @@ use super::envd::{self, Target, log_fs_op};
 use super::{SandboxExtra, resolve_path};
 use crate::server::RequestCtx;
 use crate::state::AppState;
+use tether_provider::Clock;
 
 /// How often the polling watcher lists a directory.
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -128,7 +129,7 @@ async fn rpc(
     // Every operation is bounded by the call's timeout and by the daemon's fs limit.
     let fs_limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
     let limit = opts.timeout.map_or(fs_limit, |t| t.min(fs_limit));
-    let cctx = ctx.with_timeout(limit, "DEADLINE_EXCEEDED");
+    let cctx = ctx.with_timeout(limit, Clock::Total);
     let resp = async {
         if m == Method::WatchDir {
             return watch_dir(&cctx, opts, &target, &user, body).await;
@@ -442,6 +443,7 @@ async fn open_watch(
     path: &str,
     shown: &str,
     recursive: bool,
+    limit: Duration,
 ) -> Result<BoxStream<'static, Result<FsEvent, RpcError>>, RpcError> {
     let st = ctx.run(sandbox.fs().stat(ctx, path)).await?;
     if st.kind != FileKind::Dir {
@@ -459,7 +461,7 @@ async fn open_watch(
             .boxed())
         }
         Err(ProviderError::Unsupported { .. }) => {
-            poll_watch(ctx, watch_ctx, sandbox, path.to_owned(), recursive).await
+            poll_watch(ctx, watch_ctx, sandbox, path.to_owned(), recursive, limit).await
         }
         Err(e) => Err(e.into()),
     }
@@ -515,6 +517,7 @@ async fn poll_watch(
     sandbox: Arc<dyn Sandbox>,
     root: String,
     recursive: bool,
+    limit: Duration,
 ) -> Result<BoxStream<'static, Result<FsEvent, RpcError>>, RpcError> {
     let first = ctx.run(snapshot(ctx, &sandbox, &root, recursive)).await?;
     struct St {
@@ -524,8 +527,10 @@ async fn poll_watch(
         recursive: bool,
         last: BTreeMap<String, Seen>,
         pending: VecDeque<FsEvent>,
+        limit: Duration,
     }
     let st = St {
+        limit,
         ctx: watch_ctx,
         sandbox,
         root,
@@ -542,9 +547,7 @@ async fn poll_watch(
                 _ = st.ctx.cancel.cancelled() => return None,
                 _ = tokio::time::sleep(POLL_INTERVAL) => {}
             }
-            let lctx = st
-                .ctx
-                .with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+            let lctx = st.ctx.with_timeout(st.limit, Clock::Total);
             let now = match snapshot(&lctx, &st.sandbox, &st.root, st.recursive).await {
                 Ok(n) => n,
                 Err(e) if e.code() == ErrorCode::FsNotFound => {
@@ -636,7 +639,7 @@ async fn to_event(
     };
     let entry = if include_entry && !matches!(ev.kind, FsEventKind::Remove | FsEventKind::Rename) {
         let path = format!("{}/{}", root.trim_end_matches('/'), ev.name);
-        let sctx = ctx.with_timeout(Duration::from_secs(5), "DEADLINE_EXCEEDED");
+        let sctx = ctx.with_timeout(extra.fs_op, Clock::Total);
         match sandbox.fs().stat(&sctx, &path).await.ok() {
             Some(st) => Some(resolved_entry(&sctx, sandbox.fs(), &st, extra).await),
             None => None,
@@ -669,6 +672,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: 
         &path,
         &req.path,
         req.recursive,
+        t.extra.fs_op,
     )
     .await
     {
@@ -896,6 +900,7 @@ async fn create_watcher(
         &path,
         &req.path,
         req.recursive,
+        t.extra.fs_op,
     )
     .await?;
     let id = uuid::Uuid::new_v4().simple().to_string();

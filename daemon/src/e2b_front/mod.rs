@@ -67,6 +67,8 @@ pub struct FrontState {
     token_secret: [u8; 32],
     sandboxes: RwLock<HashMap<String, Arc<SandboxExtra>>>,
     idempotency: RwLock<HashMap<(String, String), String>>,
+    /// Deadline of the front's own file operations (stat of a cwd, entries of events).
+    fs_op: std::time::Duration,
 }
 
 impl std::fmt::Debug for FrontState {
@@ -85,8 +87,8 @@ impl std::fmt::Debug for FrontState {
 }
 
 impl FrontState {
-    /// The front's state for `cfg`.
-    pub fn new(cfg: &E2bFrontConfig) -> Self {
+    /// The front's state for `cfg`; its own file operations are bounded by `fs_op`.
+    pub fn new(cfg: &E2bFrontConfig, fs_op: std::time::Duration) -> Self {
         let a = uuid::Uuid::new_v4().into_bytes();
         let b = uuid::Uuid::new_v4().into_bytes();
         let mut token_secret = [0u8; 32];
@@ -98,6 +100,7 @@ impl FrontState {
             token_secret,
             sandboxes: RwLock::new(HashMap::new()),
             idempotency: RwLock::new(HashMap::new()),
+            fs_op,
         }
     }
 
@@ -113,12 +116,21 @@ impl FrontState {
         }
         let mut m = match self.sandboxes.write() {
             Ok(m) => m,
-            Err(_) => return Arc::new(SandboxExtra::new(template.unwrap_or("base"), true)),
+            Err(_) => {
+                return Arc::new(SandboxExtra::new(
+                    template.unwrap_or("base"),
+                    true,
+                    self.fs_op,
+                ));
+            }
         };
-        Arc::clone(
-            m.entry(id.to_owned())
-                .or_insert_with(|| Arc::new(SandboxExtra::new(template.unwrap_or("base"), true))),
-        )
+        Arc::clone(m.entry(id.to_owned()).or_insert_with(|| {
+            Arc::new(SandboxExtra::new(
+                template.unwrap_or("base"),
+                true,
+                self.fs_op,
+            ))
+        }))
     }
 
     fn insert_extra(&self, id: &str, extra: SandboxExtra) -> Arc<SandboxExtra> {
@@ -159,6 +171,8 @@ struct SandboxExtra {
     uploads: RwLock<HashMap<String, Option<tokio::time::Instant>>>,
     /// envd's events of answered uploads, for the `WatchDir` streams.
     announced: tokio::sync::broadcast::Sender<filesystem::Announced>,
+    /// Deadline of the front's own file operations on this sandbox (from config).
+    fs_op: std::time::Duration,
 }
 
 /// How long after an upload was answered the provider's events of its path are dropped.
@@ -176,8 +190,9 @@ struct InitState {
 }
 
 impl SandboxExtra {
-    fn new(template: &str, allow_internet: bool) -> Self {
+    fn new(template: &str, allow_internet: bool, fs_op: std::time::Duration) -> Self {
         Self {
+            fs_op,
             template: template.to_owned(),
             allow_internet,
             paused: AtomicBool::new(false),

@@ -15,7 +15,6 @@
 //! local provider runs both as its one confined user.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -44,6 +43,7 @@ use super::resolve_path;
 use crate::exec::{self, ExecLimits, RunningCommand};
 use crate::server::RequestCtx;
 use crate::state::AppState;
+use tether_provider::Clock;
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/process.Process/{method}", post(rpc))
@@ -137,7 +137,7 @@ async fn rpc(
             _ => {
                 let cctx = opts
                     .timeout
-                    .map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, "DEADLINE_EXCEEDED"));
+                    .map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, Clock::Total));
                 let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
                     Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
                     Err(e) => Err(e),
@@ -350,7 +350,7 @@ async fn start_process(
     if let Some(dir) = &cwd {
         // envd checks the working directory before it starts anything.
         let sandbox = t.session.sandbox()?;
-        let sctx = ctx.with_timeout(Duration::from_secs(30), "DEADLINE_EXCEEDED");
+        let sctx = ctx.with_timeout(t.session.deadlines.fs_op, Clock::Total);
         match sandbox.fs().stat(&sctx, dir).await {
             Ok(st) if st.kind == tether_protocol::fs::FileKind::Dir => {}
             Ok(_) => return Err(RpcError::invalid(format!("cwd '{dir}' is not a directory"))),

@@ -12,6 +12,7 @@ use tether_protocol::events::EventBody;
 use crate::config::{ApiKey, Config};
 use crate::server::{Daemon, RunningDaemon};
 use crate::sessions::Scope;
+use tether_provider::Clock;
 
 const KEY_A: &str = "e2b_key_tenant_a";
 const KEY_B: &str = "e2b_key_tenant_b";
@@ -877,9 +878,15 @@ async fn the_call_timeout_kills_the_process_and_keepalives_flow() {
         "the deadline's kill in the log",
         Duration::from_secs(10),
         || {
-            f.session_events(&id).iter().any(
-                |e| matches!(e, EventBody::ProcessExited { clock: Some(c), .. } if c == "total"),
-            )
+            f.session_events(&id).iter().any(|e| {
+                matches!(
+                    e,
+                    EventBody::ProcessExited {
+                        clock: Some(Clock::Total),
+                        ..
+                    }
+                )
+            })
         },
     )
     .await;

@@ -528,7 +528,7 @@ impl Runner {
             if let Some(e) = &result.error {
                 span.record("error.code", e.code.as_str());
                 if let Some(clock) = &e.clock {
-                    span.record("timeout.clock", clock.as_str());
+                    span.record("timeout.clock", clock.name());
                 }
             }
             let label = if inv.tool.is_some() {

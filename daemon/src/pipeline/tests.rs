@@ -23,11 +23,11 @@ use tokio::sync::{Mutex, watch};
 
 use super::batch::{ABORTED, ABORTED_BEFORE_DISPATCH};
 use super::guards::repeat_reminder::GENTLE_REMINDER;
-use super::guards::timeout_policy::TOOL_TIMEOUT;
 use super::*;
 use crate::config::{Config, LimitsConfig};
 use crate::sessions::Session;
 use crate::testutil::test_session;
+use tether_provider::Clock;
 
 // === helpers ===
 
@@ -480,7 +480,7 @@ async fn timeout_policy_replaces_a_cooperative_result_when_its_own_deadline_fire
             error: Some(tether_protocol::events::ToolError {
                 code: ErrorCode::ToolTimeout,
                 message: "tool call timed out after 100ms".into(),
-                clock: Some("tool".into()),
+                clock: Some(Clock::Tool),
                 timeout_ms: Some(100),
             }),
             additional_contexts: vec![],
@@ -558,7 +558,7 @@ async fn timeout_policy_does_not_take_an_outer_deadline_for_its_own() {
         TestTool::new("slow", Behavior::UntilCancelled, &probe).budget(60_000),
     ));
     // The caller's own (request) deadline fires first: an ordinary cancellation to the tool.
-    let ctx = CallCtx::new("test").with_timeout(Duration::from_millis(100), "DEADLINE_EXCEEDED");
+    let ctx = CallCtx::new("test").with_timeout(Duration::from_millis(100), Clock::Total);
     let rs = p
         .run_batch(&s, &ctx, vec![tcall("c1", "slow")])
         .await
@@ -571,8 +571,7 @@ async fn timeout_policy_does_not_take_an_outer_deadline_for_its_own() {
 
 #[test]
 fn timeout_policy_exposes_its_code() {
-    assert_eq!(TOOL_TIMEOUT, "TOOL_TIMEOUT");
-    assert_eq!(ErrorCode::ToolTimeout.as_str(), TOOL_TIMEOUT);
+    assert_eq!(Clock::Tool.code(), ErrorCode::ToolTimeout);
 }
 
 #[tokio::test]
@@ -1898,8 +1897,8 @@ async fn bash_expiries_are_errors_with_their_clock_and_partial_output() {
     .await;
     let e = r.error.clone().unwrap();
     assert_eq!(
-        (e.code, e.clock.as_deref(), e.timeout_ms),
-        (ErrorCode::DeadlineExceeded, Some("total"), Some(500))
+        (e.code, e.clock, e.timeout_ms),
+        (ErrorCode::DeadlineExceeded, Some(Clock::Total), Some(500))
     );
     assert!(text_of(&r).contains("started"), "{r:?}");
     // The output-idle watchdog.
@@ -1916,8 +1915,8 @@ async fn bash_expiries_are_errors_with_their_clock_and_partial_output() {
     .await;
     let e = r.error.clone().unwrap();
     assert_eq!(
-        (e.code, e.clock.as_deref()),
-        (ErrorCode::IdleTimeout, Some("output_idle"))
+        (e.code, e.clock),
+        (ErrorCode::IdleTimeout, Some(Clock::OutputIdle))
     );
     assert!(text_of(&r).contains("started"));
     // The tool's own budget (the timeout policy), shorter than the command's deadline.
@@ -1931,8 +1930,8 @@ async fn bash_expiries_are_errors_with_their_clock_and_partial_output() {
     .await;
     let e = r.error.clone().unwrap();
     assert_eq!(
-        (e.code, e.clock.as_deref(), e.timeout_ms),
-        (ErrorCode::ToolTimeout, Some("tool"), Some(500))
+        (e.code, e.clock, e.timeout_ms),
+        (ErrorCode::ToolTimeout, Some(Clock::Tool), Some(500))
     );
     assert!(text_of(&r).starts_with("Error: tool call timed out after 500ms"));
     assert!(

@@ -31,7 +31,7 @@ use tether_protocol::events::{ToolError, ToolResult};
 use tether_protocol::fs::{ByteRange, FileKind, WriteGuard};
 use tether_protocol::process::{ProcessSpec, StreamKind};
 use tether_provider::clock::clamp_timeout;
-use tether_provider::{CallCtx, ProviderError, util};
+use tether_provider::{CallCtx, Clock, ProviderError, util};
 
 use crate::config::LimitsConfig;
 use crate::error::DaemonError;
@@ -106,9 +106,9 @@ impl ToolOutput {
     }
 
     /// Mark which clock fired (and its limit).
-    pub fn with_clock(mut self, clock: &str, timeout_ms: Option<u64>) -> Self {
+    pub fn with_clock(mut self, clock: Clock, timeout_ms: Option<u64>) -> Self {
         if let Some(e) = &mut self.error {
-            e.clock = Some(clock.to_owned());
+            e.clock = Some(clock);
             e.timeout_ms = timeout_ms;
         }
         self

@@ -253,12 +253,12 @@ impl Metrics {
         );
     }
 
-    /// Count one expired clock (`connect`, `transport_idle`, `output_idle`, `total`).
-    pub fn timeout(&self, clock: &str, provider: &str) {
+    /// Count one expired clock.
+    pub fn timeout(&self, clock: tether_provider::Clock, provider: &str) {
         self.inner.timeouts.add(
             1,
             &[
-                KeyValue::new(names::TIMEOUT_CLOCK, clock.to_owned()),
+                KeyValue::new(names::TIMEOUT_CLOCK, clock.name()),
                 KeyValue::new(names::PROVIDER_KIND, provider.to_owned()),
             ],
         );
@@ -319,7 +319,7 @@ mod tests {
             "FS_NOT_FOUND",
             Duration::from_millis(1),
         );
-        m.timeout(names::clocks::OUTPUT_IDLE, "local");
+        m.timeout(tether_provider::Clock::OutputIdle, "local");
         m.sandboxes_live(1, "local");
         m.sessions_live(-1);
     }

@@ -154,21 +154,7 @@ pub const OTEL_KIND: &str = "otel.kind";
 /// The `outcome` value of a success.
 pub const OUTCOME_OK: &str = "ok";
 
-/// The `timeout.clock` values.
-pub mod clocks {
-    /// Connect / first byte.
-    pub const CONNECT: &str = "connect";
-    /// No bytes at all on the transport, keepalives included.
-    pub const TRANSPORT_IDLE: &str = "transport_idle";
-    /// No stdout/stderr from a command.
-    pub const OUTPUT_IDLE: &str = "output_idle";
-    /// The total deadline.
-    pub const TOTAL: &str = "total";
-    /// A tool call's own deadline (`TOOL_TIMEOUT`), armed by the timeout policy.
-    pub const TOOL: &str = "tool";
-    /// Every clock.
-    pub const ALL: &[&str] = &[CONNECT, TRANSPORT_IDLE, OUTPUT_IDLE, TOTAL, TOOL];
-}
+// The `timeout.clock` values are the names of `tether_protocol::Clock`.
 
 #[cfg(test)]
 mod remote_ops_tests {

@@ -47,7 +47,7 @@ async fn request(metrics: &Metrics) {
                 Duration::from_millis(1),
             );
         }
-        metrics.timeout(names::clocks::TOTAL, "local");
+        metrics.timeout(tether_provider::Clock::Total, "local");
     }
     .instrument(root)
     .await;
@@ -281,7 +281,7 @@ fn the_exposition_names_every_instrument_as_the_collector_does() {
         "FS_NOT_FOUND",
         Duration::from_millis(2),
     );
-    m.timeout(names::clocks::OUTPUT_IDLE, "local");
+    m.timeout(tether_provider::Clock::OutputIdle, "local");
     m.sandboxes_live(1, "local");
     m.sessions_live(1);
     let text = ep.render().unwrap();

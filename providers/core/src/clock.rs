@@ -7,7 +7,7 @@
 //! - [`IdleWatchdog`] arms its timer only while a demand ([`IdleWatchdog::next`]) is
 //!   outstanding; [`IdleWatchdog::pulse`] re-arms it. Consumer think-time never counts.
 //! - [`clamp_timeout`] validates a caller's hint and caps it.
-//! - [`timeout_of`] recognises only the timer of the requested code, so an outer
+//! - [`timeout_of`] recognises only the timer of the requested clock, so an outer
 //!   deadline reads as an ordinary upstream cancel.
 //!
 //! Cancellation is cooperative: these types only *notify*. The operation observes the
@@ -26,18 +26,20 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 /// The largest timer delay accepted, as in dsh (the largest Node timer without clamping).
 pub const MAX_TIMER_DELAY_MS: f64 = 2_147_483_647.0;
 
-/// Why a timer fired: its code and the limit that expired.
+pub use tether_protocol::Clock;
+
+/// Why a timer fired: its clock and the limit that expired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TimeoutReason {
-    /// The clock's code, e.g. `TOOL_TIMEOUT`, `IDLE_TIMEOUT`, `DEADLINE_EXCEEDED`.
-    pub code: &'static str,
+    /// The clock that fired.
+    pub clock: Clock,
     /// The limit that expired, in milliseconds.
     pub timeout_ms: u64,
 }
 
 impl std::fmt::Display for TimeoutReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} after {}ms", self.code, self.timeout_ms)
+        write!(f, "{} after {}ms", self.clock.code(), self.timeout_ms)
     }
 }
 
@@ -198,10 +200,10 @@ impl ReasonCarrier for Option<CancelReason> {
 }
 
 /// The [`TimeoutReason`] behind `x`, iff `x` was cancelled by a timer of this module and
-/// (when `code` is given) that timer's code is `code`.
-pub fn timeout_of<R: ReasonCarrier + ?Sized>(x: &R, code: Option<&str>) -> Option<TimeoutReason> {
+/// (when `clock` is given) that timer is of `clock`.
+pub fn timeout_of<R: ReasonCarrier + ?Sized>(x: &R, clock: Option<Clock>) -> Option<TimeoutReason> {
     match x.carried_reason()? {
-        CancelReason::Timeout(t) if code.is_none_or(|c| c == t.code) => Some(t),
+        CancelReason::Timeout(t) if clock.is_none_or(|c| c == t.clock) => Some(t),
         _ => None,
     }
 }
@@ -282,7 +284,7 @@ impl Deadline {
 }
 
 /// Fuse `upstream` with a timer of `timeout_ms` that cancels with
-/// `TimeoutReason { code, timeout_ms }`.
+/// `TimeoutReason { clock, timeout_ms }`.
 ///
 /// `timeout_ms <= 0` (including `-inf`) arms no timer and returns the upstream token (or a
 /// never-cancelled one). `NaN`, `+inf` and values above [`MAX_TIMER_DELAY_MS`] are errors.
@@ -290,7 +292,7 @@ impl Deadline {
 pub fn deadline(
     upstream: Option<&CancelToken>,
     timeout_ms: f64,
-    code: &'static str,
+    clock: Clock,
 ) -> Result<Deadline, ClockError> {
     if timeout_ms <= 0.0 {
         let token = upstream.cloned().unwrap_or_default();
@@ -305,7 +307,7 @@ pub fn deadline(
     let token = upstream.map(CancelToken::child).unwrap_or_default();
     let expires_at = Instant::now() + delay;
     let reason = TimeoutReason {
-        code,
+        clock,
         timeout_ms: timeout_ms.ceil() as u64,
     };
     let disposed = CancellationToken::new();
@@ -371,14 +373,14 @@ impl IdleWatchdog {
     pub fn new(
         upstream: Option<&CancelToken>,
         timeout_ms: f64,
-        code: &'static str,
+        clock: Clock,
     ) -> Result<Self, ClockError> {
         let interval = assert_timer_delay(timeout_ms, "idleWatchdog timeoutMs")?;
         Ok(Self {
             token: upstream.map(CancelToken::child).unwrap_or_default(),
             interval,
             reason: TimeoutReason {
-                code,
+                clock,
                 timeout_ms: timeout_ms.ceil() as u64,
             },
             arm: watch::channel(Arm::Idle).0,

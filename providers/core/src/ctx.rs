@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::clock::{CancelReason, CancelToken, Deadline, deadline, timeout_of};
+use crate::clock::{CancelReason, CancelToken, Clock, Deadline, deadline, timeout_of};
 use crate::error::{ProviderError, Result};
 
 /// The W3C trace context of the call, injected as `TRACEPARENT` / `TRACESTATE` into the
@@ -70,7 +70,7 @@ impl CallCtx {
     /// child's token fires with `TimeoutReason { code, .. }` when `limit` elapses.
     ///
     /// A zero `limit` means no extra bound.
-    pub fn with_timeout(&self, limit: Duration, code: &'static str) -> Self {
+    pub fn with_timeout(&self, limit: Duration, clock: Clock) -> Self {
         if limit.is_zero() {
             return self.child();
         }
@@ -78,7 +78,7 @@ impl CallCtx {
         match deadline(
             Some(&self.cancel),
             ms.min(crate::clock::MAX_TIMER_DELAY_MS),
-            code,
+            clock,
         ) {
             Ok(d) => {
                 let expires = d.expires_at();
@@ -126,9 +126,9 @@ impl CallCtx {
         }
     }
 
-    /// The timeout behind the cancellation, if a timer with `code` fired.
-    pub fn timed_out(&self, code: Option<&str>) -> bool {
-        timeout_of(&self.cancel, code).is_some()
+    /// Whether the cancellation is a timer's (of `clock`, when given).
+    pub fn timed_out(&self, clock: Option<Clock>) -> bool {
+        timeout_of(&self.cancel, clock).is_some()
     }
 
     /// Run an abortable operation (one whose future may be dropped mid-flight without
@@ -160,24 +160,24 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn run_returns_the_clock_that_fired() {
         let root = CallCtx::new("r1");
-        let ctx = root.with_timeout(Duration::from_millis(50), "DEADLINE_EXCEEDED");
+        let ctx = root.with_timeout(Duration::from_millis(50), Clock::Total);
         assert_eq!(ctx.budget, Some(Duration::from_millis(50)));
         let e = ctx
             .run(std::future::pending::<Result<()>>())
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::DeadlineExceeded);
-        assert_eq!(e.clock(), Some("total"));
+        assert_eq!(e.clock(), Some(Clock::Total));
         assert!(!root.cancel.is_cancelled());
-        let inner = root.with_timeout(Duration::from_secs(10), "DEADLINE_EXCEEDED");
+        let inner = root.with_timeout(Duration::from_secs(10), Clock::Total);
         root.cancel.cancel(CancelReason::Shutdown);
         assert_eq!(inner.check().unwrap_err().code(), ErrorCode::ShuttingDown);
     }
 
     #[tokio::test(start_paused = true)]
     async fn nested_deadline_is_the_earliest() {
-        let a = CallCtx::new("r").with_timeout(Duration::from_millis(100), "DEADLINE_EXCEEDED");
-        let b = a.with_timeout(Duration::from_secs(5), "IDLE_TIMEOUT");
+        let a = CallCtx::new("r").with_timeout(Duration::from_millis(100), Clock::Total);
+        let b = a.with_timeout(Duration::from_secs(5), Clock::OutputIdle);
         assert_eq!(b.deadline, a.deadline);
         assert!(b.remaining().unwrap() <= Duration::from_millis(100));
     }

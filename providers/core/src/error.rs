@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tether_protocol::ErrorCode;
 
-use crate::clock::{CancelReason, TimeoutReason};
+use crate::clock::{CancelReason, Clock, TimeoutReason};
 
 /// Result alias of the seam.
 pub type Result<T, E = ProviderError> = std::result::Result<T, E>;
@@ -147,10 +147,10 @@ impl ProviderError {
             Self::SandboxNotFound { .. } => ErrorCode::SandboxNotFound,
             Self::CommandNotFound { .. } => ErrorCode::CommandNotFound,
             Self::Fs { code, .. } => *code,
-            Self::Timeout { reason } => timeout_code(reason.code),
+            Self::Timeout { reason } => reason.clock.code(),
             Self::Cancelled {
                 reason: CancelReason::Timeout(t),
-            } => timeout_code(t.code),
+            } => t.clock.code(),
             Self::Cancelled {
                 reason: CancelReason::Shutdown,
             } => ErrorCode::ShuttingDown,
@@ -189,19 +189,18 @@ impl ProviderError {
     pub fn retryable(&self) -> bool {
         match self {
             Self::Unavailable { .. } | Self::RateLimited { .. } => true,
-            Self::Timeout { reason } => timeout_code(reason.code).retryable(),
+            Self::Timeout { reason } => reason.clock.code().retryable(),
             _ => false,
         }
     }
 
-    /// Which clock fired, for timeouts: `total`, `output_idle`, `transport_idle`,
-    /// `connect` or `tool`.
-    pub fn clock(&self) -> Option<&'static str> {
+    /// Which clock fired, for timeouts.
+    pub fn clock(&self) -> Option<Clock> {
         match self {
             Self::Timeout { reason }
             | Self::Cancelled {
                 reason: CancelReason::Timeout(reason),
-            } => Some(clock_name(reason.code)),
+            } => Some(reason.clock),
             _ => None,
         }
     }
@@ -261,42 +260,28 @@ impl ProviderError {
     }
 }
 
-/// Map a clock code to its wire code. Unknown codes read as the total deadline.
-pub fn timeout_code(code: &str) -> ErrorCode {
-    ErrorCode::parse(code)
-        .filter(|c| c.is_timeout())
-        .unwrap_or(ErrorCode::DeadlineExceeded)
-}
-
-/// The short clock name reported in `timeout.clock` and error bodies.
-pub fn clock_name(code: &str) -> &'static str {
-    match timeout_code(code) {
-        ErrorCode::ToolTimeout => "tool",
-        ErrorCode::IdleTimeout => "output_idle",
-        ErrorCode::TransportIdleTimeout => "transport_idle",
-        ErrorCode::ConnectTimeout => "connect",
-        _ => "total",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn codes_origins_and_retryability() {
-        let t = |code| ProviderError::Timeout {
+        let t = |clock| ProviderError::Timeout {
             reason: TimeoutReason {
-                code,
+                clock,
                 timeout_ms: 5,
             },
         };
-        assert_eq!(t("IDLE_TIMEOUT").code(), ErrorCode::IdleTimeout);
-        assert_eq!(t("IDLE_TIMEOUT").clock(), Some("output_idle"));
-        assert_eq!(t("CONNECT_TIMEOUT").code(), ErrorCode::ConnectTimeout);
-        assert!(t("CONNECT_TIMEOUT").retryable());
-        assert!(!t("DEADLINE_EXCEEDED").retryable());
-        assert_eq!(t("SOMETHING_ELSE").code(), ErrorCode::DeadlineExceeded);
+        assert_eq!(t(Clock::OutputIdle).code(), ErrorCode::IdleTimeout);
+        assert_eq!(t(Clock::OutputIdle).clock(), Some(Clock::OutputIdle));
+        assert_eq!(t(Clock::Connect).code(), ErrorCode::ConnectTimeout);
+        assert!(t(Clock::Connect).retryable());
+        assert!(!t(Clock::Total).retryable());
+        for c in Clock::ALL {
+            assert_eq!(t(*c).code(), c.code());
+            assert_eq!(Clock::of_code(c.code()), Some(*c));
+            assert_eq!(Clock::parse(c.name()), Some(*c));
+        }
         let io = std::io::Error::from(std::io::ErrorKind::NotFound);
         let e = ProviderError::from_io("/home/user/x", io);
         assert_eq!(e.code(), ErrorCode::FsNotFound);

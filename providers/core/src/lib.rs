@@ -19,8 +19,9 @@ mod seam;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use clock::Clock;
 pub use ctx::{CallCtx, TraceContext};
-pub use error::{Origin, ProviderError, Result, clock_name, timeout_code};
+pub use error::{Origin, ProviderError, Result};
 pub use seam::{
     ByteStream, Capabilities, Enforcement, EventStream, Fs, Process, ProcessHandle,
     ProcessSelector, Provider, Sandbox, SandboxInfo, SandboxSpec, Signal, StreamOffsets,

@@ -41,7 +41,7 @@ use tether_protocol::process::{
 };
 use tokio::time::timeout;
 
-use crate::clock::{CancelReason, IdleWatchdog};
+use crate::clock::{CancelReason, Clock, IdleWatchdog};
 use crate::ctx::CallCtx;
 use crate::error::{ProviderError, Result};
 use crate::seam::{
@@ -1643,7 +1643,7 @@ async fn process_deadline_mid_stream(cx: Cx) -> Outcome {
         )
         .await
         .unwrap();
-    let call = ctx().with_timeout(Duration::from_millis(300), "DEADLINE_EXCEEDED");
+    let call = ctx().with_timeout(Duration::from_millis(300), Clock::Total);
     let started = tokio::time::Instant::now();
     let (out, fired) = consume(h.as_ref(), &call.cancel, None).await;
     assert!(fired, "the stream ended before the deadline");
@@ -1654,7 +1654,7 @@ async fn process_deadline_mid_stream(cx: Cx) -> Outcome {
     );
     let err = call.check().expect_err("the deadline fired");
     assert_eq!(err.code(), ErrorCode::DeadlineExceeded);
-    assert_eq!(err.clock(), Some("total"));
+    assert_eq!(err.clock(), Some(Clock::Total));
     assert!(
         String::from_utf8_lossy(&out).contains("tick"),
         "partial output is kept: {out:?}"
@@ -1680,12 +1680,12 @@ async fn process_idle_watchdog(cx: Cx) -> Outcome {
         .await
         .unwrap();
     let call = ctx();
-    let wd = IdleWatchdog::new(Some(&call.cancel), 400.0, "IDLE_TIMEOUT").unwrap();
+    let wd = IdleWatchdog::new(Some(&call.cancel), 400.0, Clock::OutputIdle).unwrap();
     let (out, fired) = consume(h.as_ref(), wd.token(), Some(&wd)).await;
     assert!(fired, "the watchdog did not fire");
     let err = ProviderError::from_reason(wd.token().reason().expect("a reason"));
     assert_eq!(err.code(), ErrorCode::IdleTimeout);
-    assert_eq!(err.clock(), Some("output_idle"));
+    assert_eq!(err.clock(), Some(Clock::OutputIdle));
     assert_eq!(
         String::from_utf8_lossy(&out),
         "start\n",

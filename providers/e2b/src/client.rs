@@ -28,6 +28,7 @@ use tether_provider::{CallCtx, ProviderError, Result};
 
 use crate::config::{E2bConfig, Endpoints, RetryConfig, join};
 use crate::error::{Op, WireError, from_connect, from_reqwest, from_status, malformed};
+use tether_provider::Clock;
 
 /// Largest envelope accepted (a longer length prefix means a corrupted stream).
 pub const MAX_ENVELOPE_BYTES: usize = 64 * 1024 * 1024;
@@ -43,7 +44,7 @@ pub(crate) async fn within_connect<T>(
     limit: Duration,
     f: impl Future<Output = Result<T>>,
 ) -> Result<T> {
-    let cctx = ctx.with_timeout(limit, "CONNECT_TIMEOUT");
+    let cctx = ctx.with_timeout(limit, Clock::Connect);
     cctx.run(f).await
 }
 
@@ -139,7 +140,7 @@ impl Http {
         req: reqwest::RequestBuilder,
         op: Op<'_>,
     ) -> Result<(StatusCode, HeaderMap, Bytes)> {
-        let tctx = ctx.with_timeout(self.request, "DEADLINE_EXCEEDED");
+        let tctx = ctx.with_timeout(self.request, Clock::Total);
         let resp = self.send(&tctx, req, op).await?;
         let status = resp.status();
         let headers = resp.headers().clone();
@@ -151,14 +152,11 @@ impl Http {
 
     /// A watchdog of transport silence under `parent`.
     pub(crate) fn transport_watchdog(&self, parent: &CancelToken) -> Result<IdleWatchdog> {
-        IdleWatchdog::new(
-            Some(parent),
-            self.transport_idle_ms,
-            "TRANSPORT_IDLE_TIMEOUT",
-        )
-        .map_err(|e| ProviderError::Internal {
-            message: "cannot arm the transport watchdog".into(),
-            source: Some(Box::new(e)),
+        IdleWatchdog::new(Some(parent), self.transport_idle_ms, Clock::TransportIdle).map_err(|e| {
+            ProviderError::Internal {
+                message: "cannot arm the transport watchdog".into(),
+                source: Some(Box::new(e)),
+            }
         })
     }
 }
@@ -572,7 +570,7 @@ impl Envd {
             message: "cannot encode a request".into(),
             source: Some(Box::new(e)),
         })?;
-        let tctx = ctx.with_timeout(self.http.request, "DEADLINE_EXCEEDED");
+        let tctx = ctx.with_timeout(self.http.request, Clock::Total);
         let mut rb = self.rpc_request(method, user, codec::UNARY_JSON).body(body);
         if let Some(left) = tctx.remaining() {
             rb = rb.header(codec::TIMEOUT_HEADER, codec::format_timeout_ms(left));

@@ -292,7 +292,7 @@ pub(crate) fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> Prov
         }
         K::DeadlineExceeded => ProviderError::Timeout {
             reason: TimeoutReason {
-                code: ErrorCode::DeadlineExceeded.as_str(),
+                clock: tether_provider::Clock::Total,
                 timeout_ms: 0,
             },
         },

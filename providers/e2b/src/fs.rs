@@ -39,6 +39,7 @@ use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
 use crate::client::{ByteBody, Envd, StreamItem, retry, within_connect};
 use crate::error::{Op, from_status};
 use crate::sandbox::{SandboxCore, parse_time_ms};
+use tether_provider::Clock;
 
 /// Metadata key of the per-write version id.
 pub const VERSION_META: &str = "tether-version";
@@ -267,7 +268,7 @@ impl E2bFs {
         let path = path.to_owned();
         self.core.tasks.spawn(async move {
             let ctx = CallCtx::with_cancel("cleanup", core.closed.clone())
-                .with_timeout(core.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+                .with_timeout(core.cfg.request_timeout(), Clock::Total);
             let req = PathRequest { path: path.clone() };
             let r: Result<serde_json::Value> = core
                 .envd
@@ -342,7 +343,7 @@ impl E2bFs {
                 if !progress.started.load(Ordering::Acquire) {
                     if progress.start.elapsed() >= connect {
                         return TimeoutReason {
-                            code: "CONNECT_TIMEOUT",
+                            clock: Clock::Connect,
                             timeout_ms: cfg.connect_timeout_ms,
                         };
                     }
@@ -350,7 +351,7 @@ impl E2bFs {
                     && progress.silent_for() >= idle
                 {
                     return TimeoutReason {
-                        code: "TRANSPORT_IDLE_TIMEOUT",
+                        clock: Clock::TransportIdle,
                         timeout_ms: cfg.transport_idle_ms,
                     };
                 }
@@ -487,7 +488,7 @@ impl E2bFs {
         })?;
         let pctx = CallCtx::new(ctx.request_id.clone())
             .with_trace(ctx.trace.clone())
-            .with_timeout(self.core.cfg.request_timeout() * 2, "DEADLINE_EXCEEDED");
+            .with_timeout(self.core.cfg.request_timeout() * 2, Clock::Total);
         if self.core.cfg.verify_writes {
             self.verify(&pctx, tmp, sha).await?;
         }

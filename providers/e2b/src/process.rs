@@ -54,6 +54,7 @@ use crate::client::{ConnectStream, StreamItem, within_connect};
 use crate::error::{Op, malformed, unavailable};
 use crate::fs::{READ_BACK_CHUNK, open_read, resolve};
 use crate::sandbox::SandboxCore;
+use tether_provider::Clock;
 
 /// The wrapper every command runs under (`bash -c WRAPPER tether RELAY DIR TEE OUT_CAP
 /// ERR_CAP N [names to unset...] argv...`). The copies hold at most the capture caps,
@@ -489,7 +490,7 @@ impl E2bCommand {
     /// A bounded context for one background call.
     fn call_ctx(&self) -> CallCtx {
         self.bg_ctx()
-            .with_timeout(self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED")
+            .with_timeout(self.sandbox.cfg.request_timeout(), Clock::Total)
     }
 
     fn selector(&self) -> Selector {
@@ -737,7 +738,7 @@ impl E2bCommand {
             path: dir.to_owned(),
             depth: 1,
         };
-        let cctx = ctx.with_timeout(self.sandbox.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+        let cctx = ctx.with_timeout(self.sandbox.cfg.request_timeout(), Clock::Total);
         let listing: ListDirResponse = self
             .sandbox
             .envd
@@ -902,7 +903,7 @@ impl E2bCommand {
         let fifo = self.fifo();
         let tctx = ctx.with_timeout(
             grace + KILL_VERIFY + self.sandbox.cfg.request_timeout(),
-            "DEADLINE_EXCEEDED",
+            Clock::Total,
         );
         let script = format!("{AWAIT_RELAY}{LADDER_SCRIPT}");
         let out = self
@@ -953,7 +954,7 @@ impl ProcessHandle for E2bCommand {
         });
         let idle_ms = self.sandbox.cfg.output_idle_ms;
         let watchdog = (idle_ms > 0)
-            .then(|| IdleWatchdog::new(None, idle_ms as f64, "IDLE_TIMEOUT").ok())
+            .then(|| IdleWatchdog::new(None, idle_ms as f64, Clock::OutputIdle).ok())
             .flatten();
         let reader = Reader {
             cmd: me,
@@ -1327,7 +1328,7 @@ impl E2bProcess {
         let core = self.core.clone();
         let user = cmd.user.clone();
         self.core.tasks.spawn(async move {
-            let ctx = CallCtx::with_cancel("forget", core.closed.clone()).with_timeout(core.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+            let ctx = CallCtx::with_cancel("forget", core.closed.clone()).with_timeout(core.cfg.request_timeout(), Clock::Total);
             let req = PathRequest { path: dir.clone() };
             let r: Result<serde_json::Value> =
                 core.envd.unary(&ctx, "filesystem.Filesystem/Remove", &req, user.as_deref().or(core.user()), Op::Fs { op: "remove", path: &dir }).await;
@@ -1363,7 +1364,7 @@ impl E2bProcess {
             return Err(e);
         }
         let lctx = CallCtx::new(ctx.request_id.clone())
-            .with_timeout(self.core.cfg.connect_timeout(), "CONNECT_TIMEOUT");
+            .with_timeout(self.core.cfg.connect_timeout(), Clock::Connect);
         let found = self
             .lookup_running(&lctx, &ProcessSelector::CommandId(id.to_owned()))
             .await

@@ -35,6 +35,7 @@ use crate::config::{DEBUG_SANDBOX_ID, E2bConfig};
 use crate::error::{Op, from_status};
 use crate::fs::E2bFs;
 use crate::process::{E2bProcess, exit_status};
+use tether_provider::Clock;
 
 /// The provider kind.
 pub const KIND: &str = "e2b";
@@ -589,7 +590,7 @@ impl Provider for E2bProvider {
         let version = EnvdVersion::parse(&resp.envd_version);
         if version.is_none_or(|v| v < EnvdVersion(0, 1, 0)) {
             let kctx = CallCtx::new(ctx.request_id.clone())
-                .with_timeout(i.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+                .with_timeout(i.cfg.request_timeout(), Clock::Total);
             let _ = i.kill(&kctx, &resp.sandbox_id).await;
             return Err(ProviderError::InvalidRequest {
                 message: format!(
@@ -799,7 +800,7 @@ impl SandboxCore {
         script: &str,
         args: &[&str],
     ) -> Result<ControlOutcome> {
-        let tctx = ctx.with_timeout(self.cfg.request_timeout(), "DEADLINE_EXCEEDED");
+        let tctx = ctx.with_timeout(self.cfg.request_timeout(), Clock::Total);
         let mut argv = vec!["-c".to_owned(), script.to_owned(), "tether".to_owned()];
         argv.extend(args.iter().map(|a| (*a).to_owned()));
         let req = StartRequest {

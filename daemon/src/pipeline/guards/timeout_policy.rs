@@ -3,7 +3,7 @@
 //!
 //! For a tool with a budget (its declared [`Tool::timeout_ms`], overridden by
 //! `[pipeline.tool_timeouts]`), the policy fuses the caller's context with a timer
-//! (`deadline(ctx.cancel, ms, "TOOL_TIMEOUT")`), hands the derived context to the rest of
+//! (`deadline(ctx.cancel, ms, Clock::Tool)`), hands the derived context to the rest of
 //! the chain, awaits it (never races or drops it: the tool observes the token and reaches
 //! quiescence), and then replaces the output with the exact `TOOL_TIMEOUT` shape if and only
 //! if *its own* timer fired. A caller cancellation that came first stays what it is. The
@@ -24,9 +24,7 @@ use tether_provider::clock::timeout_of;
 use super::{ExecNext, Guard, Invocation};
 use crate::pipeline::tools::ToolOutput;
 use crate::telemetry::Metrics;
-
-/// The code of the policy's timer, and of its results.
-pub const TOOL_TIMEOUT: &str = "TOOL_TIMEOUT";
+use tether_provider::Clock;
 
 /// See the module documentation.
 #[derive(Debug, Clone)]
@@ -62,7 +60,7 @@ impl TimeoutPolicy {
             ErrorCode::ToolTimeout,
             format!("tool call timed out after {timeout_ms}ms"),
         )
-        .with_clock("tool", Some(timeout_ms));
+        .with_clock(Clock::Tool, Some(timeout_ms));
         if let Some(p) = &partial {
             out.content = format!("{}\n\n{p}", out.content);
         }
@@ -81,11 +79,12 @@ impl Guard for TimeoutPolicy {
         let Some(ms) = self.budget(inv) else {
             return next.run(inv, ctx).await;
         };
-        let derived = ctx.with_timeout(Duration::from_millis(ms), TOOL_TIMEOUT);
+        let derived = ctx.with_timeout(Duration::from_millis(ms), Clock::Tool);
         let out = next.run(inv, &derived).await;
-        match timeout_of(&derived.cancel, Some(TOOL_TIMEOUT)) {
+        match timeout_of(&derived.cancel, Some(Clock::Tool)) {
             Some(t) => {
-                self.metrics.timeout("tool", &inv.session.provider_kind);
+                self.metrics
+                    .timeout(Clock::Tool, &inv.session.provider_kind);
                 Self::replacement(t.timeout_ms, out.partial)
             }
             None => out,

@@ -28,12 +28,12 @@ async fn step(ms: u64) {
 #[test]
 fn timeout_reason_is_an_error_carrying_the_code_and_elapsed_ms() {
     let r = TimeoutReason {
-        code: "BASH_TIMEOUT",
+        clock: Clock::Tool,
         timeout_ms: 100,
     };
     let e: &dyn std::error::Error = &r;
-    assert_eq!(e.to_string(), "BASH_TIMEOUT after 100ms");
-    assert_eq!(r.code, "BASH_TIMEOUT");
+    assert_eq!(e.to_string(), "TOOL_TIMEOUT after 100ms");
+    assert_eq!(r.clock, Clock::Tool);
     assert_eq!(r.timeout_ms, 100);
 }
 
@@ -104,16 +104,16 @@ fn clamp_rejects_a_non_positive_hint() {
 
 #[tokio::test(start_paused = true)]
 async fn deadline_aborts_on_timeout_with_a_timeout_reason_after_the_elapsed_ms() {
-    let d = deadline(None, 100.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(None, 100.0, Clock::Tool).unwrap();
     step(99).await;
     assert!(!d.token().is_cancelled());
     step(1).await;
     assert!(d.token().is_cancelled());
-    let t = timeout_of(d.token(), Some("BASH_TIMEOUT")).unwrap();
+    let t = timeout_of(d.token(), Some(Clock::Tool)).unwrap();
     assert_eq!(
         t,
         TimeoutReason {
-            code: "BASH_TIMEOUT",
+            clock: Clock::Tool,
             timeout_ms: 100
         }
     );
@@ -121,7 +121,7 @@ async fn deadline_aborts_on_timeout_with_a_timeout_reason_after_the_elapsed_ms()
 
 #[tokio::test(start_paused = true)]
 async fn deadline_dispose_clears_the_timer_so_no_abort_fires_afterward() {
-    let d = deadline(None, 100.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(None, 100.0, Clock::Tool).unwrap();
     let token = d.token().clone();
     d.dispose();
     step(1_000).await;
@@ -131,12 +131,12 @@ async fn deadline_dispose_clears_the_timer_so_no_abort_fires_afterward() {
 
 #[tokio::test(start_paused = true)]
 async fn deadline_rejects_delays_that_node_would_clamp_to_one_millisecond() {
-    let e = deadline(None, MAX_TIMER_DELAY_MS + 1.0, "X").unwrap_err();
+    let e = deadline(None, MAX_TIMER_DELAY_MS + 1.0, Clock::Total).unwrap_err();
     assert!(e.to_string().contains("no greater than 2147483647"), "{e}");
-    let e = deadline(None, f64::INFINITY, "X").unwrap_err();
+    let e = deadline(None, f64::INFINITY, Clock::Total).unwrap_err();
     assert!(e.to_string().contains("no greater than 2147483647"), "{e}");
     assert!(matches!(
-        deadline(None, f64::NAN, "X"),
+        deadline(None, f64::NAN, Clock::Total),
         Err(ClockError::InvalidDelay {
             name: "deadline timeoutMs"
         })
@@ -148,17 +148,17 @@ async fn deadline_rejects_delays_that_node_would_clamp_to_one_millisecond() {
 #[tokio::test(start_paused = true)]
 async fn deadline_aborts_on_upstream_cancellation_classified_as_not_a_timeout() {
     let up = CancelToken::new();
-    let d = deadline(Some(&up), 100.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(Some(&up), 100.0, Clock::Tool).unwrap();
     up.cancel(CancelReason::Caller("test"));
     settle().await;
     assert!(d.token().is_cancelled());
-    assert_eq!(timeout_of(d.token(), Some("BASH_TIMEOUT")), None);
+    assert_eq!(timeout_of(d.token(), Some(Clock::Tool)), None);
 }
 
 #[tokio::test(start_paused = true)]
 async fn deadline_cancel_wins_when_it_fires_before_the_timeout() {
     let up = CancelToken::new();
-    let d = deadline(Some(&up), 100.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(Some(&up), 100.0, Clock::Tool).unwrap();
     up.cancel(CancelReason::Caller("test"));
     step(200).await;
     assert_eq!(timeout_of(d.token(), None), None);
@@ -168,17 +168,17 @@ async fn deadline_cancel_wins_when_it_fires_before_the_timeout() {
 #[tokio::test(start_paused = true)]
 async fn deadline_timeout_wins_when_it_fires_before_upstream_cancellation() {
     let up = CancelToken::new();
-    let d = deadline(Some(&up), 100.0, "WEB_FETCH_TIMEOUT").unwrap();
+    let d = deadline(Some(&up), 100.0, Clock::Connect).unwrap();
     step(150).await;
     assert_eq!(
-        timeout_of(d.token(), None).map(|t| t.code),
-        Some("WEB_FETCH_TIMEOUT")
+        timeout_of(d.token(), None).map(|t| t.clock),
+        Some(Clock::Connect)
     );
     up.cancel(CancelReason::Caller("late"));
     settle().await;
     assert_eq!(
-        timeout_of(d.token(), None).map(|t| t.code),
-        Some("WEB_FETCH_TIMEOUT")
+        timeout_of(d.token(), None).map(|t| t.clock),
+        Some(Clock::Connect)
     );
 }
 
@@ -186,7 +186,7 @@ async fn deadline_timeout_wins_when_it_fires_before_upstream_cancellation() {
 async fn deadline_forwards_a_pre_aborted_upstream_signal_immediately() {
     let up = CancelToken::new();
     up.cancel(CancelReason::Shutdown);
-    let d = deadline(Some(&up), 100.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(Some(&up), 100.0, Clock::Tool).unwrap();
     assert!(d.token().is_cancelled());
     assert_eq!(timeout_of(d.token(), None), None);
     assert_eq!(d.token().reason(), Some(CancelReason::Shutdown));
@@ -197,7 +197,7 @@ async fn deadline_forwards_a_pre_aborted_upstream_signal_immediately() {
 #[tokio::test(start_paused = true)]
 async fn deadline_zero_arms_no_timer_and_forwards_only_the_upstream_signal() {
     let up = CancelToken::new();
-    let d = deadline(Some(&up), 0.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(Some(&up), 0.0, Clock::Tool).unwrap();
     step(1_000_000).await;
     assert!(!d.token().is_cancelled());
     up.cancel(CancelReason::Caller("x"));
@@ -207,7 +207,7 @@ async fn deadline_zero_arms_no_timer_and_forwards_only_the_upstream_signal() {
 
 #[tokio::test(start_paused = true)]
 async fn deadline_zero_without_upstream_never_aborts_and_disposes_cleanly() {
-    let d = deadline(None, 0.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(None, 0.0, Clock::Tool).unwrap();
     let t = d.token().clone();
     d.dispose();
     step(1_000_000).await;
@@ -216,10 +216,10 @@ async fn deadline_zero_without_upstream_never_aborts_and_disposes_cleanly() {
 
 #[tokio::test(start_paused = true)]
 async fn deadline_treats_a_negative_timeout_the_same_as_zero() {
-    let d = deadline(None, -5.0, "BASH_TIMEOUT").unwrap();
+    let d = deadline(None, -5.0, Clock::Tool).unwrap();
     step(1_000).await;
     assert!(!d.token().is_cancelled());
-    let d = deadline(None, f64::NEG_INFINITY, "BASH_TIMEOUT").unwrap();
+    let d = deadline(None, f64::NEG_INFINITY, Clock::Tool).unwrap();
     assert!(d.expires_at().is_none());
 }
 
@@ -228,7 +228,7 @@ async fn deadline_treats_a_negative_timeout_the_same_as_zero() {
 #[test]
 fn timeout_of_classifies_a_bare_reason_carrier_that_holds_a_timeout_reason() {
     let r = TimeoutReason {
-        code: "BASH_TIMEOUT",
+        clock: Clock::Tool,
         timeout_ms: 5,
     };
     assert_eq!(timeout_of(&CancelReason::Timeout(r), None), Some(r));
@@ -246,11 +246,11 @@ fn timeout_of_returns_none_for_a_non_timeout_reason() {
 #[test]
 fn timeout_of_matches_only_the_requested_code_when_one_is_given() {
     let r = CancelReason::Timeout(TimeoutReason {
-        code: "A",
+        clock: Clock::Connect,
         timeout_ms: 1,
     });
-    assert!(timeout_of(&r, Some("A")).is_some());
-    assert!(timeout_of(&r, Some("B")).is_none());
+    assert!(timeout_of(&r, Some(Clock::Connect)).is_some());
+    assert!(timeout_of(&r, Some(Clock::TransportIdle)).is_none());
 }
 
 // --- nested deadlines ---
@@ -259,15 +259,15 @@ fn timeout_of_matches_only_the_requested_code_when_one_is_given() {
 async fn nested_does_not_misclassify_an_outer_deadlines_timeout_as_the_inner_code() {
     let outer = CancelToken::new();
     outer.cancel(CancelReason::Timeout(TimeoutReason {
-        code: "OUTER_TIMEOUT",
+        clock: Clock::Total,
         timeout_ms: 30,
     }));
-    let inner = deadline(Some(&outer), 60_000.0, "BASH_TIMEOUT").unwrap();
+    let inner = deadline(Some(&outer), 60_000.0, Clock::Tool).unwrap();
     assert!(inner.token().is_cancelled());
-    assert_eq!(timeout_of(inner.token(), Some("BASH_TIMEOUT")), None);
+    assert_eq!(timeout_of(inner.token(), Some(Clock::Tool)), None);
     assert_eq!(
-        timeout_of(inner.token(), None).map(|t| t.code),
-        Some("OUTER_TIMEOUT")
+        timeout_of(inner.token(), None).map(|t| t.clock),
+        Some(Clock::Total)
     );
 }
 
@@ -275,7 +275,7 @@ async fn nested_does_not_misclassify_an_outer_deadlines_timeout_as_the_inner_cod
 
 #[tokio::test(start_paused = true)]
 async fn idle_arms_only_while_next_is_outstanding_and_rearms_the_same_signal_for_later_demand() {
-    let w = IdleWatchdog::new(None, 100.0, "IDLE_TIMEOUT").unwrap();
+    let w = IdleWatchdog::new(None, 100.0, Clock::OutputIdle).unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
     let first = {
         let w = &w;
@@ -305,7 +305,7 @@ async fn idle_arms_only_while_next_is_outstanding_and_rearms_the_same_signal_for
     assert_eq!(
         timeout_of(&reason, None),
         Some(TimeoutReason {
-            code: "IDLE_TIMEOUT",
+            clock: Clock::OutputIdle,
             timeout_ms: 100
         })
     );
@@ -316,7 +316,7 @@ async fn idle_arms_only_while_next_is_outstanding_and_rearms_the_same_signal_for
 
 #[tokio::test(start_paused = true)]
 async fn idle_rearms_outstanding_demand_on_an_out_of_band_activity_pulse() {
-    let w = IdleWatchdog::new(None, 100.0, "IDLE_TIMEOUT").unwrap();
+    let w = IdleWatchdog::new(None, 100.0, Clock::OutputIdle).unwrap();
     w.pulse(); // no demand: no-op
     step(1_000).await;
     assert!(!w.token().is_cancelled());
@@ -333,7 +333,7 @@ async fn idle_rearms_outstanding_demand_on_an_out_of_band_activity_pulse() {
     let (r, ()) = tokio::join!(w.next(demand), driver);
     r.unwrap();
     assert_eq!(
-        timeout_of(w.token(), Some("IDLE_TIMEOUT"))
+        timeout_of(w.token(), Some(Clock::OutputIdle))
             .unwrap()
             .timeout_ms,
         100
@@ -345,7 +345,7 @@ async fn idle_rearms_outstanding_demand_on_an_out_of_band_activity_pulse() {
 #[tokio::test(start_paused = true)]
 async fn idle_keeps_an_earlier_upstream_abort_distinct_from_its_own_timeout() {
     let up = CancelToken::new();
-    let w = IdleWatchdog::new(Some(&up), 100.0, "IDLE_TIMEOUT").unwrap();
+    let w = IdleWatchdog::new(Some(&up), 100.0, Clock::OutputIdle).unwrap();
     up.cancel(CancelReason::Caller("caller cancelled"));
     assert!(w.token().is_cancelled());
     assert_eq!(timeout_of(w.token(), None), None);
@@ -359,7 +359,7 @@ async fn idle_keeps_an_earlier_upstream_abort_distinct_from_its_own_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn idle_clears_an_outstanding_arm_on_disposal() {
-    let w = IdleWatchdog::new(None, 100.0, "IDLE_TIMEOUT").unwrap();
+    let w = IdleWatchdog::new(None, 100.0, Clock::OutputIdle).unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let driver = async {
         step(50).await;
@@ -377,12 +377,12 @@ async fn idle_clears_an_outstanding_arm_on_disposal() {
 #[tokio::test(start_paused = true)]
 async fn idle_rejects_invalid_bounds_and_concurrent_iterator_demand() {
     for bad in [0.0, f64::NAN, -1.0] {
-        let e = IdleWatchdog::new(None, bad, "I").unwrap_err();
+        let e = IdleWatchdog::new(None, bad, Clock::OutputIdle).unwrap_err();
         assert!(e.to_string().contains("positive finite"), "{e}");
     }
-    let e = IdleWatchdog::new(None, MAX_TIMER_DELAY_MS + 1.0, "I").unwrap_err();
+    let e = IdleWatchdog::new(None, MAX_TIMER_DELAY_MS + 1.0, Clock::OutputIdle).unwrap_err();
     assert!(e.to_string().contains("no greater than 2147483647"));
-    let w = IdleWatchdog::new(None, 100.0, "I").unwrap();
+    let w = IdleWatchdog::new(None, 100.0, Clock::OutputIdle).unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let second = async {
         settle().await;
@@ -419,11 +419,11 @@ async fn first_reason_wins_and_never_changes() {
 
 #[tokio::test(start_paused = true)]
 async fn nested_deadlines_each_classify_their_own_expiry() {
-    let outer = deadline(None, 1_000.0, "DEADLINE_EXCEEDED").unwrap();
-    let inner = deadline(Some(outer.token()), 100.0, "TOOL_TIMEOUT").unwrap();
+    let outer = deadline(None, 1_000.0, Clock::Total).unwrap();
+    let inner = deadline(Some(outer.token()), 100.0, Clock::Tool).unwrap();
     step(100).await;
     assert_eq!(
-        timeout_of(inner.token(), Some("TOOL_TIMEOUT"))
+        timeout_of(inner.token(), Some(Clock::Tool))
             .unwrap()
             .timeout_ms,
         100
@@ -433,13 +433,13 @@ async fn nested_deadlines_each_classify_their_own_expiry() {
         "the inner timer must not cancel the outer token"
     );
     // And the other way round: the outer expiring first is not the inner's timeout.
-    let outer = deadline(None, 100.0, "DEADLINE_EXCEEDED").unwrap();
-    let inner = deadline(Some(outer.token()), 1_000.0, "TOOL_TIMEOUT").unwrap();
+    let outer = deadline(None, 100.0, Clock::Total).unwrap();
+    let inner = deadline(Some(outer.token()), 1_000.0, Clock::Tool).unwrap();
     step(100).await;
     assert!(inner.token().is_cancelled());
-    assert_eq!(timeout_of(inner.token(), Some("TOOL_TIMEOUT")), None);
+    assert_eq!(timeout_of(inner.token(), Some(Clock::Tool)), None);
     assert_eq!(
-        timeout_of(inner.token(), Some("DEADLINE_EXCEEDED"))
+        timeout_of(inner.token(), Some(Clock::Total))
             .unwrap()
             .timeout_ms,
         100
@@ -452,7 +452,7 @@ async fn dropped_deadlines_and_watchdogs_leave_no_timer_task_behind() {
     let base = alive();
     let up = CancelToken::new();
     let many: Vec<_> = (0..100)
-        .map(|_| deadline(Some(&up), 60_000.0, "T").unwrap())
+        .map(|_| deadline(Some(&up), 60_000.0, Clock::Total).unwrap())
         .collect();
     settle().await;
     assert_eq!(alive(), base + 100);
@@ -464,13 +464,13 @@ async fn dropped_deadlines_and_watchdogs_leave_no_timer_task_behind() {
         "disposed deadlines must end their timer tasks"
     );
     // A fired deadline's task ends too.
-    let d = deadline(None, 10.0, "T").unwrap();
+    let d = deadline(None, 10.0, Clock::Total).unwrap();
     step(10).await;
     assert!(d.token().is_cancelled());
     assert_eq!(alive(), base);
     drop(d);
     // A watchdog spawns nothing, even while a demand is outstanding.
-    let w = IdleWatchdog::new(None, 100.0, "I").unwrap();
+    let w = IdleWatchdog::new(None, 100.0, Clock::OutputIdle).unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let check = async {
         settle().await;
@@ -487,7 +487,7 @@ async fn an_upstream_cancel_ends_the_timer_task_early() {
     settle().await;
     let base = alive();
     let up = CancelToken::new();
-    let d = deadline(Some(&up), 60_000.0, "T").unwrap();
+    let d = deadline(Some(&up), 60_000.0, Clock::Total).unwrap();
     settle().await;
     assert_eq!(alive(), base + 1);
     up.cancel(CancelReason::Shutdown);
