@@ -397,11 +397,7 @@ async fn pump(
                 // command can no longer be watched, so it is ended, never left running
                 // without a pump, a deadline or a journal.
                 error = Some((e.code(), e.to_string()));
-                // A provider clock (connect, transport idle) fired inside the provider:
-                // counted here, where its end is seen.
-                if let Some(clock @ (Clock::Connect | Clock::TransportIdle)) = e.clock() {
-                    session.metrics().timeout(clock, &session.provider_kind);
-                }
+                crate::ops::count_provider_clock(session.metrics(), &e, &session.provider_kind);
                 terminate(session, &handle).await;
                 break;
             }

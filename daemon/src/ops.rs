@@ -133,14 +133,12 @@ where
             span.record("error.code", e.code().as_str());
             if let Some(clock) = e.clock() {
                 span.record("timeout.clock", clock.name());
-                // This operation's own deadline, and the provider's own clocks (connect,
-                // transport idle: armed inside the provider, so counted here); a tool
-                // deadline or a command clock is counted where it is armed.
-                if fctx.timed_out(Some(Clock::Total))
-                    || matches!(clock, Clock::Connect | Clock::TransportIdle)
-                {
+                // This operation's own deadline is counted here; a tool deadline or a
+                // command clock where it is armed.
+                if fctx.timed_out(Some(Clock::Total)) {
                     session.metrics().timeout(clock, &session.provider_kind);
                 }
+                count_provider_clock(session.metrics(), e, &session.provider_kind);
             }
             e.code().as_str()
         }
@@ -166,6 +164,15 @@ where
         }
     }
     out
+}
+
+/// Count a provider's own clock (connect, transport idle: armed inside the provider) in
+/// `tether.timeouts`, where the daemon sees the call end with it. The daemon's own clocks
+/// are counted where they are armed.
+pub fn count_provider_clock(metrics: &crate::telemetry::Metrics, e: &ProviderError, kind: &str) {
+    if let Some(clock @ (Clock::Connect | Clock::TransportIdle)) = e.clock() {
+        metrics.timeout(clock, kind);
+    }
 }
 
 /// No byte count.

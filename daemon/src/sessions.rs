@@ -524,6 +524,7 @@ impl SessionManager {
             }
             Err(e) => {
                 span.record("error.code", e.code().as_str());
+                crate::ops::count_provider_clock(&self.metrics, &e, &session.provider_kind);
                 let _ = session
                     .log
                     .append(EventBody::SessionClosed {

@@ -555,3 +555,111 @@ async fn the_native_api_honours_an_inbound_deadline() {
     read_log(d.dir.path(), &sid);
     d.stop().await;
 }
+
+/// A native download from a backend that stalls mid-body (the transport idle limit set
+/// far away) ends at the transfer deadline with a broken body, never a short success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_native_download_ends_at_its_transfer_deadline() {
+    use tether_daemon::config::ProviderConfig;
+    use tether_tests::fault_proxy::FaultProxy;
+    let backend = TestDaemon::start().await;
+    let upstream: std::net::SocketAddr =
+        backend.base.trim_start_matches("http://").parse().unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let d = TestDaemon::start_with(|c| {
+        c.limits.transfer_timeout_ms = 2_000;
+        c.providers.insert(
+            "e2b".into(),
+            ProviderConfig::E2b(tether_provider_e2b::E2bConfig {
+                api_url: Some(backend.base.clone()),
+                sandbox_url: Some(proxy.url()),
+                api_key: Some("e2b_transfer_deadline_key".into()),
+                inherit_env: false,
+                transport_idle_ms: 60_000,
+                ..Default::default()
+            }),
+        );
+    })
+    .await;
+    let (st, body) = d.post("/v1/sessions", json!({"provider": "e2b"})).await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let data = vec![b'x'; 8 << 20];
+    let r = d
+        .http
+        .put(d.url(&format!("/v1/sessions/{sid}/files?path=/home/user/big.bin")))
+        .body(data.clone())
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    proxy.stall_after(1 << 20);
+    let started = tokio::time::Instant::now();
+    let r = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/files?path=/home/user/big.bin")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let got = r.bytes().await;
+    let took = started.elapsed();
+    assert!(got.is_err(), "a stalled download must not end as a success");
+    assert!(
+        took >= Duration::from_millis(1_900) && took < Duration::from_secs(6),
+        "ended after {took:?}, the transfer deadline is 2 s"
+    );
+    println!("stalled download ended after {took:?}");
+    d.stop().await;
+    backend.stop().await;
+}
+
+/// Closed sessions are not held in memory but stay readable; past the retention their
+/// logs are removed at start.
+#[tokio::test]
+async fn closed_sessions_are_read_on_demand_and_removed_past_their_retention() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let r = bash(&d, &sid, "echo kept").await;
+    assert_eq!(r["is_error"], false, "{r}");
+    let r = d
+        .http
+        .delete(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let dir = d.stop().await;
+    // Restarted with no retention: the closed session is listed and its log is readable.
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    let (st, list) = d.get("/v1/sessions").await;
+    assert_eq!(st, 200);
+    assert!(
+        list["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["id"] == sid.as_str() && s["state"] == "closed"),
+        "{list}"
+    );
+    let r = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}/events")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("tool/result") && text.contains("session/closed"),
+        "{text}"
+    );
+    let dir = d.stop().await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    // With a 1 s retention, the next start removes it.
+    let d = TestDaemon::start_in(dir, |c| c.server.closed_retention_s = 1).await;
+    assert!(!d.dir.path().join("sessions").join(&sid).exists());
+    let (st, body) = d.get(&format!("/v1/sessions/{sid}")).await;
+    assert_eq!((st, code(&body)), (404, "SESSION_NOT_FOUND"), "{body}");
+    d.stop().await;
+}

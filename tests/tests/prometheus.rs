@@ -899,6 +899,16 @@ async fn every_dashboard_query_returns_series_from_a_real_prometheus() {
             );
         }
     }
+    // The providers' own clocks are counted too: the stalled read's transport idle and
+    // the unreachable backend's connect.
+    for c in ["transport_idle", "connect"] {
+        assert!(
+            clocks
+                .get(&("e2b".to_owned(), c.to_owned()))
+                .is_some_and(|n| *n >= 1.0),
+            "clock {c} on e2b: {clocks:?}"
+        );
+    }
     let e2b_failures: BTreeSet<(String, String)> = prom
         .query("sum by (remote_op, outcome) (tether_remote_op_duration_seconds_count{provider_kind=\"e2b\", outcome!=\"ok\"})")
         .await
