@@ -532,9 +532,22 @@ impl HostPool {
         .await
     }
 
-    /// Exec `line` and require exit status 0; other statuses become `Backend` errors.
+    /// [`Self::exec`] of an idempotent step: once more on a fresh connection when the
+    /// connection was lost under it (a connection that died unnoticed in the pool).
+    pub(crate) async fn exec_idempotent(&self, ctx: &CallCtx, line: &str) -> Result<ExecOutput> {
+        match self.exec(ctx, line, None).await {
+            Err(ProviderError::Unavailable { message, .. }) if ctx.check().is_ok() => {
+                tracing::debug!(host = %self.name, %message, "Retrying an idempotent step");
+                self.exec(ctx, line, None).await
+            }
+            r => r,
+        }
+    }
+
+    /// Exec an idempotent `line` and require exit status 0; other statuses become
+    /// `Backend` errors.
     pub(crate) async fn exec_ok(&self, ctx: &CallCtx, line: &str) -> Result<ExecOutput> {
-        let out = self.exec(ctx, line, None).await?;
+        let out = self.exec_idempotent(ctx, line).await?;
         if out.code == Some(0) {
             Ok(out)
         } else {

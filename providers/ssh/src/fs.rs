@@ -221,7 +221,11 @@ impl SshFs {
     async fn helper(&self, ctx: &CallCtx, path: &str, op: &str, args: &[&str]) -> Result<Vec<u8>> {
         let mut all = vec![op, self.core.workspace.as_str()];
         all.extend_from_slice(args);
-        let out = self.core.host.exec(ctx, &bash_line(FS, &all), None).await?;
+        let line = bash_line(FS, &all);
+        let out = match op {
+            "stat" | "list" | "rpath" => self.core.host.exec_idempotent(ctx, &line).await?,
+            _ => self.core.host.exec(ctx, &line, None).await?,
+        };
         match out.code {
             Some(0) => Ok(out.stdout),
             _ => Err(script_error(path, &out.out()).unwrap_or_else(|| {

@@ -465,7 +465,7 @@ impl SshCommand {
         let out = self
             .core
             .host
-            .exec(&ctx, &bash_line(TAILS, &[&self.dir, &oo, &oe]), None)
+            .exec_idempotent(&ctx, &bash_line(TAILS, &[&self.dir, &oo, &oe]))
             .await?;
         self.push(OUT, &out.stdout);
         self.push(ERR, &out.stderr);
@@ -520,10 +520,9 @@ impl SshCommand {
         let out = self
             .core
             .host
-            .exec(
+            .exec_idempotent(
                 &ctx,
                 &bash_line(SLICE, &[&file, &from.to_string(), &len.to_string()]),
-                None,
             )
             .await?;
         Ok(out.stdout)
