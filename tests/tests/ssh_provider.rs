@@ -394,3 +394,31 @@ async fn a_blackholed_link_ends_the_stream_with_transport_idle_and_partial_outpu
     assert_eq!(again.terminate(&ctx()).await.unwrap().survivors, 0);
     p2.destroy(&ctx(), &sb.info().id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_builds_ssh_providers_from_its_config() {
+    let host = SshHost::start().await;
+    let toml_text = format!(
+        "default_provider = \"vm\"\n[providers.vm]\nkind = \"ssh\"\nknown_hosts = {:?}\n\
+         [[providers.vm.hosts]]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\n\
+         auth = {{ method = \"key_file\", path = {:?} }}\n",
+        host.known_hosts.display().to_string(),
+        host.addr.ip(),
+        host.addr.port(),
+        host.user,
+        host.key.display().to_string(),
+    );
+    let cfg: tether_daemon::config::Config = toml::from_str(&toml_text).expect("config");
+    let reg = tether_daemon::providers::ProviderRegistry::from_config_with_env(&cfg, &|_| None)
+        .expect("registry");
+    let p = reg.get("vm").expect("the ssh provider");
+    assert_eq!(p.kind(), "ssh");
+    p.healthcheck(&ctx()).await.expect("healthcheck");
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    assert!(
+        sb.info()
+            .workspace
+            .starts_with(&host.home().display().to_string())
+    );
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+}
