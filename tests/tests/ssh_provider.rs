@@ -422,3 +422,59 @@ async fn the_daemon_builds_ssh_providers_from_its_config() {
     );
     p.destroy(&ctx(), &sb.info().id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphans_are_found_by_their_stamp_and_destroyed_with_their_processes() {
+    let host = SshHost::start().await;
+    let mut spec = SandboxSpec::default();
+    spec.metadata.insert("tether.session".into(), "s-1".into());
+    let (id, ws, pid) = {
+        // A daemon that creates a sandbox and a detached grandchild, then dies.
+        let p = provider(config(&host));
+        let sb = p.create(&ctx(), spec).await.unwrap();
+        let h = sb
+            .process()
+            .spawn(
+                &ctx(),
+                ProcessSpec::shell("setsid sleep 1000 & echo $! > orphan.pid; sleep 1000"),
+            )
+            .await
+            .unwrap();
+        let f = format!("{}/orphan.pid", sb.info().workspace);
+        let mut gc = String::new();
+        for _ in 0..100 {
+            gc = std::fs::read_to_string(&f).unwrap_or_default();
+            if gc.ends_with('\n') {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = h;
+        p.shutdown().await;
+        (
+            sb.info().id,
+            sb.info().workspace,
+            gc.trim().parse::<i32>().unwrap(),
+        )
+    };
+    assert!(host.user_pids().contains(&pid), "the detached process runs");
+    let p = provider(config(&host));
+    let listed = p.list(&ctx()).await.unwrap();
+    let found = listed
+        .iter()
+        .find(|s| s.id == id)
+        .expect("the orphan is listed");
+    assert_eq!(
+        found.metadata.get("tether.session").map(String::as_str),
+        Some("s-1")
+    );
+    assert!(found.expires_ms.is_some());
+    p.destroy(&ctx(), &id).await.unwrap();
+    assert!(
+        !host.user_pids().contains(&pid),
+        "a process of the sandbox survived"
+    );
+    assert!(!std::path::Path::new(&ws).exists());
+    assert!(p.list(&ctx()).await.unwrap().iter().all(|s| s.id != id));
+    p.destroy(&ctx(), &id).await.expect("destroy is idempotent");
+}

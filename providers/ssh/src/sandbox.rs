@@ -16,7 +16,7 @@
 //! daemon restart loses nothing it needs to find them), then removes both directories.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -126,6 +126,8 @@ pub struct SandboxCore {
     /// The state directory (`R/.tether/<id>`).
     pub(crate) state: String,
     pub(crate) env: BTreeMap<String, String>,
+    /// The current expiry (renew moves it; 0: none).
+    expires_ms: AtomicI64,
     pub(crate) cancel: CancellationToken,
     pub(crate) tasks: TaskTracker,
     commands: RwLock<HashMap<String, Arc<SshCommand>>>,
@@ -141,6 +143,14 @@ impl std::fmt::Debug for SandboxCore {
 }
 
 impl SandboxCore {
+    /// What the sandbox is, with its current expiry.
+    pub(crate) fn current_info(&self) -> SandboxInfo {
+        let mut info = self.info.clone();
+        let e = self.expires_ms.load(Ordering::Acquire);
+        info.expires_ms = (e != 0).then_some(e);
+        info
+    }
+
     pub(crate) fn cmd_dir(&self, id: &str) -> String {
         format!("{}/cmd/{id}", self.state)
     }
@@ -182,7 +192,7 @@ pub struct SshSandbox {
 
 impl Sandbox for SshSandbox {
     fn info(&self) -> SandboxInfo {
-        self.core.info.clone()
+        self.core.current_info()
     }
     fn fs(&self) -> &dyn Fs {
         &self.fs
@@ -296,6 +306,7 @@ impl SshProvider {
             workspace,
             state: format!("{root}/.tether/{id}"),
             env: stamp.env,
+            expires_ms: AtomicI64::new(stamp.expires_ms.unwrap_or(0)),
             cancel: self.cancel.child_token(),
             tasks: self.tasks.clone(),
             commands: RwLock::new(HashMap::new()),
@@ -403,7 +414,7 @@ impl Provider for SshProvider {
             let root = self.root(ctx, i).await?;
             for stamp in self.stamps(ctx, i, None).await? {
                 if self.host_of(&stamp.id) == Some(i) {
-                    out.push(self.core(i, &root, stamp).info.clone());
+                    out.push(self.core(i, &root, stamp).current_info());
                 }
             }
         }
@@ -449,10 +460,10 @@ impl Provider for SshProvider {
         if out.code == Some(4) {
             return Err(not_found());
         }
-        self.live
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
+        if let Some(core) = self.live.read().unwrap_or_else(|e| e.into_inner()).get(id) {
+            core.expires_ms
+                .store(stamp.expires_ms.unwrap_or(0), Ordering::Release);
+        }
         Ok(())
     }
 }
