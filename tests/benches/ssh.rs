@@ -58,7 +58,7 @@ fn ssh_base(host: &SshHost) -> Vec<String> {
 }
 
 fn cli_exec(host: &SshHost) -> f64 {
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let st = Command::new("ssh")
         .args(ssh_base(host))
         .args(["-p", &host.addr.port().to_string()])
@@ -73,7 +73,7 @@ fn cli_exec(host: &SshHost) -> f64 {
 /// `ssh host true` over an already open master connection (`ControlMaster`): the CLI's
 /// best case, with the handshake paid once.
 fn cli_exec_mux(host: &SshHost, sock: &std::path::Path) -> f64 {
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let st = Command::new("ssh")
         .args(ssh_base(host))
         .arg("-S")
@@ -91,7 +91,7 @@ fn cli_sftp(host: &SshHost, batch: &str) -> f64 {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = dir.path().join("batch");
     std::fs::write(&b, batch).expect("batch");
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let out = Command::new("sftp")
         .args(ssh_base(host))
         .args(["-P", &host.addr.port().to_string(), "-b"])
