@@ -30,7 +30,6 @@ use tether_protocol::fs::{
 };
 use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
 
-use crate::client::bash_line;
 use crate::error::{script_error, sftp_error};
 use crate::sandbox::SandboxCore;
 
@@ -221,7 +220,7 @@ impl SshFs {
     async fn helper(&self, ctx: &CallCtx, path: &str, op: &str, args: &[&str]) -> Result<Vec<u8>> {
         let mut all = vec![op, self.core.workspace.as_str()];
         all.extend_from_slice(args);
-        let line = bash_line(FS, &all);
+        let line = self.core.host.line(FS, &all);
         let out = match op {
             "stat" | "list" | "rpath" => self.core.host.exec_idempotent(ctx, &line).await?,
             _ => self.core.host.exec(ctx, &line, None).await?,

@@ -41,7 +41,7 @@ use tether_provider::{
 };
 use tokio::sync::{Mutex, watch};
 
-use crate::client::{Lease, bash_line};
+use crate::client::Lease;
 use crate::fs::normalize;
 use crate::sandbox::SandboxCore;
 
@@ -441,7 +441,7 @@ impl SshCommand {
         let (ch, lease) = self.core.host.channel(&ctx).await?;
         let pid = self.pid.to_string();
         let (oo, oe) = (oo.to_string(), oe.to_string());
-        let line = bash_line(FOLLOW, &[&self.dir, &pid, &oo, &oe]);
+        let line = self.core.host.line(FOLLOW, &[&self.dir, &pid, &oo, &oe]);
         ctx.run(async {
             ch.exec(true, line.as_bytes())
                 .await
@@ -465,7 +465,7 @@ impl SshCommand {
         let out = self
             .core
             .host
-            .exec_idempotent(&ctx, &bash_line(TAILS, &[&self.dir, &oo, &oe]))
+            .exec_idempotent(&ctx, &self.core.host.line(TAILS, &[&self.dir, &oo, &oe]))
             .await?;
         self.push(OUT, &out.stdout);
         self.push(ERR, &out.stderr);
@@ -522,7 +522,7 @@ impl SshCommand {
             .host
             .exec_idempotent(
                 &ctx,
-                &bash_line(SLICE, &[&file, &from.to_string(), &len.to_string()]),
+                &self.core.host.line(SLICE, &[&file, &from.to_string(), &len.to_string()]),
             )
             .await?;
         Ok(out.stdout)
@@ -719,7 +719,7 @@ impl ProcessHandle for SshCommand {
             .host
             .exec(
                 ctx,
-                &bash_line(SIGNAL, &[&self.pid.to_string(), &name]),
+                &self.core.host.line(SIGNAL, &[&self.pid.to_string(), &name]),
                 None,
             )
             .await?;
@@ -758,7 +758,7 @@ impl ProcessHandle for SshCommand {
         let gs = (grace.as_millis() / step.as_millis()).max(1).to_string();
         let vs = (KILL_VERIFY.as_millis() / step.as_millis()).to_string();
         let st = format!("{:.3}", step.as_secs_f64());
-        let line = bash_line(LADDER, &[&self.pid.to_string(), &gs, &vs, &st]);
+        let line = self.core.host.line(LADDER, &[&self.pid.to_string(), &gs, &vs, &st]);
         let lctx = ctx.with_timeout(
             grace + KILL_VERIFY + self.core.host.settings().request_timeout(),
             "DEADLINE_EXCEEDED",
@@ -952,7 +952,7 @@ impl SshProcess {
             Some(_) => {
                 args.extend([dir.as_str(), cwd.as_str(), meta_json.as_str()]);
                 args.extend(argv.iter().map(String::as_str));
-                bash_line(PTY, &args)
+                self.core.host.line(PTY, &args)
             }
             None => {
                 args.extend([
@@ -963,7 +963,7 @@ impl SshProcess {
                     meta_json.as_str(),
                 ]);
                 args.extend(argv.iter().map(String::as_str));
-                bash_line(SPAWN, &args)
+                self.core.host.line(SPAWN, &args)
             }
         };
         let sctx = ctx.with_timeout(core.host.settings().request_timeout(), "DEADLINE_EXCEEDED");
@@ -1104,7 +1104,7 @@ impl SshProcess {
         let out = self
             .core
             .host
-            .exec_ok(ctx, &bash_line(LIST, &[&dir, only.unwrap_or("")]))
+            .exec_ok(ctx, &self.core.host.line(LIST, &[&dir, only.unwrap_or("")]))
             .await?;
         let mut v = Vec::new();
         for line in out.out().lines() {

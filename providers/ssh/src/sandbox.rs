@@ -29,7 +29,7 @@ use tether_provider::{
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::client::{HostPool, bash_line};
+use crate::client::HostPool;
 use crate::config::SshConfig;
 use crate::fs::SshFs;
 use crate::process::{SshCommand, SshProcess};
@@ -259,7 +259,7 @@ impl SshProvider {
         self.roots[i]
             .get_or_try_init(|| async {
                 let out = host
-                    .exec_ok(ctx, &bash_line(ROOT, &[&host.host.workspace_root]))
+                    .exec_ok(ctx, &host.line(ROOT, &[&host.host.workspace_root]))
                     .await?;
                 let root = out.out().trim().to_owned();
                 if !root.starts_with('/') || root == "/" {
@@ -334,7 +334,7 @@ impl SshProvider {
     ) -> Result<Vec<SandboxStamp>> {
         let root = self.root(ctx, i).await?;
         let out = self.hosts[i]
-            .exec_ok(ctx, &bash_line(STAMPS, &[&root, only.unwrap_or("")]))
+            .exec_ok(ctx, &self.hosts[i].line(STAMPS, &[&root, only.unwrap_or("")]))
             .await?;
         Ok(out
             .out()
@@ -389,7 +389,7 @@ impl Provider for SshProvider {
         };
         let json = encode(&stamp)?;
         self.hosts[i]
-            .exec_ok(ctx, &bash_line(CREATE, &[&root, &id, &json]))
+            .exec_ok(ctx, &self.hosts[i].line(CREATE, &[&root, &id, &json]))
             .await?;
         tracing::info!(sandbox.id = %id, host = %self.hosts[i].name, "Created an SSH sandbox");
         Ok(Self::sandbox(self.core(i, &root, stamp)))
@@ -436,7 +436,7 @@ impl Provider for SshProvider {
             core.cancel.cancel();
         }
         self.hosts[i]
-            .exec_ok(ctx, &bash_line(DESTROY, &[&root, id]))
+            .exec_ok(ctx, &self.hosts[i].line(DESTROY, &[&root, id]))
             .await?;
         tracing::info!(sandbox.id = %id, "Destroyed an SSH sandbox");
         Ok(())
@@ -455,7 +455,7 @@ impl Provider for SshProvider {
         stamp.expires_ms = Some(now_ms() + ttl.as_millis() as i64);
         let json = encode(&stamp)?;
         let out = self.hosts[i]
-            .exec(ctx, &bash_line(RESTAMP, &[&root, id, &json]), None)
+            .exec(ctx, &self.hosts[i].line(RESTAMP, &[&root, id, &json]), None)
             .await?;
         if out.code == Some(4) {
             return Err(not_found());
