@@ -478,3 +478,56 @@ async fn orphans_are_found_by_their_stamp_and_destroyed_with_their_processes() {
     assert!(p.list(&ctx()).await.unwrap().iter().all(|s| s.id != id));
     p.destroy(&ctx(), &id).await.expect("destroy is idempotent");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_run_tools_on_an_ssh_host_through_tetherd() {
+    let host = SshHost::start().await;
+    let cfg = config(&host);
+    let d = tether_tests::TestDaemon::start_with(move |c| {
+        c.providers.insert(
+            "vm".into(),
+            tether_daemon::config::ProviderConfig::Ssh(cfg.clone()),
+        );
+    })
+    .await;
+    let (st, body) = d
+        .post("/v1/sessions", serde_json::json!({"provider": "vm"}))
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            serde_json::json!({"calls": [
+                {"id": "c1", "name": "write_file", "arguments": {"path": "notes/a.txt", "content": "alpha\n"}},
+                {"id": "c2", "name": "bash", "arguments": {"command": "cat notes/a.txt; echo on-$(whoami)"}},
+            ]}),
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    let r = body["results"].as_array().unwrap();
+    assert_eq!(r[0]["is_error"], false, "{}", r[0]);
+    let out = r[1]["content"].as_str().unwrap();
+    assert!(
+        out.contains("alpha") && out.contains(&format!("on-{}", host.user)),
+        "{out}"
+    );
+    let (st, _) = d
+        .http
+        .delete(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), ()))
+        .unwrap();
+    assert_eq!(st, 204);
+    let left: Vec<_> = std::fs::read_dir(host.home().join(".tether/sandboxes"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name() != ".tether")
+        .collect();
+    assert!(
+        left.is_empty(),
+        "closing the session destroys its sandbox: {left:?}"
+    );
+    d.stop().await;
+}

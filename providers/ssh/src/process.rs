@@ -60,7 +60,10 @@ if [ "$si" = 1 ]; then cat <&3 >"$d/in" 2>/dev/null & fi
 exec 3<&-
 wait "$p""#;
 
-/// The runner, session and group leader of a command (`RUN DIR STDIN argv...`).
+/// The runner, session and group leader of a command (`RUN DIR STDIN argv...`). It
+/// catches the group's signals (its children get the default dispositions) so that it
+/// outlives a TERM to record the status; a `wait` cut short by a caught signal is
+/// repeated, and the last `wait` reads the status bash kept of a child reaped meanwhile.
 pub const RUN: &str = r#"d=$1 si=$2
 shift 2
 printf '%s\n' "$$" >"$d/pid"
@@ -76,6 +79,8 @@ while :; do
   wait "$c"; rc=$?
   kill -0 "$c" 2>/dev/null || break
 done
+wait "$c" 2>/dev/null; r=$?
+[ "$r" -ne 127 ] && rc=$r
 printf '%s\n' "$rc" >"$d/exit"
 exit "$rc""#;
 
