@@ -93,25 +93,32 @@ impl SshHost {
     /// Make the namespace, the user and the keys, and start sshd.
     pub async fn start() -> Self {
         require_tools();
-        let n = SEQ.fetch_add(1, Ordering::Relaxed);
-        let tag = format!("{:x}{:x}", std::process::id() % 0xfff, n);
-        let netns = format!("tsh{tag}");
+        // A random tag and /30 of 10.200.0.0/13 per host, re-drawn until both are free
+        // (several test processes make hosts at once).
+        let (tag, local, remote, netns) = loop {
+            let r = uuid::Uuid::new_v4().as_u128();
+            let n = SEQ.fetch_add(1, Ordering::Relaxed);
+            let k = ((r as u32) ^ n) & 0x7ffff;
+            let (b, c, d) = (200 + (k >> 16), (k >> 8) & 0xff, (k & 0x3f) * 4);
+            let tag = format!("{:08x}", (r >> 64) as u32);
+            let local = format!("10.{b}.{c}.{}", d + 1);
+            let remote = format!("10.{b}.{c}.{}", d + 2);
+            let used = run("addrs", Command::new("ip").args(["-o", "addr"]));
+            if used.contains(&format!("{local}/")) || used.contains(&format!("{remote}/")) {
+                continue;
+            }
+            let netns = format!("tsh{tag}");
+            if try_run(Command::new("ip").args(["netns", "add", &netns])) {
+                break (tag, local, remote, netns);
+            }
+        };
         let veth = format!("tsh{tag}a");
         let peer = format!("tsh{tag}b");
         let user = format!("tsh{tag}");
-        // A /30 of 10.200.0.0/13 per host, from the pid and the sequence number.
-        let k = (std::process::id() % 2048) * 256 + (n % 256);
-        let (b, c) = (200 + (k >> 14) % 8, (k >> 6) & 0xff);
-        let d = (k & 0x3f) * 4;
-        let (local, remote) = (
-            format!("10.{b}.{c}.{}", d + 1),
-            format!("10.{b}.{c}.{}", d + 2),
-        );
         let dir = tempfile::Builder::new()
             .prefix("tether-ssh-host-")
             .tempdir()
             .expect("tempdir");
-        run("netns", Command::new("ip").args(["netns", "add", &netns]));
         let mut host = SshHost {
             netns: netns.clone(),
             veth: veth.clone(),
