@@ -155,11 +155,25 @@ impl SshHost {
         run("lo up", &mut nsip(&["link", "set", "lo", "up"]));
         {
             let _g = USERS.lock().await;
-            run(
-                "useradd",
-                Command::new("useradd").args(["-m", "-s", "/bin/bash", &user]),
-            );
-            run("usermod", Command::new("usermod").args(["-p", "*", &user]));
+            // Other test processes lock /etc/passwd too: retry a busy lock.
+            let mut made = false;
+            for _ in 0..100 {
+                if try_run(Command::new("useradd").args(["-m", "-s", "/bin/bash", &user])) {
+                    made = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(made, "useradd {user} kept failing");
+            let mut unlocked = false;
+            for _ in 0..100 {
+                if try_run(Command::new("usermod").args(["-p", "*", &user])) {
+                    unlocked = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(unlocked, "usermod -p '*' {user} kept failing");
         }
         host.uid = run("id", Command::new("id").args(["-u", &user]))
             .trim()
