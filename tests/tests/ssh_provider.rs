@@ -531,3 +531,29 @@ async fn sessions_run_tools_on_an_ssh_host_through_tetherd() {
     );
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_beyond_the_memory_window_is_read_back_from_the_journal() {
+    let host = SshHost::start().await;
+    let mut cfg = config(&host);
+    cfg.output_buffer_bytes = 64 * 1024;
+    let p = provider(cfg);
+    let sb = sandbox(&p).await;
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("seq 1 200000"))
+        .await
+        .unwrap();
+    assert!(h.wait(&ctx()).await.unwrap().success());
+    let expected: String = (1..=200_000).map(|i| format!("{i}\n")).collect();
+    let (out, status, err) = collect(h.as_ref()).await;
+    assert_eq!(err, None);
+    assert_eq!(status.and_then(|s| s.code), Some(0));
+    assert!(
+        out == expected.as_bytes(),
+        "{} vs {} bytes",
+        out.len(),
+        expected.len()
+    );
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+}
