@@ -309,7 +309,11 @@ impl HostPool {
         let Ok(mut ch) = handle.channel_open_session().await else {
             return false;
         };
-        if ch.exec(true, &b"echo \"b${BASH_VERSION:+ash}\""[..]).await.is_err() {
+        if ch
+            .exec(true, &b"echo \"b${BASH_VERSION:+ash}\""[..])
+            .await
+            .is_err()
+        {
             return false;
         }
         let mut out = Vec::new();

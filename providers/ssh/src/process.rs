@@ -527,7 +527,10 @@ impl SshCommand {
             .host
             .exec_idempotent(
                 &ctx,
-                &self.core.host.line(SLICE, &[&file, &from.to_string(), &len.to_string()]),
+                &self
+                    .core
+                    .host
+                    .line(SLICE, &[&file, &from.to_string(), &len.to_string()]),
             )
             .await?;
         Ok(out.stdout)
@@ -763,7 +766,10 @@ impl ProcessHandle for SshCommand {
         let gs = (grace.as_millis() / step.as_millis()).max(1).to_string();
         let vs = (KILL_VERIFY.as_millis() / step.as_millis()).to_string();
         let st = format!("{:.3}", step.as_secs_f64());
-        let line = self.core.host.line(LADDER, &[&self.pid.to_string(), &gs, &vs, &st]);
+        let line = self
+            .core
+            .host
+            .line(LADDER, &[&self.pid.to_string(), &gs, &vs, &st]);
         let lctx = ctx.with_timeout(
             grace + KILL_VERIFY + self.core.host.settings().request_timeout(),
             "DEADLINE_EXCEEDED",

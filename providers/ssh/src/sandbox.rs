@@ -334,7 +334,10 @@ impl SshProvider {
     ) -> Result<Vec<SandboxStamp>> {
         let root = self.root(ctx, i).await?;
         let out = self.hosts[i]
-            .exec_ok(ctx, &self.hosts[i].line(STAMPS, &[&root, only.unwrap_or("")]))
+            .exec_ok(
+                ctx,
+                &self.hosts[i].line(STAMPS, &[&root, only.unwrap_or("")]),
+            )
             .await?;
         Ok(out
             .out()
