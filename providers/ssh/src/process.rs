@@ -2,14 +2,13 @@
 //! output journal and an exit-status file on the host, so that a broken connection loses
 //! nothing.
 //!
-//! A command is started by one exec channel running [`SPAWN`]. It starts the runner
-//! ([`RUN`]) with `setsid` (its pid is the group's and the session's id), connects the
-//! channel's stdin to the command's stdin through a FIFO when stdin is piped, and waits for
-//! the runner, so the channel's exit status is the command's. The runner prints its pid as
-//! the first line of the channel's stdout, then copies the command's stdout and stderr both
-//! to the channel and to the journal files `out` and `err` in the command's directory on
-//! the host (`tee`, which goes on writing the journal when the channel is gone), and writes
-//! the exit status to `exit` when the command ends.
+//! A command is started by one exec channel running [`SPAWN`]. It forks the command
+//! under `setsid` (its pid is the group's and the session's id), prints that pid as the
+//! first line of the channel's stdout, connects the channel's stdin to the command's stdin
+//! through a FIFO when stdin is piped, copies the command's stdout and stderr both to the
+//! channel and to the journal files `out` and `err` in the command's directory on the host
+//! (`tee`, which goes on writing the journal when the channel is gone), waits for the
+//! command and writes its status to `exit`; the channel's exit status is the command's.
 //!
 //! Output is delivered with whole-stream byte offsets. When the channel breaks before the
 //! command's end, the handle re-attaches: a new channel runs [`FOLLOW`], which streams both
@@ -45,42 +44,30 @@ use crate::client::Lease;
 use crate::fs::normalize;
 use crate::sandbox::SandboxCore;
 
-/// Starts a command (`SPAWN RUN DIR CWD STDIN META argv...`; STDIN 1 = piped).
-pub const SPAWN: &str = r#"r=$1 d=$2 cw=$3 si=$4 m=$5
-shift 5
+/// Starts a command and records its end (`SPAWN DIR CWD STDIN META argv...`; STDIN 1 =
+/// piped). The command is forked as a subshell that prints its own pid (the first line of
+/// the channel's stdout, before the command can write anything) and execs `setsid`, so the
+/// command is the leader of a new session and process group; its stdout and stderr pass
+/// through `tee` into the journals on their way to the channel (`tee -p` goes on writing
+/// the journal when the channel is gone). The wrapper itself is outside the group, so a
+/// signal to the group never reaches it: it waits for the command and writes its status.
+pub const SPAWN: &str = r#"d=$1 cw=$2 si=$3 m=$4
+shift 4
 if ! mkdir -p -- "$d" 2>/dev/null; then echo "cannot create $d" >&2; exit 90; fi
 printf '%s\n' "$m" >"$d/meta"
 if ! cd -- "$cw" 2>/dev/null; then echo "no such directory: $cw" >&2; exit 91; fi
-: >"$d/out"; : >"$d/err"
-if [ "$si" = 1 ] && ! mkfifo -m 600 -- "$d/in"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
-exec 3<&0
-setsid /bin/bash -c "$r" tether "$d" "$si" "$@" </dev/null &
+i=/dev/null
+if [ "$si" = 1 ]; then
+  if ! mkfifo -m 600 -- "$d/in"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
+  i=$d/in
+  cat <&0 >"$i" 2>/dev/null &
+fi
+exec 3>&1
+exec > >(exec tee -p -- "$d/out") 2> >(exec tee -p -- "$d/err" >&2)
+( printf '%s\n' "$BASHPID" >"$d/pid"; printf '%s\n' "$BASHPID" >&3; exec 3>&-; exec setsid "$@" ) <"$i" &
 p=$!
-if [ "$si" = 1 ]; then cat <&3 >"$d/in" 2>/dev/null & fi
-exec 3<&-
-wait "$p""#;
-
-/// The runner, session and group leader of a command (`RUN DIR STDIN argv...`). It
-/// catches the group's signals (its children get the default dispositions) so that it
-/// outlives a TERM to record the status; a `wait` cut short by a caught signal is
-/// repeated, and the last `wait` reads the status bash kept of a child reaped meanwhile.
-pub const RUN: &str = r#"d=$1 si=$2
-shift 2
-printf '%s\n' "$$" >"$d/pid"
-printf '%s\n' "$$"
-if [ "$si" = 1 ]; then exec 0<"$d/in"; fi
-exec > >(trap '' HUP INT QUIT TERM USR1 USR2 PIPE; exec tee -p -- "$d/out") \
-  2> >(trap '' HUP INT QUIT TERM USR1 USR2 PIPE; exec tee -p -- "$d/err" >&2)
-"$@" 0<&0 &
-c=$!
-trap : HUP INT QUIT TERM USR1 USR2 ALRM
-exec 0</dev/null
-while :; do
-  wait "$c"; rc=$?
-  kill -0 "$c" 2>/dev/null || break
-done
-wait "$c" 2>/dev/null; r=$?
-[ "$r" -ne 127 ] && rc=$r
+exec 3>&-
+wait "$p"; rc=$?
 printf '%s\n' "$rc" >"$d/exit"
 exit "$rc""#;
 
@@ -98,6 +85,8 @@ exit 255"#;
 const TAILS: &str = r#"d=$1
 tail -c +$(($2+1)) -- "$d/out"
 tail -c +$(($3+1)) -- "$d/err" >&2
+n=0
+while [ ! -s "$d/exit" ] && [ "$n" -lt 40 ]; do sleep 0.05; n=$((n+1)); done
 if [ -s "$d/exit" ]; then read -r rc <"$d/exit"; exit "$rc"; fi
 exit 255"#;
 
@@ -967,7 +956,6 @@ impl SshProcess {
             }
             None => {
                 args.extend([
-                    RUN,
                     dir.as_str(),
                     cwd.as_str(),
                     if piped { "1" } else { "0" },
