@@ -44,8 +44,8 @@ use crate::client::Lease;
 use crate::fs::normalize;
 use crate::sandbox::SandboxCore;
 
-/// Starts a command and records its end (`SPAWN DIR CWD STDIN META argv...`; STDIN 1 =
-/// piped). The command is forked as a subshell that prints its own pid (the first line of
+/// Starts a command and records its end (`SPAWN DIR CWD STDIN META N_UNSET NAME...
+/// N_SET NAME=VALUE... argv...`; STDIN 1 = piped). The command is forked as a subshell that prints its own pid (the first line of
 /// the channel's stdout, before the command can write anything) and execs `setsid`, so the
 /// command is the leader of a new session and process group; its stdout and stderr pass
 /// through `tee` into the journals on their way to the channel (`tee -p` goes on writing
@@ -62,9 +62,19 @@ if [ "$si" = 1 ]; then
   i=$d/in
   cat <&0 >"$i" 2>/dev/null &
 fi
+sp=/usr/bin/setsid
+[ -x "$sp" ] || sp=setsid
 exec 3>&1
 exec > >(exec tee -p -- "$d/out") 2> >(exec tee -p -- "$d/err" >&2)
-( printf '%s\n' "$BASHPID" >"$d/pid"; printf '%s\n' "$BASHPID" >&3; exec 3>&-; exec setsid "$@" ) <"$i" &
+(
+  n=$1; shift
+  while [ "$n" -gt 0 ]; do unset -v "$1"; shift; n=$((n-1)); done
+  n=$1; shift
+  while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done
+  printf '%s\n' "$BASHPID" >"$d/pid"; printf '%s\n' "$BASHPID" >&3
+  exec 3>&-
+  exec "$sp" "$@"
+) <"$i" &
 p=$!
 exec 3>&-
 wait "$p"; rc=$?
@@ -843,6 +853,75 @@ fn unreachable_cmd(c: &SshCommand) -> Arc<SshCommand> {
     })
 }
 
+/// A command's environment changes and argv.
+#[derive(Debug)]
+struct Launch {
+    unsets: Vec<String>,
+    sets: Vec<String>,
+    cmd: Vec<String>,
+}
+
+/// Variables bash keeps read-only or to itself: set through `env` instead.
+const SHELL_OWN: &[&str] = &[
+    "BASHOPTS",
+    "SHELLOPTS",
+    "UID",
+    "EUID",
+    "PPID",
+    "BASH_VERSINFO",
+    "BASHPID",
+    "BASH_ARGV0",
+    "BASH_ENV",
+    "ENV",
+];
+
+/// A name the shell can `export` and `unset` without side effects.
+fn shell_name(k: &str) -> bool {
+    if SHELL_OWN.contains(&k) {
+        return false;
+    }
+    let mut c = k.chars();
+    c.next()
+        .is_some_and(|f| f.is_ascii_alphabetic() || f == '_')
+        && c.all(|x| x.is_ascii_alphanumeric() || x == '_')
+}
+
+impl Launch {
+    /// `env -u NAME... -- NAME=VALUE... argv...`.
+    fn env_argv(&self) -> Vec<String> {
+        let mut v = vec!["env".to_owned()];
+        for u in &self.unsets {
+            v.push("-u".into());
+            v.push(u.clone());
+        }
+        v.push("--".into());
+        v.extend(self.sets.iter().cloned());
+        v.extend(self.cmd.iter().cloned());
+        v
+    }
+
+    /// [`SPAWN`]'s form: `N_UNSET NAME... N_SET NAME=VALUE... argv...`, applied by shell
+    /// builtins (no `env` process), or `0 0 env ...` when a name is not a shell name.
+    fn spawn_argv(&self) -> Vec<String> {
+        let names_ok = self.unsets.iter().all(|u| shell_name(u))
+            && self
+                .sets
+                .iter()
+                .all(|kv| kv.split_once('=').is_some_and(|(k, _)| shell_name(k)));
+        if !names_ok {
+            let mut v = vec!["0".to_owned(), "0".to_owned()];
+            v.extend(self.env_argv());
+            return v;
+        }
+        let mut v = vec![self.unsets.len().to_string()];
+        v.extend(self.unsets.iter().cloned());
+        v.push(self.sets.len().to_string());
+        v.extend(self.sets.iter().cloned());
+        v.extend(self.cmd.iter().cloned());
+        v
+    }
+}
+
 /// The process side of an SSH sandbox.
 #[derive(Debug)]
 pub struct SshProcess {
@@ -850,21 +929,19 @@ pub struct SshProcess {
 }
 
 impl SshProcess {
-    fn build_argv(&self, spec: &ProcessSpec, id: &str) -> Result<Vec<String>> {
+    fn build_launch(&self, spec: &ProcessSpec, id: &str) -> Result<Launch> {
         let core = &self.core;
-        let mut argv = vec!["env".to_owned()];
+        let mut unsets = Vec::new();
         for (k, v) in &spec.env {
-            if k.is_empty() || k.contains('=') {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
                 return Err(ProviderError::InvalidRequest {
                     message: format!("invalid environment variable name {k:?}"),
                 });
             }
             if v.is_none() {
-                argv.push("-u".into());
-                argv.push(k.clone());
+                unsets.push(k.clone());
             }
         }
-        argv.push("--".into());
         let mut env: BTreeMap<String, String> = core.env.clone();
         env.insert("HOME".into(), core.workspace.clone());
         env.insert("TETHER_SSH_SANDBOX".into(), core.info.id.clone());
@@ -879,25 +956,19 @@ impl SshProcess {
                 }
             }
         }
-        for (k, v) in env {
-            argv.push(format!("{k}={v}"));
-        }
-        match &spec.command {
-            Command::Shell(s) => {
-                argv.push("/bin/bash".into());
-                argv.push("-c".into());
-                argv.push(s.clone());
-            }
+        let sets = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let cmd = match &spec.command {
+            Command::Shell(s) => vec!["/bin/bash".into(), "-c".into(), s.clone()],
             Command::Argv(a) => {
                 if a.is_empty() {
                     return Err(ProviderError::InvalidRequest {
                         message: "empty argv".into(),
                     });
                 }
-                argv.extend(a.iter().cloned());
+                a.clone()
             }
-        }
-        Ok(argv)
+        };
+        Ok(Launch { unsets, sets, cmd })
     }
 
     fn cwd(&self, spec: &ProcessSpec) -> Result<String> {
@@ -932,7 +1003,7 @@ impl SshProcess {
             }
             None => format!("c{}", uuid::Uuid::new_v4().simple()),
         };
-        let argv = self.build_argv(&spec, &id)?;
+        let launch = self.build_launch(&spec, &id)?;
         let cwd = self.cwd(&spec)?;
         let meta = CommandMeta {
             command: spec.command.clone(),
@@ -947,11 +1018,13 @@ impl SshProcess {
         })?;
         let dir = core.cmd_dir(&id);
         let piped = matches!(spec.stdin, StdinMode::Pipe | StdinMode::Data { .. });
+        let env_argv = launch.env_argv();
+        let spawn_argv = launch.spawn_argv();
         let mut args: Vec<&str> = Vec::new();
         let line = match spec.pty {
             Some(_) => {
                 args.extend([dir.as_str(), cwd.as_str(), meta_json.as_str()]);
-                args.extend(argv.iter().map(String::as_str));
+                args.extend(env_argv.iter().map(String::as_str));
                 self.core.host.line(PTY, &args)
             }
             None => {
@@ -961,7 +1034,7 @@ impl SshProcess {
                     if piped { "1" } else { "0" },
                     meta_json.as_str(),
                 ]);
-                args.extend(argv.iter().map(String::as_str));
+                args.extend(spawn_argv.iter().map(String::as_str));
                 self.core.host.line(SPAWN, &args)
             }
         };
@@ -1205,5 +1278,43 @@ impl Process for SshProcess {
         }
         out.sort_by(|a, b| a.command_id.cmp(&b.command_id));
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_statuses_above_128_are_signals() {
+        assert_eq!(status_of(0).code, Some(0));
+        assert_eq!(status_of(127).code, Some(127));
+        assert_eq!(status_of(137).signal, Some(9));
+        assert_eq!(status_of(255).code, Some(255));
+    }
+
+    #[test]
+    fn environment_goes_through_builtins_unless_a_name_is_special() {
+        let l = Launch {
+            unsets: vec!["GONE".into()],
+            sets: vec!["A=1".into(), "HOME=/w".into()],
+            cmd: vec!["true".into()],
+        };
+        assert_eq!(l.spawn_argv(), ["1", "GONE", "2", "A=1", "HOME=/w", "true"]);
+        let odd = Launch {
+            unsets: vec![],
+            sets: vec!["my.var=1".into()],
+            cmd: vec!["true".into()],
+        };
+        assert_eq!(
+            odd.spawn_argv(),
+            ["0", "0", "env", "--", "my.var=1", "true"]
+        );
+        let ro = Launch {
+            unsets: vec!["UID".into()],
+            sets: vec![],
+            cmd: vec!["true".into()],
+        };
+        assert_eq!(ro.spawn_argv()[..3], ["0", "0", "env"]);
     }
 }
