@@ -557,3 +557,28 @@ async fn output_beyond_the_memory_window_is_read_back_from_the_journal() {
     );
     p.destroy(&ctx(), &sb.info().id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environment_changes_reach_the_command_whatever_their_names() {
+    let host = SshHost::start().await;
+    let p = provider(config(&host));
+    let sb = sandbox(&p).await;
+    for (name, value) in [
+        ("PLAIN_NAME", "a b"),
+        ("my.dotted", "x=y"),
+        ("PATH", "/bin:/usr/bin"),
+    ] {
+        let mut spec = ProcessSpec::argv(["env"]);
+        spec.env.insert(name.into(), Some(value.into()));
+        let h = sb.process().spawn(&ctx(), spec).await.unwrap();
+        let (out, status, _) = collect(h.as_ref()).await;
+        assert_eq!(status.and_then(|s| s.code), Some(0));
+        let out = String::from_utf8_lossy(&out).into_owned();
+        assert!(
+            out.lines().any(|l| l == format!("{name}={value}")),
+            "{name}: {out}"
+        );
+        assert!(out.contains("TETHER_SSH_SANDBOX="), "{out}");
+    }
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+}
