@@ -6,15 +6,17 @@
 //! under `setsid` (its pid is the group's and the session's id), prints that pid as the
 //! first line of the channel's stdout, connects the channel's stdin to the command's stdin
 //! through a FIFO when stdin is piped, copies the command's stdout and stderr both to the
-//! channel and to the journal files `out` and `err` in the command's directory on the host
-//! (`tee`, which goes on writing the journal when the channel is gone), waits for the
-//! command and writes its status to `exit`; the channel's exit status is the command's.
+//! channel and to the journals `<id>.out` and `<id>.err` in the sandbox's command
+//! directory on the host (`tee`, which goes on writing the journal when the channel is
+//! gone), waits for the command from outside its group and writes its status to
+//! `<id>.exit`; the channel's exit status is the command's.
 //!
 //! Output is delivered with whole-stream byte offsets. When the channel breaks before the
 //! command's end, the handle re-attaches: a new channel runs [`FOLLOW`], which streams both
-//! journals from the offsets reached until the runner is gone, then the journals' last
-//! bytes are read once more and the status is taken from the `exit` file. A command found
-//! again by id or pid (after a daemon restart, say) is read the same way from offset 0.
+//! journals from the offsets reached until the command is gone, then the journals' last
+//! bytes are read once more and the status is taken from the `.exit` file. A command
+//! found again by id or pid (after a daemon restart, say) is read the same way from
+//! offset 0.
 //!
 //! Exit statuses come from bash's `wait`: a status above 128 is reported as the signal
 //! `status - 128` (so `exit 130` reads as SIGINT, a limit shared with every shell).
@@ -53,51 +55,50 @@ use crate::sandbox::SandboxCore;
 /// signal to the group never reaches it: it waits for the command and writes its status.
 pub const SPAWN: &str = r#"d=$1 cw=$2 si=$3 m=$4
 shift 4
-if ! mkdir -p -- "$d" 2>/dev/null; then echo "cannot create $d" >&2; exit 90; fi
-printf '%s\n' "$m" >"$d/meta"
+if ! printf '%s\n' "$m" 2>/dev/null >"$d.meta"; then echo "cannot write $d.meta" >&2; exit 90; fi
 if ! cd -- "$cw" 2>/dev/null; then echo "no such directory: $cw" >&2; exit 91; fi
 i=/dev/null
 if [ "$si" = 1 ]; then
-  if ! mkfifo -m 600 -- "$d/in"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
-  i=$d/in
+  if ! mkfifo -m 600 -- "$d.in"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
+  i=$d.in
   cat <&0 >"$i" 2>/dev/null &
 fi
 sp=/usr/bin/setsid
 [ -x "$sp" ] || sp=setsid
 exec 3>&1
-exec > >(exec tee -p -- "$d/out") 2> >(exec tee -p -- "$d/err" >&2)
+exec > >(exec tee -p -- "$d.out") 2> >(exec tee -p -- "$d.err" >&2)
 (
   n=$1; shift
   while [ "$n" -gt 0 ]; do unset -v "$1"; shift; n=$((n-1)); done
   n=$1; shift
   while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done
-  printf '%s\n' "$BASHPID" >"$d/pid"; printf '%s\n' "$BASHPID" >&3
+  printf '%s\n' "$BASHPID" >"$d.pid"; printf '%s\n' "$BASHPID" >&3
   exec 3>&-
   exec "$sp" "$@"
 ) <"$i" &
 p=$!
 exec 3>&-
 wait "$p"; rc=$?
-printf '%s\n' "$rc" >"$d/exit"
+printf '%s\n' "$rc" >"$d.exit"
 exit "$rc""#;
 
 /// Streams a command's journals from offsets until its runner is gone
 /// (`FOLLOW DIR PID OUT_OFFSET ERR_OFFSET`); exits with the recorded status, or 255.
 pub const FOLLOW: &str = r#"d=$1 p=$2 oo=$3 oe=$4
-tail -q -s 0.05 --pid="$p" -c +$((oo+1)) -f -- "$d/out" &
+tail -q -s 0.05 --pid="$p" -c +$((oo+1)) -f -- "$d.out" &
 t=$!
-tail -q -s 0.05 --pid="$p" -c +$((oe+1)) -f -- "$d/err" >&2
+tail -q -s 0.05 --pid="$p" -c +$((oe+1)) -f -- "$d.err" >&2
 wait "$t"
-if [ -s "$d/exit" ]; then read -r rc <"$d/exit"; exit "$rc"; fi
+if [ -s "$d.exit" ]; then read -r rc <"$d.exit"; exit "$rc"; fi
 exit 255"#;
 
 /// The journals' bytes from offsets, stdout and stderr (`TAILS DIR OUT_OFFSET ERR_OFFSET`).
 const TAILS: &str = r#"d=$1
-tail -c +$(($2+1)) -- "$d/out"
-tail -c +$(($3+1)) -- "$d/err" >&2
+tail -c +$(($2+1)) -- "$d.out"
+tail -c +$(($3+1)) -- "$d.err" >&2
 n=0
-while [ ! -s "$d/exit" ] && [ "$n" -lt 40 ]; do sleep 0.05; n=$((n+1)); done
-if [ -s "$d/exit" ]; then read -r rc <"$d/exit"; exit "$rc"; fi
+while [ ! -s "$d.exit" ] && [ "$n" -lt 40 ]; do sleep 0.05; n=$((n+1)); done
+if [ -s "$d.exit" ]; then read -r rc <"$d.exit"; exit "$rc"; fi
 exit 255"#;
 
 /// A piece of one journal (`SLICE FILE OFFSET LENGTH`).
@@ -106,22 +107,21 @@ const SLICE: &str = r#"tail -c +$(($2+1)) -- "$1" | head -c "$3""#;
 /// Starts a command under the channel's pty (`PTY DIR CWD META argv...`).
 pub const PTY: &str = r#"d=$1 cw=$2 m=$3
 shift 3
-if ! mkdir -p -- "$d" 2>/dev/null; then echo "cannot create $d"; exit 90; fi
-printf '%s\n' "$m" >"$d/meta"
+if ! printf '%s\n' "$m" 2>/dev/null >"$d.meta"; then echo "cannot write $d.meta"; exit 90; fi
 if ! cd -- "$cw" 2>/dev/null; then echo "no such directory: $cw"; exit 91; fi
-printf '%s\n' "$$" >"$d/pid"
+printf '%s\n' "$$" >"$d.pid"
 printf '%s\n' "$$"
 exec "$@""#;
 
 /// Lists the commands of a sandbox (`LIST CMD_DIR [NAME]`): one line per command,
 /// `id TAB pid TAB status TAB meta`, status a number, `run`, or `gone`.
-const LIST: &str = r#"for d in "$1"/*/; do
-  d=${d%/}; n=${d##*/}
+const LIST: &str = r#"for f in "$1"/*.pid; do
+  d=${f%.pid}; n=${d##*/}
   if [ -n "$2" ] && [ "$n" != "$2" ]; then continue; fi
-  [ -s "$d/pid" ] || continue
-  read -r p <"$d/pid"; m=
-  [ -s "$d/meta" ] && read -r m <"$d/meta"
-  if [ -s "$d/exit" ]; then read -r s <"$d/exit"
+  [ -s "$d.pid" ] || continue
+  read -r p <"$d.pid"; m=
+  [ -s "$d.meta" ] && read -r m <"$d.meta"
+  if [ -s "$d.exit" ]; then read -r s <"$d.exit"
   elif kill -0 "$p" 2>/dev/null; then s=run
   else s=gone; fi
   printf '%s\t%s\t%s\t%s\n' "$n" "$p" "$s" "$m"
@@ -519,7 +519,7 @@ impl SshCommand {
 
     /// Bytes `[from, from+len)` of stream `i` from the journal on the host.
     async fn slice(&self, i: usize, from: u64, len: u64) -> Result<Vec<u8>> {
-        let file = format!("{}/{}", self.dir, if i == OUT { "out" } else { "err" });
+        let file = format!("{}.{}", self.dir, if i == OUT { "out" } else { "err" });
         let ctx = CallCtx::new(format!("slice-{}", self.id));
         let out = self
             .core
@@ -987,11 +987,11 @@ impl SshProcess {
                 if id.is_empty()
                     || !id
                         .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                        .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
                     || id.starts_with('.')
                 {
                     return Err(ProviderError::InvalidRequest {
-                        message: format!("command id {id:?}: letters, digits, - _ . only"),
+                        message: format!("command id {id:?}: letters, digits, - and _ only"),
                     });
                 }
                 if core.command(id).is_some() {

@@ -7,8 +7,8 @@
 //! - `R/<sandbox id>/`: the workspace, the sandbox's home and default working directory;
 //! - `R/.tether/<sandbox id>/meta.json`: the stamp ([`SandboxStamp`]): id, creation and
 //!   expiry times, metadata, environment;
-//! - `R/.tether/<sandbox id>/cmd/<command id>/`: one directory per command (its `pid`,
-//!   `meta`, the `out` and `err` journals, and `exit`).
+//! - `R/.tether/<sandbox id>/cmd/<command id>.*`: the files of each command (`.pid`,
+//!   `.meta`, the `.out` and `.err` journals, `.in` for piped stdin, and `.exit`).
 //!
 //! `list` reads the stamps, so the daemon's lease reconciliation finds orphaned sandboxes
 //! at start and destroys them; `destroy` kills every process group of the sandbox's
@@ -64,7 +64,7 @@ printf '%s\n' "$3" >"$f.new" && mv -f -- "$f.new" "$f""#;
 const DESTROY: &str = r#"r=$1 s=$2 st="$1/.tether/$2"
 [ -d "$st" ] || [ -d "$r/$s" ] || exit 0
 for round in 1 2; do
-  for p in "$st"/cmd/*/pid; do
+  for p in "$st"/cmd/*.pid; do
     [ -s "$p" ] && read -r g <"$p" && kill -KILL -- "-$g" 2>/dev/null
   done
   for e in /proc/[0-9]*/environ; do
