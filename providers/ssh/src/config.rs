@@ -111,7 +111,9 @@ pub struct SshConfig {
     /// Total limit of one request/response call, ms.
     #[serde(default = "d_request")]
     pub request_timeout_ms: u64,
-    /// Largest number of session channels open at once per host.
+    /// Largest number of session channels open at once per host. A running command holds
+    /// one for as long as its output streams; a call waits for a free one (within its
+    /// deadline).
     #[serde(default = "d_max_sessions")]
     pub max_sessions_per_host: usize,
     /// Session channels per SSH connection before another connection is opened.

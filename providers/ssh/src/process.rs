@@ -18,6 +18,10 @@
 //! found again by id or pid (after a daemon restart, say) is read the same way from
 //! offset 0.
 //!
+//! A piped stdin lives on the channel that started the command: after a broken
+//! connection the output is recovered in full, but further `write_stdin` calls are
+//! refused (`INVALID_REQUEST`) and the command sees the end of its input.
+//!
 //! Exit statuses come from bash's `wait`: a status above 128 is reported as the signal
 //! `status - 128` (so `exit 130` reads as SIGINT, a limit shared with every shell).
 //! Commands under a pty run in the channel's own pty (`resize` is the SSH window-change
