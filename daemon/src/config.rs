@@ -329,6 +329,8 @@ pub enum ProviderConfig {
     Local(tether_provider_local::LocalConfig),
     /// An E2B backend (E2B cloud or a self-hosted E2B-compatible one).
     E2b(tether_provider_e2b::E2bConfig),
+    /// Plain hosts reached over SSH.
+    Ssh(tether_provider_ssh::SshConfig),
 }
 
 /// An API key of the E2B front and the tenant it names.

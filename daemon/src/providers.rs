@@ -160,6 +160,11 @@ pub fn build_with_env(
                 .map_err(|e| DaemonError::internal(format!("provider {name}: {e}")))?;
             Ok(Arc::new(p))
         }
+        ProviderConfig::Ssh(c) => {
+            let p = tether_provider_ssh::SshProvider::new(c.clone())
+                .map_err(|e| DaemonError::invalid(format!("provider {name}: {e}")))?;
+            Ok(Arc::new(p))
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use tether_daemon::server::{Daemon, RunningDaemon};
 pub mod fault_proxy;
 pub mod otlp;
 pub mod promql;
+pub mod ssh_host;
 
 /// The workspace root (for scripts and fixtures).
 pub fn workspace_root() -> PathBuf {

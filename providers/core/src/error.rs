@@ -91,6 +91,17 @@ pub enum ProviderError {
         #[source]
         source: Option<std::io::Error>,
     },
+    /// An SSH host presented a key that the known_hosts file does not list, or one that
+    /// differs from the listed key: the connection is refused (`FORBIDDEN`, not retried).
+    #[error("host key of {host} refused ({}): {fingerprint}", if *changed { "changed" } else { "unknown" })]
+    HostKeyRejected {
+        /// `address:port` of the host.
+        host: String,
+        /// The presented key's SHA-256 fingerprint (`SHA256:...`).
+        fingerprint: String,
+        /// The known_hosts file lists another key for the host (not just none).
+        changed: bool,
+    },
     /// The backend cannot be reached or refused the call; may be retried.
     #[error("provider unavailable: {message}")]
     Unavailable {
@@ -161,6 +172,7 @@ impl ProviderError {
             Self::Unavailable { .. } => ErrorCode::ProviderUnavailable,
             Self::RateLimited { .. } => ErrorCode::RateLimited,
             Self::OutcomeUnknown { .. } => ErrorCode::OutcomeUnknown,
+            Self::HostKeyRejected { .. } => ErrorCode::Forbidden,
             Self::Backend { .. } => ErrorCode::ProviderError,
             Self::Internal { .. } => ErrorCode::Internal,
         }
@@ -181,6 +193,7 @@ impl ProviderError {
             | Self::Unavailable { .. }
             | Self::RateLimited { .. }
             | Self::OutcomeUnknown { .. }
+            | Self::HostKeyRejected { .. }
             | Self::Backend { .. } => Origin::Provider,
         }
     }
