@@ -424,6 +424,7 @@ impl SessionManager {
             env: req.env.clone(),
             metadata,
             network: req.network,
+            limits: Default::default(),
         };
         let span = tracing::info_span!(
             "sandbox.create",

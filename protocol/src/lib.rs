@@ -17,6 +17,7 @@ pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod fs;
+pub mod limits;
 pub mod process;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
