@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 
 use tether_protocol::limits::ResourceLimits;
 
+/// How long a freeze may take to reach every process.
+const FREEZE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A controller tether uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ctrl {
@@ -277,15 +280,27 @@ impl SandboxCgroup {
             .collect()
     }
 
-    /// Freeze (`true`) or thaw the whole sandbox.
+    /// Freeze (`true`) or thaw the whole sandbox; a freeze waits (bounded by
+    /// [`FREEZE_WAIT`]) until every process is frozen.
     pub(crate) fn freeze(&self, frozen: bool) -> bool {
-        if let Some(d) = self.v2() {
-            return write(d, "cgroup.freeze", if frozen { "1" } else { "0" });
+        let written = if let Some(d) = self.v2() {
+            write(d, "cgroup.freeze", if frozen { "1" } else { "0" })
+        } else {
+            match self.dir(Ctrl::Freezer) {
+                Some(d) => write(d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" }),
+                None => false,
+            }
+        };
+        if written && frozen {
+            let step = std::time::Duration::from_millis(1);
+            for _ in 0..FREEZE_WAIT.as_millis() {
+                if self.frozen() {
+                    break;
+                }
+                std::thread::sleep(step);
+            }
         }
-        match self.dir(Ctrl::Freezer) {
-            Some(d) => write(d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" }),
-            None => false,
-        }
+        written
     }
 
     /// Whether the sandbox is frozen.

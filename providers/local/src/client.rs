@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::Signal as NixSignal;
@@ -88,6 +88,13 @@ struct Waiters {
     closed: bool,
 }
 
+/// The waiters, and whether the init is gone (readable without the lock).
+#[derive(Default)]
+struct Shared {
+    waiters: Mutex<Waiters>,
+    closed: AtomicBool,
+}
+
 /// The provider's side of a sandbox's init (see [`crate::init`]).
 pub(crate) struct Init {
     sock: Arc<AsyncFd<OwnedFd>>,
@@ -95,7 +102,7 @@ pub(crate) struct Init {
     /// Host pid of the sandbox's pid 1.
     pub(crate) pid1: u32,
     next: AtomicU64,
-    waiters: Arc<std::sync::Mutex<Waiters>>,
+    shared: Arc<Shared>,
     send_lock: Mutex<()>,
 }
 
@@ -216,6 +223,10 @@ impl Init {
             send_async(&sock, &ToInit::Mapped, &[])
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
+            // pid1 reads its own copy (never on its command line: that is visible inside).
+            send_async(&sock, &ToInit::Setup(spec.clone()), &[])
+                .await
+                .map_err(|e| internal("cannot talk to the sandbox init", e))?;
             match recv_async(&sock).await {
                 Ok(Some((FromInit::Ready, _))) => Ok(()),
                 Ok(Some((FromInit::Failed { message }, _))) => Err(init_failed(message)),
@@ -241,14 +252,14 @@ impl Init {
                         std::io::Error::other("no child"),
                     )
                 })?;
-        let waiters = Arc::new(std::sync::Mutex::new(Waiters::default()));
-        tokio::spawn(read_loop(sock.clone(), waiters.clone()));
+        let shared = Arc::new(Shared::default());
+        tokio::spawn(read_loop(sock.clone(), shared.clone()));
         Ok(Self {
             sock,
             holder: Mutex::new(Some(child)),
             pid1,
             next: AtomicU64::new(1),
-            waiters,
+            shared,
             send_lock: Mutex::new(()),
         })
     }
@@ -268,7 +279,7 @@ impl Init {
         let req = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
-            let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = self.shared.waiters.lock().await;
             if w.closed {
                 return Err(spawn_failed("the sandbox's init is gone", None));
             }
@@ -312,7 +323,7 @@ impl Init {
 
     /// Whether the init still runs.
     pub(crate) fn alive(&self) -> bool {
-        !self.waiters.lock().map(|w| w.closed).unwrap_or(true)
+        !self.shared.closed.load(Ordering::Acquire)
     }
 
     /// Kill the whole sandbox (its pid namespace) and wait for the holder.
@@ -325,13 +336,13 @@ impl Init {
     }
 }
 
-async fn read_loop(sock: Arc<AsyncFd<OwnedFd>>, waiters: Arc<std::sync::Mutex<Waiters>>) {
+async fn read_loop(sock: Arc<AsyncFd<OwnedFd>>, shared: Arc<Shared>) {
     loop {
         let msg = match recv_async(&sock).await {
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => break,
         };
-        let mut w = waiters.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = shared.waiters.lock().await;
         match msg {
             (FromInit::Spawned { req, pid }, mut fds) => {
                 let (tx, rx) = oneshot::channel();
@@ -362,7 +373,8 @@ async fn read_loop(sock: Arc<AsyncFd<OwnedFd>>, waiters: Arc<std::sync::Mutex<Wa
             }
         }
     }
-    let mut w = waiters.lock().unwrap_or_else(|p| p.into_inner());
+    shared.closed.store(true, Ordering::Release);
+    let mut w = shared.waiters.lock().await;
     w.closed = true;
     // Dropping the senders tells every waiter the init is gone.
     w.spawns.clear();
@@ -415,6 +427,10 @@ impl Network {
             "--foreground",
             "--quiet",
             "--no-map-gw",
+            // As root pasta would switch to `nobody`, which cannot join the sandbox's
+            // user namespace (owned by root); it drops its capabilities itself.
+            "--runas",
+            "0",
             "-t",
             "none",
             "-u",

@@ -2,7 +2,7 @@
 //!
 //! Verbs, all internal to the local provider:
 //! - `holder`: the process that creates a sandbox's namespaces ([`crate::init`]);
-//! - `pid1 <spec>`: the sandbox's init, first process of its pid namespace;
+//! - `pid1`: the sandbox's init, first process of its pid namespace;
 //! - `ptyexec <argv...>`: run a command as the session leader of its pty.
 //!
 //! A process that calls [`main`] must be single-threaded (creating a user namespace
@@ -14,7 +14,7 @@ use std::process::ExitCode;
 /// The hidden subcommand that routes a binary's `main` here.
 pub const CONFINE_SUBCOMMAND: &str = "__confine";
 
-/// The helper's entry point: `[argv0] [__confine] holder|pid1 <spec>|ptyexec <argv...>`.
+/// The helper's entry point: `[argv0] [__confine] holder|pid1|ptyexec <argv...>`.
 pub fn main() -> ExitCode {
     let mut args: Vec<OsString> = std::env::args_os().skip(1).collect();
     if args.first().is_some_and(|a| a == CONFINE_SUBCOMMAND) {
@@ -23,10 +23,10 @@ pub fn main() -> ExitCode {
     let verb = args.first().map(|a| a.to_string_lossy().into_owned());
     match (verb.as_deref(), args.len()) {
         (Some("holder"), 1) => crate::init::holder(),
-        (Some("pid1"), 2) => crate::init::pid1(&args[1].to_string_lossy()),
+        (Some("pid1"), 1) => crate::init::pid1(),
         (Some("ptyexec"), n) if n >= 2 => crate::init::ptyexec(&args[1..]),
         _ => {
-            eprintln!("usage: tether-confine [__confine] holder|pid1 <spec>|ptyexec <argv...>");
+            eprintln!("usage: tether-confine [__confine] holder|pid1|ptyexec <argv...>");
             ExitCode::from(2)
         }
     }

@@ -11,7 +11,8 @@
 //!    (root on the host) writes the new user namespace's uid and gid maps (root inside
 //!    is an unprivileged uid range outside) and answers [`ToInit::Mapped`].
 //! 2. The holder becomes root of the new user namespace and starts `__confine pid1`,
-//!    the first process of the new pid namespace, then waits for it.
+//!    the first process of the new pid namespace, then waits for it. pid1 reads its own
+//!    copy of [`ToInit::Setup`] (a command line would be visible inside).
 //! 3. *pid1* builds the sandbox's view: its own `/proc`, a `/dev` with the host's
 //!    harmless device nodes, its own `/dev/pts`, a sized `/dev/shm`, `/sys`, `/run`,
 //!    the template's read-only binds, the loopback interface up; then `pivot_root`s
@@ -235,14 +236,9 @@ pub(crate) fn holder() -> ExitCode {
     if let Err(e) = nix::unistd::setresuid(uroot, uroot, uroot) {
         return fail("setresuid", e);
     }
-    let json = match serde_json::to_string(&spec) {
-        Ok(j) => j,
-        Err(e) => return fail("encode the spec", e),
-    };
     let child = std::process::Command::new("/proc/self/exe")
         .arg(crate::confine::CONFINE_SUBCOMMAND)
         .arg("pid1")
-        .arg(json)
         .env_clear()
         .spawn();
     let mut child = match child {
@@ -405,11 +401,15 @@ fn set_mode(p: &str, mode: u32) -> std::io::Result<()> {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
 }
 
-/// `__confine pid1 <spec>`: build the sandbox's view, then serve.
-pub(crate) fn pid1(spec_json: &str) -> ExitCode {
-    let spec: InitSpec = match serde_json::from_str(spec_json) {
-        Ok(s) => s,
-        Err(e) => return fail("read the spec", e),
+/// `__confine pid1`: read the spec from the socket, build the sandbox's view, serve.
+pub(crate) fn pid1() -> ExitCode {
+    let spec = {
+        let stdin = std::io::stdin();
+        match recv::<ToInit>(stdin.as_fd(), RecvFlags::empty()) {
+            Ok(Some((ToInit::Setup(spec), _))) => spec,
+            Ok(_) => return fail("pid1 setup", "no setup message"),
+            Err(e) => return fail("pid1 setup", e),
+        }
     };
     if let Err((step, e)) = build_root(&spec) {
         return fail(&step, e);

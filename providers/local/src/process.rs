@@ -350,7 +350,7 @@ impl Process for LocalProcess {
             pty: master.clone(),
             progress,
             host_pid: started.host_pid,
-            limit: std::sync::Mutex::new(None),
+            limit: std::sync::OnceLock::new(),
             grace: Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms)),
             verify: Duration::from_millis(core.cfg.kill_verify_ms),
             terminating: Mutex::new(None),
@@ -476,8 +476,8 @@ async fn supervise(
             }
             _ => None,
         };
-        if let Ok(mut l) = command.limit.lock() {
-            *l = hit;
+        if let Some(hit) = hit {
+            let _ = command.limit.set(hit);
         }
     }
     let _ = tokio::time::timeout(drain, futures_util::future::join_all(pumps)).await;
@@ -633,7 +633,7 @@ pub struct LocalCommand {
     /// ended before it could be identified.
     host_pid: Option<u32>,
     /// The limit the command ran into, known once it has exited.
-    limit: std::sync::Mutex<Option<LimitKind>>,
+    limit: std::sync::OnceLock<LimitKind>,
     grace: Duration,
     verify: Duration,
     /// Serializes `terminate()`, and remembers its first report (it is idempotent).
@@ -876,7 +876,7 @@ impl ProcessHandle for LocalCommand {
     }
 
     fn limit_hit(&self) -> Option<LimitKind> {
-        self.limit.lock().ok().and_then(|l| *l)
+        self.limit.get().copied()
     }
 }
 

@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use tether_provider::{ProviderError, Result};
 

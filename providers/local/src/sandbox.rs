@@ -798,9 +798,13 @@ impl Provider for LocalProvider {
     async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
         ctx.check()?;
         let sandbox = self.connect_local(id).await?;
-        match &sandbox.core.cgroup {
-            Some(cg) if cg.freeze(true) => Ok(()),
-            _ => Err(ProviderError::Unsupported { op: "pause" }),
+        let Some(cg) = sandbox.core.cgroup.clone() else {
+            return Err(ProviderError::Unsupported { op: "pause" });
+        };
+        if blocking(move || Ok(cg.freeze(true))).await? {
+            Ok(())
+        } else {
+            Err(ProviderError::Unsupported { op: "pause" })
         }
     }
 

@@ -1,0 +1,641 @@
+//! Acceptance tests of the local provider's isolation, on this machine's kernel: each
+//! sandbox is a machine of its own, and what it cannot read, reach, see or exhaust.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tether_protocol::ErrorCode;
+use tether_protocol::fs::{ByteRange, WriteGuard};
+use tether_protocol::limits::{LimitKind, ResourceLimits};
+use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessSpec};
+use tether_provider::{
+    CallCtx, Enforcement, ProcessHandle, Provider, Sandbox, SandboxSpec, StreamOffsets,
+};
+use tether_provider_local::{DEFAULT_UID_BASE, LocalConfig, LocalProvider};
+
+const HELPER: &str = env!("CARGO_BIN_EXE_tether-confine");
+
+struct Env {
+    dir: tempfile::TempDir,
+    provider: Arc<LocalProvider>,
+}
+
+fn env_with(f: impl FnOnce(&mut LocalConfig, &Path)) -> Env {
+    let dir = tempfile::Builder::new()
+        .prefix("tether-isolation-")
+        .tempdir()
+        .unwrap();
+    let mut cfg = LocalConfig::with_root(dir.path().join("sandboxes"));
+    cfg.confine_helper = Some(HELPER.into());
+    f(&mut cfg, dir.path());
+    Env {
+        provider: Arc::new(LocalProvider::new(cfg).unwrap()),
+        dir,
+    }
+}
+
+fn env() -> Env {
+    env_with(|_, _| {})
+}
+
+fn ctx() -> CallCtx {
+    CallCtx::new("isolation")
+}
+
+async fn sandbox_with(e: &Env, spec: SandboxSpec) -> Arc<dyn Sandbox> {
+    e.provider.create(&ctx(), spec).await.expect("create")
+}
+
+async fn sandbox(e: &Env, network: bool) -> Arc<dyn Sandbox> {
+    sandbox_with(
+        e,
+        SandboxSpec {
+            network,
+            ..SandboxSpec::default()
+        },
+    )
+    .await
+}
+
+async fn destroy(e: &Env, sb: &Arc<dyn Sandbox>) {
+    e.provider
+        .destroy(&ctx(), &sb.info().id)
+        .await
+        .expect("destroy");
+}
+
+struct Out {
+    stdout: String,
+    stderr: String,
+    status: ExitStatus,
+}
+
+impl Out {
+    fn ok(&self) -> bool {
+        self.status.success()
+    }
+}
+
+async fn collect(h: &dyn ProcessHandle) -> Out {
+    let mut out = Out {
+        stdout: String::new(),
+        stderr: String::new(),
+        status: ExitStatus {
+            code: None,
+            signal: None,
+        },
+    };
+    let mut events = h.events(StreamOffsets::default());
+    while let Some(ev) = events.next().await {
+        match ev.unwrap() {
+            ProcessEvent::Output {
+                stream: tether_protocol::process::StreamKind::Stderr,
+                data,
+                ..
+            } => out.stderr.push_str(&String::from_utf8_lossy(&data)),
+            ProcessEvent::Output { data, .. } => {
+                out.stdout.push_str(&String::from_utf8_lossy(&data))
+            }
+            ProcessEvent::Exited { status, .. } => out.status = status,
+            ProcessEvent::Started { .. } => {}
+        }
+    }
+    out
+}
+
+async fn sh(sb: &dyn Sandbox, cmd: &str) -> Out {
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell(cmd))
+        .await
+        .expect("spawn");
+    collect(h.as_ref()).await
+}
+
+async fn read_all(sb: &dyn Sandbox, path: &str) -> tether_provider::Result<Vec<u8>> {
+    let mut s = sb.fs().read(&ctx(), path, ByteRange::default()).await?;
+    let mut buf = Vec::new();
+    while let Some(c) = s.next().await {
+        buf.extend_from_slice(&c?);
+    }
+    Ok(buf)
+}
+
+/// Host pids of every process in the pid namespace of host pid `init`.
+fn pid_ns_members(init: u32) -> Vec<i32> {
+    let Ok(ns) = std::fs::read_link(format!("/proc/{init}/ns/pid")) else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/ns/pid")).is_ok_and(|l| l == ns))
+        .collect()
+}
+
+fn mounted_under(dir: &Path) -> usize {
+    let d = dir.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&d)))
+        .count()
+}
+
+// === a machine of its own ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enforcement_is_full_and_the_sandbox_is_its_own_machine() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    assert_eq!(sb.info().enforcement, Enforcement::Full);
+    let out = sh(
+        sb.as_ref(),
+        "echo uid=$(id -u); echo pid1=$(tr '\\0' ' ' < /proc/1/cmdline); echo host=$(hostname); pwd; ls -d /home/*",
+    )
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    assert!(out.stdout.contains("uid=0"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.trim_end() == "pid1=/proc/self/exe __confine pid1"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("host=tether-"), "{}", out.stdout);
+    assert!(out.stdout.contains("\n/home/user\n"), "{}", out.stdout);
+    assert!(
+        out.stdout.trim_end().ends_with("/home/user"),
+        "{}",
+        out.stdout
+    );
+    // Nothing of the host's layout shows in the init's command line.
+    assert!(
+        !out.stdout.contains(&*e.dir.path().to_string_lossy()),
+        "{}",
+        out.stdout
+    );
+    destroy(&e, &sb).await;
+    assert_eq!(mounted_under(e.dir.path()), 0, "destroy leaves no mount");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proc_shows_only_the_sandbox_processes() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let out = sh(
+        sb.as_ref(),
+        "ls /proc | grep -cE '^[0-9]+$'; test -e /proc/$PPID/cmdline && echo parent-visible; ls /proc/1/root/ >/dev/null && echo ok",
+    )
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    let count: usize = out.stdout.lines().next().unwrap().trim().parse().unwrap();
+    // pid 1, the shell, ls, grep (a pipeline) — never the host's hundreds.
+    assert!(count <= 6, "the sandbox sees {count} processes");
+    let me = std::process::id();
+    let out = sh(
+        sb.as_ref(),
+        &format!("test -e /proc/{me}/cmdline && cat /proc/{me}/cmdline"),
+    )
+    .await;
+    assert!(
+        !out.stdout.contains("isolation"),
+        "the test process is visible inside: {}",
+        out.stdout
+    );
+    // The host's mount table and listening sockets are not the sandbox's.
+    let mounts = sh(sb.as_ref(), "cut -d' ' -f5 /proc/self/mountinfo").await;
+    assert!(
+        !mounts.stdout.contains("/sys/fs/cgroup"),
+        "{}",
+        mounts.stdout
+    );
+    assert!(
+        !mounts.stdout.contains(&*e.dir.path().to_string_lossy()),
+        "{}",
+        mounts.stdout
+    );
+    let listening = sh(
+        sb.as_ref(),
+        "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | grep -c ' 0A '",
+    )
+    .await;
+    assert_eq!(
+        listening.stdout.trim(),
+        "0",
+        "host listeners visible: {}",
+        listening.stdout
+    );
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_sandboxs_argv_is_invisible() {
+    let e = env();
+    let a = sandbox(&e, false).await;
+    let b = sandbox(&e, false).await;
+    let token = format!("tether-token-{}", uuid::Uuid::new_v4().simple());
+    let h = a
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv(["bash", "-c", &format!("sleep 300; : {token}")]),
+        )
+        .await
+        .unwrap();
+    // The pattern comes from a file: the grep's own argv must not contain the token.
+    for s in [&a, &b] {
+        assert!(
+            sh(s.as_ref(), &format!("echo {token} | base64 > /tmp/pat.b64"))
+                .await
+                .ok()
+        );
+    }
+    let count = "base64 -d /tmp/pat.b64 > /tmp/pat; cat /proc/[0-9]*/cmdline | tr '\\0' '\\n' | grep -c -f /tmp/pat";
+    // Visible in its own sandbox...
+    let own = sh(a.as_ref(), count).await;
+    assert_eq!(own.stdout.trim(), "1", "{}", own.stderr);
+    // ...and nowhere in the other.
+    let other = sh(b.as_ref(), count).await;
+    assert_eq!(other.stdout.trim(), "0", "{}", other.stdout);
+    h.terminate(&ctx()).await.unwrap();
+    destroy(&e, &a).await;
+    destroy(&e, &b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_in_tmp_survive_between_commands_and_every_path_is_reachable_by_fs() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let out = sh(
+        sb.as_ref(),
+        "echo kept > /tmp/left && mkdir -p /data && echo d > /data/x",
+    )
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    let out = sh(sb.as_ref(), "cat /tmp/left /data/x").await;
+    assert_eq!(out.stdout, "kept\nd\n", "{}", out.stderr);
+    // The file API sees the whole root: /tmp, /proc, new top-level directories.
+    assert_eq!(read_all(sb.as_ref(), "/tmp/left").await.unwrap(), b"kept\n");
+    assert_eq!(read_all(sb.as_ref(), "/data/x").await.unwrap(), b"d\n");
+    let cmdline = read_all(sb.as_ref(), "/proc/1/cmdline").await.unwrap();
+    assert!(String::from_utf8_lossy(&cmdline).contains("pid1"));
+    sb.fs()
+        .write(
+            &ctx(),
+            "/tmp/from-fs",
+            tether_provider::util::once_bytes(bytes::Bytes::from_static(b"hi")),
+            WriteGuard::None,
+        )
+        .await
+        .unwrap();
+    let out = sh(sb.as_ref(), "cat /tmp/from-fs; stat -c %u /tmp/from-fs").await;
+    assert_eq!(
+        out.stdout, "hi0\n",
+        "written by the file API as the sandbox's root"
+    );
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_inside_is_not_root_outside() {
+    let e = env_with(|cfg, dir| {
+        let shown = dir.join("shown");
+        std::fs::create_dir_all(&shown).unwrap();
+        std::fs::set_permissions(&shown, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(shown.join("secret"), "host-secret").unwrap();
+        std::fs::set_permissions(shown.join("secret"), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        std::fs::write(shown.join("public"), "public").unwrap();
+        std::fs::set_permissions(shown.join("public"), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        cfg.read_only_paths.push(shown);
+    });
+    let shown = e.dir.path().join("shown");
+    let sb = sandbox(&e, false).await;
+    let s = shown.to_string_lossy();
+    let out = sh(
+        sb.as_ref(),
+        &format!("cat {s}/public; echo; cat {s}/secret; echo rc=$?; id -u; cat /etc/shadow; echo shadow=$?"),
+    )
+    .await;
+    assert!(
+        out.stdout.starts_with("public\n"),
+        "the directory is shown: {}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("host-secret"), "{}", out.stdout);
+    assert!(out.stdout.contains("rc=1"), "{}", out.stdout);
+    assert!(out.stderr.contains("Permission denied"), "{}", out.stderr);
+    // /etc/shadow is not part of the host template at all.
+    assert!(out.stdout.contains("shadow=1"), "{}", out.stdout);
+    // Nor through the file API, which runs as the sandbox's user.
+    let c = read_all(sb.as_ref(), &format!("{s}/secret"))
+        .await
+        .unwrap_err()
+        .code();
+    assert_eq!(c, ErrorCode::FsPermissionDenied);
+    // What root inside creates is owned by an unprivileged host uid.
+    let out = sh(sb.as_ref(), "touch /home/user/mine").await;
+    assert!(out.ok());
+    let local = e.provider.local(&sb.info().id).await.unwrap();
+    let meta =
+        std::fs::metadata(format!("/proc/{}/root/home/user/mine", local.init_pid())).unwrap();
+    assert_eq!(meta.uid(), DEFAULT_UID_BASE);
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destroy_kills_the_whole_pid_namespace() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let out = sh(
+        sb.as_ref(),
+        "setsid sleep 1000 < /dev/null > /dev/null 2>&1 & (sleep 1000 &) ; echo started",
+    )
+    .await;
+    assert!(out.stdout.contains("started"));
+    let init = e.provider.local(&sb.info().id).await.unwrap().init_pid();
+    let before = pid_ns_members(init);
+    assert!(before.len() >= 3, "init and two sleepers: {before:?}");
+    destroy(&e, &sb).await;
+    for pid in before {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.contains(") Z ")),
+            "{pid} survived destroy"
+        );
+    }
+}
+
+// === network ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_sandbox_cannot_connect_to_a_host_loopback_port() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let e = env();
+    for network in [true, false] {
+        let sb = sandbox(&e, network).await;
+        assert_eq!(sb.info().network, network);
+        let out = sh(
+            sb.as_ref(),
+            &format!(
+                "gw=$(awk '$2==\"00000000\" {{print $3}}' /proc/net/route | head -1); echo route=${{gw:-none}}; \
+                 for a in 127.0.0.1 localhost $(ip -4 route show default 2>/dev/null | awk '{{print $3}}'); do \
+                   timeout 3 bash -c \"echo x > /dev/tcp/$a/{port}\" 2>/dev/null && echo reached=$a; done; echo done"
+            ),
+        )
+        .await;
+        assert!(out.stdout.contains("done"), "{} {}", out.stdout, out.stderr);
+        assert!(
+            !out.stdout.contains("reached="),
+            "network={network}: {}",
+            out.stdout
+        );
+        if network {
+            assert!(
+                !out.stdout.contains("route=none"),
+                "egress is configured: {}",
+                out.stdout
+            );
+        } else {
+            assert!(
+                out.stdout.contains("route=none"),
+                "no network: {}",
+                out.stdout
+            );
+        }
+        destroy(&e, &sb).await;
+    }
+    assert!(
+        listener.accept().is_err(),
+        "a connection reached the host listener"
+    );
+}
+
+// === limits ===
+
+fn limits(memory: u64, pids: u64, disk: u64) -> SandboxSpec {
+    SandboxSpec {
+        limits: ResourceLimits {
+            memory_bytes: Some(memory),
+            pids: Some(pids),
+            cpu_millis: None,
+            disk_bytes: Some(disk),
+        },
+        ..SandboxSpec::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_hits_the_process_limit_while_another_sandbox_keeps_working() {
+    let e = env();
+    let bomb = sandbox(&e, false).await;
+    let other = sandbox(&e, false).await;
+    let h = bomb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv([
+                "python3",
+                "-c",
+                "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused after', n, e.errno)\n    raise SystemExit(11)\n",
+            ]),
+        )
+        .await
+        .unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), collect(h.as_ref()))
+        .await
+        .expect("the bomb is stopped by the limit");
+    assert_eq!(out.status.code, Some(11), "{} {}", out.stdout, out.stderr);
+    let n: u64 = out
+        .stdout
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n < 1024, "{n} processes");
+    assert_eq!(h.limit_hit(), Some(LimitKind::Pids));
+    let ok = sh(other.as_ref(), "echo alive").await;
+    assert_eq!(ok.stdout, "alive\n");
+    destroy(&e, &bomb).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_3_gib_allocation_is_killed_as_out_of_memory() {
+    let e = env();
+    let hog = sandbox(&e, false).await;
+    let other = sandbox(&e, false).await;
+    let h = hog
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv(["python3", "-c", "b = bytearray(3 << 30); print('survived')"]),
+        )
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert_eq!(out.status.signal, Some(9), "{} {}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("survived"));
+    assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
+    let ok = sh(
+        other.as_ref(),
+        "python3 -c 'b = bytearray(64 << 20); print(len(b))'",
+    )
+    .await;
+    assert_eq!(ok.stdout.trim(), (64u64 << 20).to_string());
+    destroy(&e, &hog).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5_gib_file_hits_the_disk_limit_and_the_host_state_dir_stays_writable() {
+    let e = env();
+    let filler = sandbox(&e, false).await;
+    let h = filler
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("fallocate -l 5G /home/user/big; echo fallocate=$?; head -c 5G /dev/zero > /tmp/big"))
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert!(out.stdout.contains("fallocate=1"), "{}", out.stdout);
+    assert_eq!(out.status.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("No space left on device"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(h.limit_hit(), Some(LimitKind::Disk));
+    // The host's file system is not the one that filled: the state dir takes writes,
+    // new sandboxes start, the full one still runs commands.
+    std::fs::write(e.dir.path().join("log"), vec![b'x'; 1 << 20]).expect("state dir writable");
+    let other = sandbox(&e, false).await;
+    assert_eq!(sh(other.as_ref(), "echo fine").await.stdout, "fine\n");
+    let still = sh(filler.as_ref(), "rm /tmp/big && echo freed").await;
+    assert_eq!(still.stdout, "freed\n", "{}", still.stderr);
+    let m = e.provider.metrics(&ctx(), &filler.info().id).await.unwrap();
+    assert!(m.disk_limit_bytes.unwrap() <= 4 << 30);
+    destroy(&e, &filler).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_are_per_sandbox_and_metrics_report_them() {
+    let e = env();
+    let sb = sandbox_with(&e, limits(256 << 20, 64, 64 << 20)).await;
+    let out = sh(sb.as_ref(), "df -B1 --output=size / | tail -1").await;
+    let size: u64 = out.stdout.trim().parse().unwrap();
+    assert!(size <= 64 << 20, "root of {size} bytes");
+    let m = e.provider.metrics(&ctx(), &sb.info().id).await.unwrap();
+    assert_eq!(m.memory_limit_bytes, Some(256 << 20));
+    assert!(m.memory_bytes > 0 && m.pids >= 1, "{m:?}");
+    let out = sh(
+        sb.as_ref(),
+        "for i in $(seq 100); do sleep 5 & done 2>&1 | head -1; echo rc",
+    )
+    .await;
+    assert!(out.stdout.contains("rc"), "{}", out.stdout);
+    destroy(&e, &sb).await;
+}
+
+// === lifecycle ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_freezes_and_resume_thaws() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell(
+                "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done",
+            ),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    e.provider.pause(&ctx(), &id).await.unwrap();
+    let local = e.provider.local(&id).await.unwrap();
+    assert!(local.paused());
+    let a = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    assert_eq!(a, b, "a paused sandbox does not run");
+    e.provider.resume(&ctx(), &id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    assert_ne!(b, c, "a resumed sandbox runs again");
+    h.terminate(&ctx()).await.unwrap();
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_forks_the_file_system() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    assert!(
+        sh(sb.as_ref(), "echo one > /home/user/f && echo t > /tmp/t")
+            .await
+            .ok()
+    );
+    let snap = e.provider.snapshot(&ctx(), &sb.info().id).await.unwrap();
+    assert!(sh(sb.as_ref(), "echo two > /home/user/f").await.ok());
+    let fork = e
+        .provider
+        .create_from_snapshot(&ctx(), &snap, SandboxSpec::default())
+        .await
+        .unwrap();
+    let out = sh(fork.as_ref(), "cat /home/user/f /tmp/t").await;
+    assert_eq!(out.stdout, "one\nt\n", "{}", out.stderr);
+    assert!(sh(fork.as_ref(), "echo three > /home/user/f").await.ok());
+    assert_eq!(sh(sb.as_ref(), "cat /home/user/f").await.stdout, "two\n");
+    e.provider.delete_snapshot(&ctx(), &snap).await.unwrap();
+    let gone = e
+        .provider
+        .create_from_snapshot(&ctx(), &snap, SandboxSpec::default())
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), ErrorCode::SandboxNotFound);
+    destroy(&e, &fork).await;
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_provider_boots_the_sandbox_again_with_its_files() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    assert!(sh(sb.as_ref(), "echo kept > /tmp/kept").await.ok());
+    let old_init = e.provider.local(&id).await.unwrap().init_pid();
+    let cfg = e.provider.config().clone();
+    drop(sb);
+    // A second provider over the same root (the daemon after a restart).
+    let again = LocalProvider::new(cfg).unwrap();
+    // The first init is still alive here (its provider is): kill it as a crash would.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(old_init as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let sb = again.connect(&ctx(), &id).await.unwrap();
+    let out = sh(sb.as_ref(), "cat /tmp/kept").await;
+    assert_eq!(out.stdout, "kept\n", "{}", out.stderr);
+    again.destroy(&ctx(), &id).await.unwrap();
+    e.provider.destroy(&ctx(), &id).await.unwrap();
+    assert_eq!(mounted_under(e.dir.path()), 0);
+}
