@@ -148,7 +148,9 @@ pub(crate) fn mount_root(dir: &Path, lower: &Path) -> Result<PathBuf> {
         "overlay",
         &root,
         "overlay",
-        rustix::mount::MountFlags::NOSUID,
+        // Set-id programs of a template (`sudo` in `base`) must work: their owner is
+        // root inside, an unprivileged uid outside, so they grant nothing on the host.
+        rustix::mount::MountFlags::NODEV,
         Some(data.as_c_str()),
     )
     .map_err(|e| {
