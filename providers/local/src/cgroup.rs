@@ -128,12 +128,24 @@ impl CgroupTree {
         }
         bases.retain(|(_, b)| std::fs::create_dir_all(b).is_ok());
         if pure_v2 && let Some((_, b)) = bases.first() {
-            // Delegate the controllers down to the sandboxes (best effort: a parent
-            // that holds processes itself refuses, and those limits stay unapplied).
-            if let Some(parent) = b.parent() {
-                let _ = std::fs::write(parent.join("cgroup.subtree_control"), "+memory +pids +cpu");
+            // Delegate the controllers down to the sandboxes. A cgroup with processes
+            // of its own cannot enable controllers for its children ("no internal
+            // processes"): the daemon then moves itself into a leaf `daemon` next to
+            // `tether` first, as a service with `Delegate=yes` may. What still fails
+            // leaves those limits unapplied, and reported so.
+            const CONTROLLERS: &str = "+memory +pids +cpu";
+            if let Some(parent) = b.parent()
+                && std::fs::write(parent.join("cgroup.subtree_control"), CONTROLLERS).is_err()
+            {
+                let leaf = parent.join("daemon");
+                let moved = std::fs::create_dir_all(&leaf).is_ok()
+                    && std::fs::write(leaf.join("cgroup.procs"), std::process::id().to_string())
+                        .is_ok();
+                if moved {
+                    let _ = std::fs::write(parent.join("cgroup.subtree_control"), CONTROLLERS);
+                }
             }
-            let _ = std::fs::write(b.join("cgroup.subtree_control"), "+memory +pids +cpu");
+            let _ = std::fs::write(b.join("cgroup.subtree_control"), CONTROLLERS);
         }
         (!bases.is_empty()).then_some(Self { bases, pure_v2 })
     }

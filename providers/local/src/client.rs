@@ -24,7 +24,7 @@ use tokio::sync::{Mutex, oneshot};
 use crate::config::LocalConfig;
 use crate::confine::CONFINE_SUBCOMMAND;
 use crate::error::{internal, spawn_failed};
-use crate::init::{FromInit, InitSpec, ToInit, recv, send};
+use crate::init::{FromInit, InitSpec, ToInit, recv_with, send};
 
 /// The standalone trampoline's file name.
 pub const CONFINE_BINARY: &str = "tether-confine";
@@ -114,10 +114,18 @@ impl std::fmt::Debug for Init {
     }
 }
 
-async fn recv_async(sock: &AsyncFd<OwnedFd>) -> std::io::Result<Option<(FromInit, Vec<OwnedFd>)>> {
+/// Largest message an init sends (they are small: no command output goes this way).
+const FROM_INIT_MAX: usize = 64 * 1024;
+
+async fn recv_async(
+    sock: &AsyncFd<OwnedFd>,
+    buf: &mut [u8],
+) -> std::io::Result<Option<(FromInit, Vec<OwnedFd>)>> {
     loop {
         let mut guard = sock.readable().await?;
-        match guard.try_io(|fd| recv::<FromInit>(fd.get_ref().as_fd(), RecvFlags::DONTWAIT)) {
+        match guard
+            .try_io(|fd| recv_with::<FromInit>(fd.get_ref().as_fd(), RecvFlags::DONTWAIT, buf))
+        {
             Ok(r) => return r,
             Err(_would_block) => continue,
         }
@@ -203,12 +211,13 @@ impl Init {
             let detail = std::fs::read_to_string(log).unwrap_or_default();
             init_failed(format!("{why}: {}", detail.trim()))
         };
+        let mut buf = vec![0u8; FROM_INIT_MAX];
         let setup = async {
             join(holder_pid).map_err(|e| internal("cannot put the sandbox into its cgroups", e))?;
             send_async(&sock, &ToInit::Setup(spec.clone()), &[])
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
-            match recv_async(&sock).await {
+            match recv_async(&sock, &mut buf).await {
                 Ok(Some((FromInit::Unshared, _))) => {}
                 Ok(Some((FromInit::Failed { message }, _))) => return Err(init_failed(message)),
                 other => return Err(fail_log(format!("the init did not unshare ({other:?})"))),
@@ -227,7 +236,7 @@ impl Init {
             send_async(&sock, &ToInit::Setup(spec.clone()), &[])
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
-            match recv_async(&sock).await {
+            match recv_async(&sock, &mut buf).await {
                 Ok(Some((FromInit::Ready, _))) => Ok(()),
                 Ok(Some((FromInit::Failed { message }, _))) => Err(init_failed(message)),
                 other => Err(fail_log(format!("the init did not get ready ({other:?})"))),
@@ -337,8 +346,9 @@ impl Init {
 }
 
 async fn read_loop(sock: Arc<AsyncFd<OwnedFd>>, shared: Arc<Shared>) {
+    let mut buf = vec![0u8; FROM_INIT_MAX];
     loop {
-        let msg = match recv_async(&sock).await {
+        let msg = match recv_async(&sock, &mut buf).await {
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => break,
         };

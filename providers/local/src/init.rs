@@ -151,11 +151,20 @@ pub(crate) fn recv<T: for<'de> Deserialize<'de>>(
     flags: RecvFlags,
 ) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; MAX_MESSAGE];
+    recv_with(sock, flags, &mut buf)
+}
+
+/// [`recv`] into a caller's buffer (pid1 keeps one for its whole life).
+pub(crate) fn recv_with<T: for<'de> Deserialize<'de>>(
+    sock: BorrowedFd<'_>,
+    flags: RecvFlags,
+    buf: &mut [u8],
+) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let r = rustix::net::recvmsg(
         sock,
-        &mut [IoSliceMut::new(&mut buf)],
+        &mut [IoSliceMut::new(buf)],
         &mut control,
         flags | RecvFlags::CMSG_CLOEXEC,
     )?;
@@ -435,6 +444,7 @@ pub(crate) fn pid1() -> ExitCode {
 fn serve(sock: BorrowedFd<'_>, sfd: &SignalFd) {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     let mut commands: HashSet<i32> = HashSet::new();
+    let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let (sock_ready, sig_ready) = {
             let mut fds = [
@@ -454,7 +464,7 @@ fn serve(sock: BorrowedFd<'_>, sfd: &SignalFd) {
             reap(sock, &mut commands);
         }
         if sock_ready {
-            match recv::<ToInit>(sock, RecvFlags::DONTWAIT) {
+            match recv_with::<ToInit>(sock, RecvFlags::DONTWAIT, &mut buf) {
                 Ok(Some((msg, fds))) => handle(sock, msg, fds, &mut commands),
                 Ok(None) => return,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}

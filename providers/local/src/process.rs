@@ -243,17 +243,21 @@ impl Process for LocalProcess {
         }
 
         let spool = core.state_dir.join("cmd").join(&key);
-        tokio::fs::create_dir_all(&spool)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
         let out_path = spool.join("stdout");
         let err_path = spool.join("stderr");
-        let out_file = tokio::fs::File::create(&out_path)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
-        let err_file = tokio::fs::File::create(&err_path)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
+        // One trip to the blocking pool for the spool (each trip is a thread wake-up).
+        let (d, o, e) = (spool.clone(), out_path.clone(), err_path.clone());
+        let (out_file, err_file) = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&d)?;
+            Ok::<_, std::io::Error>((std::fs::File::create(&o)?, std::fs::File::create(&e)?))
+        })
+        .await
+        .map_err(crate::error::join)?
+        .map_err(|e| internal("cannot create the output spool", e))?;
+        let (out_file, err_file) = (
+            tokio::fs::File::from_std(out_file),
+            tokio::fs::File::from_std(err_file),
+        );
         let (uid, gid) = match spec.user.as_deref() {
             None => core.user,
             Some(name) => lookup_user(core, name)?,
