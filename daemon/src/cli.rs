@@ -122,7 +122,7 @@ pub enum TemplateOp {
         /// The template (`base`).
         name: String,
         /// The templates directory of the local provider. Default: the default local
-        /// provider's (`<state_dir>/sandboxes/local/.templates`).
+        /// provider's (`<state_dir>/sandboxes/local-templates`).
         #[arg(long)]
         dir: Option<PathBuf>,
         /// The Debian mirror to build from (debootstrap's default if unset).
@@ -143,8 +143,7 @@ fn build_template(op: TemplateOp) -> Result<i32, CliError> {
     let dir = dir.unwrap_or_else(|| {
         PathBuf::from(crate::config::DEFAULT_STATE_DIR)
             .join("sandboxes")
-            .join("local")
-            .join(".templates")
+            .join("local-templates")
     });
     let mut progress = |p: tether_provider_local::BuildProgress| match p {
         tether_provider_local::BuildProgress::Step(s) => eprintln!("==> {s}"),

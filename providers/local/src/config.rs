@@ -149,7 +149,8 @@ pub struct LocalConfig {
     /// executable itself, called with the hidden `__confine` subcommand.
     #[serde(default)]
     pub confine_helper: Option<PathBuf>,
-    /// Where built templates (`base`) are cached. Default: `<root>/.templates`.
+    /// Where built templates (`base`) are cached. Default: `<root>-templates`, next to
+    /// the root (the root holds sandboxes only).
     #[serde(default)]
     pub templates_dir: Option<PathBuf>,
     /// The template of a sandbox whose spec names none (`host` or `base`).
@@ -302,7 +303,22 @@ impl LocalConfig {
     pub(crate) fn templates(&self) -> PathBuf {
         self.templates_dir
             .clone()
-            .unwrap_or_else(|| self.root.join(".templates"))
+            .unwrap_or_else(|| self.sibling("templates"))
+    }
+
+    /// Where snapshots live: `<root>-snapshots`.
+    pub(crate) fn snapshots(&self) -> PathBuf {
+        self.sibling("snapshots")
+    }
+
+    /// `<root>-<what>`, next to the root: the root holds sandboxes and nothing else.
+    fn sibling(&self, what: &str) -> PathBuf {
+        let name = self
+            .root
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sandboxes".into());
+        self.root.with_file_name(format!("{name}-{what}"))
     }
 }
 

@@ -7,8 +7,8 @@
 //! <root>/<id>/store.img        its file system (ext4, as large as its disk limit)
 //! <root>/<id>/store/, rootfs/  the image's mount and the overlay root over the template
 //! <root>/<id>/state/           output spools of its commands, init.log (never inside)
-//! <root>/.templates/           built templates (`host` skeleton, `base` Debian root)
-//! <root>/.snapshots/<snap>/    file-system snapshots (an upper layer and its template)
+//! <root>-templates/            built templates (`host` skeleton, `base` Debian root)
+//! <root>-snapshots/<snap>/     file-system snapshots (an upper layer and its template)
 //! ```
 //!
 //! Its processes live in namespaces held by its init, in cgroups that carry its limits.
@@ -47,9 +47,6 @@ pub const KIND: &str = "local";
 
 /// Name of the per-sandbox record.
 const RECORD: &str = "sandbox.json";
-
-/// Directory of snapshots under the provider root.
-const SNAPSHOTS: &str = ".snapshots";
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -404,12 +401,22 @@ impl LocalProvider {
         } else {
             ((0, 0), (uid_base, uid_base))
         };
+        let hostname = format!("tether-{}", &record.id[..record.id.len().min(12)]);
+        if template.name == "base" {
+            // Programs that resolve their own host name (sudo) find it.
+            let hosts = root.join("etc/hosts");
+            let line = format!("127.0.1.1\t{hostname}\n");
+            let current = tokio::fs::read_to_string(&hosts).await.unwrap_or_default();
+            if !current.contains(&line) {
+                let _ = tokio::fs::write(&hosts, format!("{current}{line}")).await;
+            }
+        }
         let spec = InitSpec {
             root: root.clone(),
             binds: template.binds.clone(),
             devices: self.cfg.device_paths.clone(),
             shm_bytes: self.cfg.shm_bytes,
-            hostname: format!("tether-{}", &record.id[..record.id.len().min(12)]),
+            hostname,
             home: self.cfg.workspace_path.clone(),
             home_owner: user,
             ip: self.ip.clone(),
@@ -627,7 +634,7 @@ impl LocalProvider {
     }
 
     fn snapshot_dir(&self, snap: &str) -> Option<PathBuf> {
-        valid_id(snap).then(|| self.cfg.root.join(SNAPSHOTS).join(snap))
+        valid_id(snap).then(|| self.cfg.snapshots().join(snap))
     }
 }
 

@@ -142,6 +142,7 @@ async fn base_is_debian_with_user_sudo_python_git_curl() {
     )
     .await;
     assert_eq!(code, Some(0), "{out} {err}");
+    assert!(!err.contains("unable to resolve host"), "{err}");
     assert_eq!(
         out, "user\n/home/user\ndebian\n42\ngit\ncurl\n0\nno-shadow\nsudo-shadow\n",
         "{err}"
