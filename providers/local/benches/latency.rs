@@ -109,9 +109,12 @@ async fn main() {
     let shell = || ProcessSpec::shell("true");
     let argv = || ProcessSpec::argv(["bash", "-c", "true"]);
     let (mut h_cold, mut u_cold, mut s_cold, mut a_cold) = (vec![], vec![], vec![], vec![]);
+    let (mut b_cold, mut b_hot) = (vec![], vec![]);
     for _ in 0..COLD_ROUNDS {
         tokio::time::sleep(IDLE).await;
         h_cold.push(host(&["true"]));
+        tokio::time::sleep(IDLE).await;
+        b_cold.push(host(&["bash", "-c", "true"]));
         tokio::time::sleep(IDLE).await;
         u_cold.push(host(&["unshare", "-Urmn", "true"]));
         tokio::time::sleep(IDLE).await;
@@ -122,17 +125,20 @@ async fn main() {
     let (mut h_hot, mut u_hot, mut s_hot, mut a_hot) = (vec![], vec![], vec![], vec![]);
     for _ in 0..HOT_ROUNDS {
         h_hot.push(host(&["true"]));
+        b_hot.push(host(&["bash", "-c", "true"]));
         u_hot.push(host(&["unshare", "-Urmn", "true"]));
         a_hot.push(provider(&sb, argv()).await);
         s_hot.push(provider(&sb, shell()).await);
     }
     println!("--- cold (250 ms idle before each) ---");
     summary("host fork/exec `true`", h_cold);
+    summary("host fork/exec `bash -c true`", b_cold);
     summary("host `unshare -Urmn true`", u_cold);
     summary("provider argv `bash -c true`", a_cold);
     summary("provider shell `true` (bash -lc true)", s_cold);
     println!("--- hot ---");
     summary("host fork/exec `true`", h_hot);
+    summary("host fork/exec `bash -c true`", b_hot);
     summary("host `unshare -Urmn true`", u_hot);
     summary("provider argv `bash -c true`", a_hot);
     summary("provider shell `true` (bash -lc true)", s_hot);

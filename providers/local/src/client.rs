@@ -101,9 +101,20 @@ pub(crate) struct Init {
     holder: Mutex<Option<tokio::process::Child>>,
     /// Host pid of the sandbox's pid 1.
     pub(crate) pid1: u32,
+    /// The sandbox's store (its image's mount, in the sandbox's namespace only).
+    pub(crate) store: Option<OwnedFd>,
     next: AtomicU64,
     shared: Arc<Shared>,
     send_lock: Mutex<()>,
+    /// Stops the reader, which closes the provider's end of the socket: the init
+    /// then ends the sandbox.
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Init {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 impl std::fmt::Debug for Init {
@@ -217,11 +228,11 @@ impl Init {
             send_async(&sock, &ToInit::Setup(spec.clone()), &[])
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
-            match recv_async(&sock, &mut buf).await {
-                Ok(Some((FromInit::Unshared, _))) => {}
+            let store = match recv_async(&sock, &mut buf).await {
+                Ok(Some((FromInit::Unshared, mut fds))) => fds.pop(),
                 Ok(Some((FromInit::Failed { message }, _))) => return Err(init_failed(message)),
                 other => return Err(fail_log(format!("the init did not unshare ({other:?})"))),
-            }
+            };
             for (file, what) in [("uid_map", "uid"), ("gid_map", "gid")] {
                 std::fs::write(
                     format!("/proc/{holder_pid}/{file}"),
@@ -237,20 +248,20 @@ impl Init {
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
             match recv_async(&sock, &mut buf).await {
-                Ok(Some((FromInit::Ready, _))) => Ok(()),
+                Ok(Some((FromInit::Ready, _))) => Ok(store),
                 Ok(Some((FromInit::Failed { message }, _))) => Err(init_failed(message)),
                 other => Err(fail_log(format!("the init did not get ready ({other:?})"))),
             }
         };
-        match tokio::time::timeout(timeout, setup).await {
-            Ok(Ok(())) => {}
+        let store = match tokio::time::timeout(timeout, setup).await {
+            Ok(Ok(store)) => store,
             Ok(Err(e)) => return Err(e),
             Err(_) => {
                 return Err(fail_log(format!(
                     "the init was not ready within {timeout:?}"
                 )));
             }
-        }
+        };
         let pid1 =
             std::fs::read_to_string(format!("/proc/{holder_pid}/task/{holder_pid}/children"))
                 .ok()
@@ -262,14 +273,17 @@ impl Init {
                     )
                 })?;
         let shared = Arc::new(Shared::default());
-        tokio::spawn(read_loop(sock.clone(), shared.clone()));
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(read_loop(sock.clone(), shared.clone(), stop.clone()));
         Ok(Self {
             sock,
             holder: Mutex::new(Some(child)),
             pid1,
+            store,
             next: AtomicU64::new(1),
             shared,
             send_lock: Mutex::new(()),
+            stop,
         })
     }
 
@@ -345,10 +359,18 @@ impl Init {
     }
 }
 
-async fn read_loop(sock: Arc<AsyncFd<OwnedFd>>, shared: Arc<Shared>) {
+async fn read_loop(
+    sock: Arc<AsyncFd<OwnedFd>>,
+    shared: Arc<Shared>,
+    stop: tokio_util::sync::CancellationToken,
+) {
     let mut buf = vec![0u8; FROM_INIT_MAX];
     loop {
-        let msg = match recv_async(&sock, &mut buf).await {
+        let next = tokio::select! {
+            r = recv_async(&sock, &mut buf) => r,
+            () = stop.cancelled() => break,
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => break,
         };

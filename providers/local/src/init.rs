@@ -5,9 +5,12 @@
 //! `SOCK_SEQPACKET` socket pair as its standard input, and talks to it in JSON
 //! messages ([`ToInit`], [`FromInit`]), passing file descriptors alongside:
 //!
-//! 1. The *holder* reads [`ToInit::Setup`], changes into the sandbox's root (an overlay
-//!    the provider mounted), creates the user, mount, pid, UTS, IPC, network and cgroup
-//!    namespaces with one `unshare`, and says [`FromInit::Unshared`]. The provider
+//! 1. The *holder* reads [`ToInit::Setup`]; in a mount namespace of its own (still
+//!    root on the host) it mounts the sandbox's ext4 image (loop device) and the overlay
+//!    over the template, so that nothing of the sandbox is mounted in the host's
+//!    namespace and everything goes with its last process. It changes into the root,
+//!    creates the user, mount, pid, UTS, IPC, network and cgroup namespaces with one
+//!    `unshare`, and says [`FromInit::Unshared`] (with a descriptor of the store). The provider
 //!    (root on the host) writes the new user namespace's uid and gid maps (root inside
 //!    is an unprivileged uid range outside) and answers [`ToInit::Mapped`].
 //! 2. The holder becomes root of the new user namespace and starts `__confine pid1`,
@@ -59,8 +62,20 @@ const MAX_FDS: usize = 3;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InitSpec {
-    /// The sandbox's root directory on the host (already an overlay mount).
+    /// The mount point of the sandbox's root on the host (an empty directory).
     pub root: PathBuf,
+    /// The sandbox's file-system image (ext4).
+    pub image: PathBuf,
+    /// Where to mount the image (it holds the overlay's `upper` and `work`).
+    pub store: PathBuf,
+    /// The template: the overlay's lower layer.
+    pub lower: PathBuf,
+    /// Host uid (and gid) of root inside: owner of the upper layer's root.
+    pub owner: u32,
+    /// The `mount` program (it sets up the loop device).
+    pub mount: PathBuf,
+    /// Add the host name to `/etc/hosts` (templates whose `/etc` is the sandbox's own).
+    pub hosts_entry: bool,
     /// Host paths to bind read-only at the same path inside.
     pub binds: Vec<PathBuf>,
     /// Host device nodes to bind into `/dev`.
@@ -198,7 +213,12 @@ pub(crate) fn holder() -> ExitCode {
         Ok(_) => return fail("setup", "no setup message"),
         Err(e) => return fail("setup", e),
     };
-    // Still host root: the sandbox's directory is reachable only for us.
+    // Still host root, in a mount namespace of our own: the sandbox's file system is
+    // mounted here, never in the host's, and goes away with the sandbox's last process.
+    let store = match mount_rootfs(&spec) {
+        Ok(fd) => fd,
+        Err((step, e)) => return fail(&step, e),
+    };
     if let Err(e) = std::env::set_current_dir(&spec.root) {
         return fail("enter the sandbox root", e);
     }
@@ -212,7 +232,8 @@ pub(crate) fn holder() -> ExitCode {
     if let Err(e) = unshare(flags) {
         return fail("unshare", e);
     }
-    if let Err(e) = send(sock, &FromInit::Unshared, &[]) {
+    // The provider keeps a handle on the store (snapshots copy its upper layer).
+    if let Err(e) = send(sock, &FromInit::Unshared, &[store.as_fd()]) {
         return fail("report the namespaces", e);
     }
     match recv::<ToInit>(sock, RecvFlags::empty()) {
@@ -262,6 +283,70 @@ pub(crate) fn holder() -> ExitCode {
         Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(0, 255) as u8),
         Err(_) => ExitCode::FAILURE,
     }
+}
+
+/// Mount the image at `store` and the overlay at `root`, in the holder's own mount
+/// namespace; returns a descriptor of the store.
+fn mount_rootfs(spec: &InitSpec) -> Result<OwnedFd, (String, std::io::Error)> {
+    let step = |s: &str| {
+        let s = s.to_owned();
+        move |e: std::io::Error| (s, e)
+    };
+    unshare(CloneFlags::CLONE_NEWNS)
+        .map_err(|e| ("unshare the mount namespace".to_owned(), e.into()))?;
+    rustix::mount::mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| ("make / private".to_owned(), e.into()))?;
+    std::fs::create_dir_all(&spec.store).map_err(step("create the store mount point"))?;
+    let out = std::process::Command::new(&spec.mount)
+        .args(["-o", "loop,nodev,nosuid"])
+        .arg(&spec.image)
+        .arg(&spec.store)
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(step("run mount"))?;
+    if !out.status.success() {
+        return Err((
+            "mount the sandbox's image".to_owned(),
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+        ));
+    }
+    for d in ["upper", "work"] {
+        let p = spec.store.join(d);
+        if !p.exists() {
+            std::fs::create_dir(&p).map_err(step(&format!("create {d}")))?;
+            std::os::unix::fs::chown(&p, Some(spec.owner), Some(spec.owner))
+                .map_err(step(&format!("chown {d}")))?;
+        }
+    }
+    std::fs::create_dir_all(&spec.root).map_err(step("create the root mount point"))?;
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        spec.lower.display(),
+        spec.store.join("upper").display(),
+        spec.store.join("work").display()
+    );
+    // Set-id programs of a template (`sudo` in `base`) must work: their owner is root
+    // inside, an unprivileged uid outside, so they grant nothing on the host.
+    mount_fs(
+        "overlay",
+        &spec.root.to_string_lossy(),
+        MountFlags::NODEV,
+        &data,
+    )
+    .map_err(step("mount the sandbox's overlay"))?;
+    let fd = rustix::fs::open(
+        &spec.store,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| ("open the store".to_owned(), e.into()))?;
+    Ok(fd)
 }
 
 fn mount_fs(fstype: &str, target: &str, flags: MountFlags, data: &str) -> std::io::Result<()> {
@@ -398,6 +483,14 @@ fn build_root(spec: &InitSpec) -> Result<(), (String, std::io::Error)> {
             .status();
     }
     let _ = rustix::system::sethostname(spec.hostname.as_bytes());
+    if spec.hosts_entry {
+        // Programs that resolve their own host name (sudo) find it.
+        let line = format!("127.0.1.1\t{}\n", spec.hostname);
+        let current = std::fs::read_to_string("etc/hosts").unwrap_or_default();
+        if !current.contains(&line) {
+            let _ = std::fs::write("etc/hosts", format!("{current}{line}"));
+        }
+    }
     rustix::process::pivot_root(".", ".").map_err(|e| ("pivot_root".to_owned(), e.into()))?;
     rustix::mount::unmount(".", UnmountFlags::DETACH)
         .map_err(|e| ("detach the host root".to_owned(), e.into()))?;

@@ -474,7 +474,8 @@ async fn supervise(
                 Some(LimitKind::Pids)
             }
             _ if !status.success()
-                && crate::rootfs::disk_free(&core.dir).is_some_and(|f| f < DISK_FULL_BYTES) =>
+                && crate::rootfs::disk_free(&core.root_view())
+                    .is_some_and(|f| f < DISK_FULL_BYTES) =>
             {
                 Some(LimitKind::Disk)
             }

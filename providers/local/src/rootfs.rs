@@ -7,8 +7,9 @@
 //! ```
 //!
 //! Every write of the sandbox lands in its own ext4 file system, so a full disk is
-//! `ENOSPC` inside the sandbox and nowhere else. Both mounts are made by the provider
-//! (root on the host) and removed by `destroy`.
+//! `ENOSPC` inside the sandbox and nowhere else. Both mounts are made by the sandbox's
+//! holder in its own mount namespace ([`crate::init`]): the host's mount table never
+//! shows them, and they go away with the sandbox's last process.
 //!
 //! Templates, under the templates directory:
 //! - `host`: a skeleton (empty system directories, `/tmp`, `/home`); the sandbox's init
@@ -128,42 +129,9 @@ pub(crate) fn mount_store(dir: &Path, owner: u32) -> Result<()> {
     Ok(())
 }
 
-/// Mount the sandbox's overlay root over `lower` (if it is not mounted).
-pub(crate) fn mount_root(dir: &Path, lower: &Path) -> Result<PathBuf> {
-    let root = dir.join("rootfs");
-    std::fs::create_dir_all(&root).map_err(|e| internal("cannot create rootfs/", e))?;
-    if is_mounted(&root) {
-        return Ok(root);
-    }
-    let store = dir.join("store");
-    let data = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
-        store.join("upper").display(),
-        store.join("work").display()
-    );
-    let data = std::ffi::CString::new(data)
-        .map_err(|e| internal("bad overlay options", std::io::Error::other(e)))?;
-    rustix::mount::mount(
-        "overlay",
-        &root,
-        "overlay",
-        // Set-id programs of a template (`sudo` in `base`) must work: their owner is
-        // root inside, an unprivileged uid outside, so they grant nothing on the host.
-        rustix::mount::MountFlags::NODEV,
-        Some(data.as_c_str()),
-    )
-    .map_err(|e| {
-        internal(
-            "cannot mount the sandbox's overlay",
-            std::io::Error::from(e),
-        )
-    })?;
-    Ok(root)
-}
-
-/// Unmount the overlay and the store of a sandbox (lazily: a process that still holds
-/// them keeps them until it lets go).
+/// Unmount whatever of a sandbox is mounted in the provider's namespace (the store,
+/// while a snapshot is copied into it; an older layout's mounts). Lazily: a process
+/// that still holds them keeps them until it lets go.
 pub(crate) fn unmount(dir: &Path) {
     for m in ["rootfs", "store"] {
         let p = dir.join(m);
@@ -173,17 +141,18 @@ pub(crate) fn unmount(dir: &Path) {
     }
 }
 
-/// Bytes used and total on a sandbox's store.
-pub(crate) fn disk_usage(dir: &Path) -> Option<(u64, u64)> {
-    let st = rustix::fs::statvfs(dir.join("store")).ok()?;
+/// Bytes used and total on a sandbox's store, through its root (an overlay reports
+/// its upper layer's file system).
+pub(crate) fn disk_usage(root: &Path) -> Option<(u64, u64)> {
+    let st = rustix::fs::statvfs(root).ok()?;
     let total = st.f_blocks * st.f_frsize;
     let free = st.f_bfree * st.f_frsize;
     Some((total.saturating_sub(free), total))
 }
 
-/// Bytes free on a sandbox's store.
-pub(crate) fn disk_free(dir: &Path) -> Option<u64> {
-    let st = rustix::fs::statvfs(dir.join("store")).ok()?;
+/// Bytes free on a sandbox's store, through its root.
+pub(crate) fn disk_free(root: &Path) -> Option<u64> {
+    let st = rustix::fs::statvfs(root).ok()?;
     Some(st.f_bavail * st.f_frsize)
 }
 

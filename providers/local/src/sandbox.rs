@@ -113,6 +113,24 @@ pub(crate) struct SandboxCore {
     pub(crate) closed: CancellationToken,
 }
 
+impl Drop for SandboxCore {
+    /// A sandbox dropped without `destroy` (the daemon is going away, and keeps its
+    /// sandboxes' files): its init ends when its socket closes, which a paused sandbox
+    /// would never notice. Thaw it so that it can.
+    fn drop(&mut self) {
+        if let Some(cg) = &self.cgroup {
+            cg.freeze(false);
+        }
+    }
+}
+
+impl SandboxCore {
+    /// The sandbox's root as the host reaches it.
+    pub(crate) fn root_view(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root", self.init.pid1))
+    }
+}
+
 // === impl LocalSandbox ===
 
 /// One local sandbox.
@@ -254,6 +272,7 @@ pub struct LocalProvider {
     cgroups: Option<CgroupTree>,
     net_helper: Option<PathBuf>,
     ip: Option<PathBuf>,
+    mount: PathBuf,
     live: Mutex<HashMap<String, Arc<LocalSandbox>>>,
 }
 
@@ -283,6 +302,7 @@ impl LocalProvider {
             cgroups,
             net_helper,
             ip: find_program("ip"),
+            mount: find_program("mount").unwrap_or_else(|| PathBuf::from("/bin/mount")),
             live: Mutex::new(HashMap::new()),
         })
     }
@@ -369,12 +389,7 @@ impl LocalProvider {
     async fn boot(&self, record: &SandboxRecord, dir: &Path) -> Result<Arc<LocalSandbox>> {
         let template = self.template(&record.rootfs)?;
         let uid_base = self.cfg.uid_base;
-        let (d, lower) = (dir.to_owned(), template.lower.clone());
-        let root = blocking(move || {
-            rootfs::mount_store(&d, uid_base)?;
-            rootfs::mount_root(&d, &lower)
-        })
-        .await?;
+        let root = dir.join("rootfs");
         let mut problems = Vec::new();
         let cgroup = match &self.cgroups {
             Some(t) => {
@@ -402,17 +417,14 @@ impl LocalProvider {
             ((0, 0), (uid_base, uid_base))
         };
         let hostname = format!("tether-{}", &record.id[..record.id.len().min(12)]);
-        if template.name == "base" {
-            // Programs that resolve their own host name (sudo) find it.
-            let hosts = root.join("etc/hosts");
-            let line = format!("127.0.1.1\t{hostname}\n");
-            let current = tokio::fs::read_to_string(&hosts).await.unwrap_or_default();
-            if !current.contains(&line) {
-                let _ = tokio::fs::write(&hosts, format!("{current}{line}")).await;
-            }
-        }
         let spec = InitSpec {
             root: root.clone(),
+            image: dir.join("store.img"),
+            store: dir.join("store"),
+            lower: template.lower.clone(),
+            owner: uid_base,
+            mount: self.mount.clone(),
+            hosts_entry: template.name == "base",
             binds: template.binds.clone(),
             devices: self.cfg.device_paths.clone(),
             shm_bytes: self.cfg.shm_bytes,
@@ -445,7 +457,6 @@ impl LocalProvider {
                 if let Some(cg) = &cgroup {
                     cg.remove();
                 }
-                rootfs::unmount(dir);
                 return Err(e);
             }
         };
@@ -472,7 +483,6 @@ impl LocalProvider {
                     if let Some(cg) = &cgroup {
                         cg.remove();
                     }
-                    rootfs::unmount(dir);
                     return Err(e);
                 }
             }
@@ -497,7 +507,6 @@ impl LocalProvider {
             if let Some(cg) = &cgroup {
                 cg.remove();
             }
-            rootfs::unmount(dir);
             return Err(e);
         }
         let core = SandboxCore {
@@ -544,6 +553,8 @@ impl LocalProvider {
         if let Some(t) = &self.cgroups {
             // What the previous init left, if anything, goes first.
             let old = t.existing(id);
+            // A frozen process cannot die: thaw first.
+            old.freeze(false);
             for pid in old.pids() {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
@@ -581,9 +592,12 @@ impl LocalProvider {
         let (d, owner) = (dir.to_owned(), self.cfg.uid_base);
         blocking(move || {
             rootfs::create_store(&d, disk, owner)?;
-            rootfs::mount_store(&d, owner)?;
             if let Some(snap) = from_snapshot {
-                copy_tree(&snap.join("upper"), &d.join("store").join("upper"))?;
+                // Briefly mounted here to be filled; the sandbox mounts it for itself.
+                rootfs::mount_store(&d, owner)?;
+                let copied = copy_tree(&snap.join("upper"), &d.join("store").join("upper"));
+                rootfs::unmount(&d);
+                copied?;
             }
             Ok(())
         })
@@ -835,15 +849,21 @@ impl Provider for LocalProvider {
             .await
             .map_err(|e| internal("cannot create the snapshot dir", e))?;
         // Frozen while copied: the layer is consistent with itself.
-        let frozen = sandbox
-            .core
-            .cgroup
-            .as_ref()
-            .is_some_and(|cg| cg.freeze(true));
-        let (from, to) = (
-            sandbox.core.dir.join("store").join("upper"),
-            snap_dir.join("upper"),
-        );
+        let frozen = match sandbox.core.cgroup.clone() {
+            Some(cg) => blocking(move || Ok(cg.freeze(true))).await?,
+            None => false,
+        };
+        let Some(store) = sandbox.core.init.store.as_ref() else {
+            return Err(ProviderError::Unsupported { op: "snapshot" });
+        };
+        // The store is mounted in the sandbox's namespace only: reach it through the
+        // descriptor its init handed over.
+        let from = PathBuf::from(format!(
+            "/proc/{}/fd/{}/upper",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(store)
+        ));
+        let to = snap_dir.join("upper");
         let copied = blocking(move || {
             if let Ok(f) = std::fs::File::open(&from) {
                 let _ = rustix::fs::syncfs(&f);
@@ -905,7 +925,7 @@ impl Provider for LocalProvider {
             (m.memory_bytes, m.memory_limit_bytes) = cg.memory();
             m.pids = cg.pids_current();
         }
-        if let Some((used, total)) = rootfs::disk_usage(&sandbox.core.dir) {
+        if let Some((used, total)) = rootfs::disk_usage(&sandbox.core.root_view()) {
             m.disk_used_bytes = used;
             m.disk_limit_bytes = Some(total);
         }
