@@ -571,14 +571,29 @@ pub(crate) struct Pty {
 
 /// Allocate a pty of `rows` x `cols` from the multiplexer `ptmx` (the sandbox's own
 /// `/dev/pts` instance, so that the terminal has a name inside).
-pub(crate) fn open_pty(ptmx: &Path, rows: u16, cols: u16) -> std::io::Result<Pty> {
+pub(crate) fn open_pty(
+    ptmx: &Path,
+    rows: u16,
+    cols: u16,
+    owner: Option<(u32, u32)>,
+) -> std::io::Result<Pty> {
     use rustix::fs::{Mode, OFlags};
     use rustix::pty::{OpenptFlags, grantpt, ioctl_tiocgptpeer, unlockpt};
-    let master = rustix::fs::open(
-        ptmx,
-        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+    // The path goes through the init's root (a magic link only the provider may
+    // follow); the terminal's owner is the file-system uid at the open: `owner`.
+    let dir = rustix::fs::open(
+        ptmx.parent().unwrap_or(Path::new("/")),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
+    let master = crate::fs::as_user(owner, || {
+        rustix::fs::openat(
+            &dir,
+            "ptmx",
+            OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    })?;
     grantpt(&master)?;
     unlockpt(&master)?;
     set_winsize(&master, rows, cols)?;

@@ -267,9 +267,18 @@ impl Process for LocalProcess {
             .as_ref()
             .map(|cg| (cg.oom_kills(), cg.pids_refusals()));
 
+        // Pipes and ptys belong to whoever creates them, and a command that reopens its
+        // stdio by name (`/dev/fd/1`, `/dev/pts/N`) is checked against that owner: create
+        // them as the command's user, as the host sees it.
+        let owner = Some((
+            core.cfg.uid_base.saturating_add(uid),
+            core.cfg.uid_base.saturating_add(gid),
+        ));
         let pipe = || {
-            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-                .map_err(|e| spawn_failed("cannot create a pipe", Some(e.into())))
+            crate::fs::as_user(owner, || {
+                rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+            })
+            .map_err(|e| spawn_failed("cannot create a pipe", Some(e.into())))
         };
         let mut master = None;
         let mut stdin_w = None;
@@ -278,7 +287,9 @@ impl Process for LocalProcess {
         let theirs: Vec<OwnedFd> = match spec.pty {
             Some(size) => {
                 let ptmx = PathBuf::from(format!("/proc/{}/root/dev/pts/ptmx", core.init.pid1));
-                let p = open_pty(&ptmx, size.rows, size.cols)
+                // The multiplexer is opened as the provider (through the init's root);
+                // the terminal is created as the command's user.
+                let p = open_pty(&ptmx, size.rows, size.cols, owner)
                     .map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?;
                 master = Some(Arc::new(
                     crate::client::async_fd(p.master)

@@ -167,5 +167,16 @@ async fn base_is_debian_with_user_sudo_python_git_curl() {
         .unwrap();
     let (out, _, _) = sh(sb.as_ref(), "stat -c %U /home/user/note.txt", None).await;
     assert_eq!(out, "user\n");
+    // As `user`, the command's stdio can be reopened by name.
+    let (out, err, code) = sh(
+        sb.as_ref(),
+        "echo via-fd > /dev/stdout; echo e > /dev/fd/2",
+        None,
+    )
+    .await;
+    assert_eq!(
+        (out.as_str(), err.as_str(), code),
+        ("via-fd\n", "e\n", Some(0))
+    );
     p.destroy(&ctx, &sb.info().id).await.unwrap();
 }
