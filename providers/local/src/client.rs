@@ -101,6 +101,9 @@ pub(crate) struct Init {
     holder: Mutex<Option<tokio::process::Child>>,
     /// Host pid of the sandbox's pid 1.
     pub(crate) pid1: u32,
+    /// A pidfd of pid 1: signals through it never reach a process that took its pid
+    /// after it ended.
+    pid1_fd: Option<OwnedFd>,
     /// The sandbox's store (its image's mount, in the sandbox's namespace only).
     pub(crate) store: Option<OwnedFd>,
     next: AtomicU64,
@@ -279,6 +282,9 @@ impl Init {
             sock,
             holder: Mutex::new(Some(child)),
             pid1,
+            pid1_fd: rustix::process::Pid::from_raw(pid1 as i32).and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            }),
             store,
             next: AtomicU64::new(1),
             shared,
@@ -349,9 +355,16 @@ impl Init {
         !self.shared.closed.load(Ordering::Acquire)
     }
 
+    /// SIGKILL pid 1, and so the whole pid namespace.
+    pub(crate) fn kill_now(&self) {
+        if let Some(fd) = &self.pid1_fd {
+            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+        }
+    }
+
     /// Kill the whole sandbox (its pid namespace) and wait for the holder.
     pub(crate) async fn kill(&self, limit: Duration) {
-        let _ = nix::sys::signal::kill(Pid::from_raw(self.pid1 as i32), NixSignal::SIGKILL);
+        self.kill_now();
         if let Some(mut child) = self.holder.lock().await.take() {
             let _ = child.start_kill();
             let _ = tokio::time::timeout(limit, child.wait()).await;

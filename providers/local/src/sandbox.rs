@@ -45,6 +45,9 @@ use crate::rootfs::{self, Template};
 /// The provider kind.
 pub const KIND: &str = "local";
 
+/// Rounds of 2 ms a dropped sandbox waits for its processes to end.
+const DROP_WAIT_ROUNDS: u32 = 100;
+
 /// Name of the per-sandbox record.
 const RECORD: &str = "sandbox.json";
 
@@ -115,11 +118,21 @@ pub(crate) struct SandboxCore {
 
 impl Drop for SandboxCore {
     /// A sandbox dropped without `destroy` (the daemon is going away, and keeps its
-    /// sandboxes' files): its init ends when its socket closes, which a paused sandbox
-    /// would never notice. Thaw it so that it can.
+    /// sandboxes' files for a later daemon): its processes end now (they would when the
+    /// init's socket closes, but a paused sandbox would never notice), and its cgroups
+    /// go with them. Bounded: a sandbox that does not die at once keeps its cgroups
+    /// until `destroy` or the next `connect`.
     fn drop(&mut self) {
+        self.init.kill_now();
         if let Some(cg) = &self.cgroup {
             cg.freeze(false);
+            for _ in 0..DROP_WAIT_ROUNDS {
+                if cg.pids().is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            cg.remove();
         }
     }
 }

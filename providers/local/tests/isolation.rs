@@ -658,6 +658,13 @@ async fn a_paused_sandbox_ends_with_its_provider() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(gone, "a paused sandbox outlived its provider");
+    assert!(
+        !Path::new("/sys/fs/cgroup/pids/tether").join(&id).exists()
+            && !Path::new("/sys/fs/cgroup/unified/tether")
+                .join(&id)
+                .exists(),
+        "its cgroups outlived it"
+    );
     // What is left for a later provider is files, which destroy removes.
     let again = LocalProvider::new(LocalConfig {
         confine_helper: Some(HELPER.into()),
