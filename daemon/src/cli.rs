@@ -136,7 +136,9 @@ fn build_template(op: TemplateOp) -> Result<i32, CliError> {
     let TemplateOp::Build { name, dir, mirror } = op;
     if name != "base" {
         return Err(CliError {
-            message: format!("unknown template {name:?}: `base` is the one to build (`host` needs no build)"),
+            message: format!(
+                "unknown template {name:?}: `base` is the one to build (`host` needs no build)"
+            ),
             code: 2,
         });
     }
