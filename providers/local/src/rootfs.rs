@@ -93,8 +93,11 @@ pub(crate) fn create_store(dir: &Path, size: u64, owner: u32) -> Result<()> {
         .map_err(|e| internal("cannot size store.img", e))?;
     drop(f);
     let img_s = img.to_string_lossy().into_owned();
+    let mkfs = crate::client::find_program("mkfs.ext4")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "mkfs.ext4".into());
     run(
-        "mkfs.ext4",
+        &mkfs,
         &[
             "-q",
             "-F",

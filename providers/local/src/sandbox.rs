@@ -339,6 +339,12 @@ impl LocalProvider {
                     .into(),
             );
         }
+        if !self.mount.is_file() {
+            return Some(format!("no mount program at {}", self.mount.display()));
+        }
+        if find_program("mkfs.ext4").is_none() {
+            return Some("no mkfs.ext4 (e2fsprogs) to make the sandboxes' file systems".into());
+        }
         None
     }
 
