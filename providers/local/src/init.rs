@@ -325,11 +325,27 @@ fn mount_rootfs(spec: &InitSpec) -> Result<OwnedFd, (String, std::io::Error)> {
         }
     }
     std::fs::create_dir_all(&spec.root).map_err(step("create the root mount point"))?;
+    // The layers by descriptor: the options are shown in the sandbox's mount table, and
+    // the host's paths have no business there.
+    let open = |p: &Path| {
+        rustix::fs::open(
+            p,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(|e| (format!("open {}", p.display()), std::io::Error::from(e)))
+    };
+    let (lower, upper, work) = (
+        open(&spec.lower)?,
+        open(&spec.store.join("upper"))?,
+        open(&spec.store.join("work"))?,
+    );
+    let fd = |f: &OwnedFd| format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(f));
     let data = format!(
         "lowerdir={},upperdir={},workdir={}",
-        spec.lower.display(),
-        spec.store.join("upper").display(),
-        spec.store.join("work").display()
+        fd(&lower),
+        fd(&upper),
+        fd(&work)
     );
     // Set-id programs of a template (`sudo` in `base`) must work: their owner is root
     // inside, an unprivileged uid outside, so they grant nothing on the host.
