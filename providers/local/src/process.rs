@@ -476,9 +476,8 @@ async fn supervise(
     if let Some(owner) = owner.upgrade() {
         let core = &owner.core;
         let hit = match (&core.cgroup, before) {
-            (Some(cg), Some((oom, _)))
-                if status.signal == Some(NixSignal::SIGKILL as i32) && cg.oom_kills() > oom =>
-            {
+            // The out-of-memory killer took the command, or a process it waited for.
+            (Some(cg), Some((oom, _))) if !status.success() && cg.oom_kills() > oom => {
                 Some(LimitKind::Memory)
             }
             (Some(cg), Some((_, pids))) if !status.success() && cg.pids_refusals() > pids => {

@@ -491,6 +491,18 @@ async fn a_3_gib_allocation_is_killed_as_out_of_memory() {
     assert_eq!(out.status.signal, Some(9), "{} {}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("survived"));
     assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
+    // A child killed for memory, its parent reporting failure: classified the same.
+    let h = hog
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("python3 -c 'b = bytearray(3 << 30)' || exit 3"),
+        )
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert_eq!(out.status.code, Some(3), "{}", out.stderr);
+    assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
     let ok = sh(
         other.as_ref(),
         "python3 -c 'b = bytearray(64 << 20); print(len(b))'",
