@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 
 use tether_protocol::limits::ResourceLimits;
 
+/// Age beyond which an empty sandbox cgroup is stale.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// How long a freeze may take to reach every process.
 const FREEZE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -169,6 +172,46 @@ impl CgroupTree {
         };
         let applied = cg.apply(limits);
         (cg, applied)
+    }
+
+    /// Remove sandbox cgroups that hold no process and are older than
+    /// [`STALE_AFTER`]: left by a daemon that exited without destroying its sandboxes
+    /// (their processes ended with it). A live sandbox's cgroups are never empty, and a
+    /// new one is filled within its creation, well inside the age bound.
+    pub(crate) fn sweep(&self) {
+        let now = std::time::SystemTime::now();
+        for (_, base) in &self.bases {
+            let Ok(rd) = std::fs::read_dir(base) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+                    continue;
+                };
+                if name.len() != 32 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    continue;
+                }
+                let old = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| now.duration_since(t).ok())
+                    .is_some_and(|age| age > STALE_AFTER);
+                let path = e.path();
+                let empty = std::fs::read_to_string(path.join("cgroup.procs"))
+                    .is_ok_and(|s| s.trim().is_empty());
+                // A directory with children is not one of ours.
+                let leaf = std::fs::read_dir(&path)
+                    .map(|rd| {
+                        !rd.flatten()
+                            .any(|c| c.file_type().is_ok_and(|t| t.is_dir()))
+                    })
+                    .unwrap_or(false);
+                if old && empty && leaf {
+                    let _ = std::fs::remove_dir(&path);
+                }
+            }
+        }
     }
 
     /// The cgroups of sandbox `id` that exist (after a restart).

@@ -307,6 +307,9 @@ impl LocalProvider {
         } else {
             None
         };
+        if let Some(t) = &cgroups {
+            t.sweep();
+        }
         let net_helper = network_helper(&cfg);
         Ok(Self {
             cfg: Arc::new(cfg),
