@@ -106,6 +106,7 @@ async fn create_session(
         env: req.env,
         metadata: req.metadata,
         network: req.network.unwrap_or(false),
+        limits: req.limits,
         owner: None,
         expiry: Expiry::Idle {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),

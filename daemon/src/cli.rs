@@ -105,6 +105,64 @@ pub enum Cmd {
         /// Destination: a local path or SESSION:PATH.
         dst: String,
     },
+    /// Build a template of the local provider: `tether template build base`.
+    Template {
+        /// What to do with it.
+        #[command(subcommand)]
+        op: TemplateOp,
+    },
+}
+
+/// `tether template ...`.
+#[derive(Debug, Subcommand)]
+pub enum TemplateOp {
+    /// Build a template (`base`: a Debian root file system from Debian's packages),
+    /// unless it is built already. Needs root and `debootstrap`.
+    Build {
+        /// The template (`base`).
+        name: String,
+        /// The templates directory of the local provider. Default: the default local
+        /// provider's (`<state_dir>/sandboxes/local-templates`).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The Debian mirror to build from (debootstrap's default if unset).
+        #[arg(long)]
+        mirror: Option<String>,
+    },
+}
+
+/// Build a template, printing its progress on stderr.
+fn build_template(op: TemplateOp) -> Result<i32, CliError> {
+    let TemplateOp::Build { name, dir, mirror } = op;
+    if name != "base" {
+        return Err(CliError {
+            message: format!(
+                "unknown template {name:?}: `base` is the one to build (`host` needs no build)"
+            ),
+            code: 2,
+        });
+    }
+    let dir = dir.unwrap_or_else(|| {
+        PathBuf::from(crate::config::DEFAULT_STATE_DIR)
+            .join("sandboxes")
+            .join("local-templates")
+    });
+    let mut progress = |p: tether_provider_local::BuildProgress| match p {
+        tether_provider_local::BuildProgress::Step(s) => eprintln!("==> {s}"),
+        tether_provider_local::BuildProgress::Line(l) => eprintln!("    {l}"),
+        tether_provider_local::BuildProgress::Done { bytes, seconds } => eprintln!(
+            "==> built in {seconds:.0} s, {:.0} MiB",
+            bytes as f64 / (1 << 20) as f64
+        ),
+    };
+    let rootfs = tether_provider_local::build_base(
+        &dir,
+        mirror.as_deref(),
+        tether_provider_local::DEFAULT_UID_BASE,
+        &mut progress,
+    )?;
+    println!("{}", rootfs.display());
+    Ok(0)
 }
 
 /// `tether sessions ...`.
@@ -328,6 +386,7 @@ pub async fn run(cli: Cli) -> i32 {
 async fn dispatch(cli: Cli) -> Result<i32, CliError> {
     let client = Client::new(&cli.url, cli.token.clone())?;
     match cli.command {
+        Cmd::Template { op } => tokio::task::spawn_blocking(move || build_template(op)).await?,
         Cmd::Run {
             remote,
             provider,

@@ -73,6 +73,8 @@ pub struct NewSession {
     pub owner: Option<String>,
     /// Expiry policy.
     pub expiry: Expiry,
+    /// Resource limits (the provider's defaults fill the rest).
+    pub limits: tether_protocol::limits::ResourceLimits,
 }
 
 /// One session.
@@ -382,6 +384,7 @@ impl SessionManager {
             metadata: req.metadata,
             owner: req.owner,
             expiry: req.expiry,
+            limits: req.limits,
         };
         let id = new_id();
         // The header is the durable intent: a sandbox created for this id and not yet
@@ -472,6 +475,7 @@ impl SessionManager {
             env: p.env.clone(),
             metadata,
             network: p.network,
+            limits: p.limits,
         };
         let span = tracing::info_span!(
             "sandbox.create",

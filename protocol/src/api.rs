@@ -43,6 +43,10 @@ pub struct CreateSessionRequest {
     /// Allow network access from the sandbox (local provider: off by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<bool>,
+    /// Resource limits of the sandbox (memory, pids, CPU, disk); the provider's defaults
+    /// fill what is not given.
+    #[serde(default)]
+    pub limits: crate::limits::ResourceLimits,
 }
 
 /// A session as the API reports it.

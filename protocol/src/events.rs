@@ -53,6 +53,8 @@ pub struct SessionParams {
     pub owner: Option<String>,
     /// When the session expires. A later `session/expiry` event supersedes it.
     pub expiry: Expiry,
+    /// Resource limits asked for at create (the provider's defaults fill the rest).
+    pub limits: crate::limits::ResourceLimits,
 }
 
 /// When a session expires by itself.

@@ -18,6 +18,7 @@ pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod fs;
+pub mod limits;
 pub mod process;
 
 pub use error::{Clock, ErrorBody, ErrorCode, ErrorDetail};

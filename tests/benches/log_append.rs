@@ -55,6 +55,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
                     metadata: Default::default(),
                     owner: None,
                     expiry: Default::default(),
+                    limits: Default::default(),
                 },
             ),
             LogConfig::default(),

@@ -21,6 +21,7 @@ fn params() -> SessionParams {
         metadata: Default::default(),
         owner: None,
         expiry: Default::default(),
+        limits: Default::default(),
     }
 }
 

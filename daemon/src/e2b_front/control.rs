@@ -275,6 +275,7 @@ async fn do_create(
         expiry: Expiry::At {
             at_ms: ms_after(timeout),
         },
+        limits: Default::default(),
     };
     prune(state);
     // A create owns remote work: it runs to completion even if the client leaves.

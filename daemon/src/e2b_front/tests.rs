@@ -428,7 +428,7 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
     assert_eq!(st, 201, "{b}");
     let id = b["sandboxID"].as_str().unwrap().to_owned();
     assert!(b["clientID"].is_string() && b["envdVersion"].is_string());
-    // The local provider cannot pause: a JSON 501, not a crash or a lie.
+    // The local provider pauses (freezer): 204, and connect then resumes it (201).
     let (st, b) = f
         .api(
             reqwest::Method::POST,
@@ -437,7 +437,16 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
             Some(json!({})),
         )
         .await;
-    assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");
+    assert_eq!(st, 204, "{b}");
+    let (st, b) = f
+        .api(
+            reqwest::Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(KEY_A),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(st, 201, "a paused sandbox is resumed by connect: {b}");
     let (st, b) = f
         .api(
             reqwest::Method::GET,

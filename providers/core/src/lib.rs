@@ -24,8 +24,8 @@ pub use ctx::{CallCtx, TraceContext};
 pub use error::{Origin, ProviderError, Result};
 pub use seam::{
     ByteStream, Capabilities, Enforcement, EventStream, Fs, Process, ProcessHandle,
-    ProcessSelector, Provider, Sandbox, SandboxInfo, SandboxSpec, Signal, StreamOffsets,
-    TerminateReport,
+    ProcessSelector, Provider, Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec, Signal,
+    StreamOffsets, TerminateReport,
 };
 
 /// Helpers shared by provider implementations.

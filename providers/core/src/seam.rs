@@ -14,6 +14,7 @@ use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use serde::{Deserialize, Serialize};
 use tether_protocol::fs::{ByteRange, DirEntry, FileStat, FsEvent, WriteGuard, WriteOutcome};
+use tether_protocol::limits::{LimitKind, ResourceLimits};
 use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize};
 
 use crate::ctx::CallCtx;
@@ -61,6 +62,25 @@ pub struct SandboxSpec {
     pub metadata: BTreeMap<String, String>,
     /// Allow network access from inside.
     pub network: bool,
+    /// Resource limits; unset ones take the provider's defaults.
+    pub limits: ResourceLimits,
+}
+
+/// What a sandbox uses, as the provider measures it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxMetrics {
+    /// CPU time used by the sandbox's processes so far, in microseconds.
+    pub cpu_usage_us: u64,
+    /// Memory charged to the sandbox now, in bytes.
+    pub memory_bytes: u64,
+    /// The memory limit, in bytes.
+    pub memory_limit_bytes: Option<u64>,
+    /// Processes alive now.
+    pub pids: u64,
+    /// Bytes used on the sandbox's own file system.
+    pub disk_used_bytes: u64,
+    /// Size of the sandbox's own file system, in bytes.
+    pub disk_limit_bytes: Option<u64>,
 }
 
 /// What a sandbox is, as the provider reports it.
@@ -232,6 +252,39 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         let _ = (ctx, id);
         Err(ProviderError::Unsupported { op: "resume" })
     }
+
+    /// Take a snapshot of a sandbox's file system; returns the snapshot's id.
+    async fn snapshot(&self, ctx: &CallCtx, id: &str) -> Result<String> {
+        let _ = (ctx, id);
+        Err(ProviderError::Unsupported { op: "snapshot" })
+    }
+
+    /// Create a sandbox whose file system starts as snapshot `snapshot` (a fork).
+    async fn create_from_snapshot(
+        &self,
+        ctx: &CallCtx,
+        snapshot: &str,
+        spec: SandboxSpec,
+    ) -> Result<Arc<dyn Sandbox>> {
+        let _ = (ctx, snapshot, spec);
+        Err(ProviderError::Unsupported {
+            op: "create_from_snapshot",
+        })
+    }
+
+    /// Delete a snapshot. Deleting one that is already gone succeeds.
+    async fn delete_snapshot(&self, ctx: &CallCtx, snapshot: &str) -> Result<()> {
+        let _ = (ctx, snapshot);
+        Err(ProviderError::Unsupported {
+            op: "delete_snapshot",
+        })
+    }
+
+    /// What a sandbox uses now (CPU, memory, processes, disk).
+    async fn metrics(&self, ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
+        let _ = (ctx, id);
+        Err(ProviderError::Unsupported { op: "metrics" })
+    }
 }
 
 /// One live sandbox.
@@ -376,4 +429,11 @@ pub trait ProcessHandle: Send + Sync + std::fmt::Debug {
 
     /// The exit status if it has ended.
     fn try_status(&self) -> Option<ExitStatus>;
+
+    /// The sandbox limit the command ran into, once it has ended (an out-of-memory
+    /// kill, a refused fork, a full disk); `None` when it hit none or the provider
+    /// cannot tell.
+    fn limit_hit(&self) -> Option<LimitKind> {
+        None
+    }
 }

@@ -1,35 +1,44 @@
-//! The raw transport of the local provider: launching the confinement trampoline,
-//! per-command cgroups, pseudo-terminals, and process scans.
+//! The raw transport of the local provider: the sandbox init's control channel, the
+//! network helper, pseudo-terminals, and process scans.
 //!
 //! Nothing here knows about sandboxes' file layout or the seam; `sandbox.rs` and
 //! `process.rs` build on it.
 
-use std::os::fd::OwnedFd;
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use nix::sys::signal::Signal as NixSignal;
 use nix::unistd::Pid;
-use tether_provider::{CallCtx, ProviderError, Result};
+use rustix::net::RecvFlags;
+use tether_protocol::process::ExitStatus;
+use tether_provider::{ProviderError, Result};
+use tokio::io::unix::AsyncFd;
 use tokio::process::Command;
+use tokio::sync::{Mutex, oneshot};
 
 use crate::config::LocalConfig;
-use crate::confine::{CONFINE_SUBCOMMAND, ConfineSpec, ProbeReport};
+use crate::confine::CONFINE_SUBCOMMAND;
 use crate::error::{internal, spawn_failed};
+use crate::init::{FromInit, InitSpec, ToInit, recv_with, send};
 
 /// The standalone trampoline's file name.
 pub const CONFINE_BINARY: &str = "tether-confine";
 
 // === impl Launcher ===
 
-/// Starts the trampoline (`<helper> __confine run|probe <spec>`).
+/// Starts the helper (`<helper> __confine holder`).
 #[derive(Debug, Clone)]
 pub(crate) struct Launcher {
     program: PathBuf,
 }
 
 impl Launcher {
-    /// Find the trampoline: the configured path, `tether-confine` next to (or one level
+    /// Find the helper: the configured path, `tether-confine` next to (or one level
     /// above) the running executable, else the running executable itself.
     pub(crate) fn resolve(cfg: &LocalConfig) -> Result<Self> {
         if let Some(p) = &cfg.confine_helper {
@@ -55,238 +64,469 @@ impl Launcher {
         }
         Ok(Self { program: exe })
     }
+}
 
-    /// The trampoline's path.
-    pub(crate) fn program(&self) -> &Path {
-        &self.program
+// === impl Init ===
+
+/// What a spawn request yields: the command's pid inside, a pidfd, and its exit.
+pub(crate) struct Spawned {
+    pub pid: u32,
+    /// `None` when the command had already ended and been reaped.
+    pub host_pid: Option<u32>,
+    pub exit: oneshot::Receiver<ExitStatus>,
+}
+
+enum SpawnReply {
+    Ok(u32, Option<OwnedFd>, oneshot::Receiver<ExitStatus>),
+    Failed { not_found: bool, message: String },
+}
+
+#[derive(Default)]
+struct Waiters {
+    spawns: HashMap<u64, oneshot::Sender<SpawnReply>>,
+    exits: HashMap<u32, oneshot::Sender<ExitStatus>>,
+    closed: bool,
+}
+
+/// The waiters, and whether the init is gone (readable without the lock).
+#[derive(Default)]
+struct Shared {
+    waiters: Mutex<Waiters>,
+    closed: AtomicBool,
+}
+
+/// The provider's side of a sandbox's init (see [`crate::init`]).
+pub(crate) struct Init {
+    sock: Arc<AsyncFd<OwnedFd>>,
+    holder: Mutex<Option<tokio::process::Child>>,
+    /// Host pid of the sandbox's pid 1.
+    pub(crate) pid1: u32,
+    /// A pidfd of pid 1: signals through it never reach a process that took its pid
+    /// after it ended.
+    pid1_fd: Option<OwnedFd>,
+    /// The sandbox's store (its image's mount, in the sandbox's namespace only).
+    pub(crate) store: Option<OwnedFd>,
+    next: AtomicU64,
+    shared: Arc<Shared>,
+    send_lock: Mutex<()>,
+    /// Stops the reader, which closes the provider's end of the socket: the init
+    /// then ends the sandbox.
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Init {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
+}
 
-    /// A command that runs `verb` on the spec at `spec_path`, with an empty environment
-    /// (nothing of the daemon's environment reaches the trampoline, let alone the command).
-    pub(crate) fn command(&self, verb: &str, spec_path: &Path) -> Command {
-        let mut cmd = Command::new(&self.program);
+impl std::fmt::Debug for Init {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Init")
+            .field("pid1", &self.pid1)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Largest message an init sends (they are small: no command output goes this way).
+const FROM_INIT_MAX: usize = 64 * 1024;
+
+async fn recv_async(
+    sock: &AsyncFd<OwnedFd>,
+    buf: &mut [u8],
+) -> std::io::Result<Option<(FromInit, Vec<OwnedFd>)>> {
+    loop {
+        let mut guard = sock.readable().await?;
+        match guard
+            .try_io(|fd| recv_with::<FromInit>(fd.get_ref().as_fd(), RecvFlags::DONTWAIT, buf))
+        {
+            Ok(r) => return r,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+async fn send_async(
+    sock: &AsyncFd<OwnedFd>,
+    msg: &ToInit,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    loop {
+        let mut guard = sock.writable().await?;
+        match guard.try_io(|fd| send(fd.get_ref().as_fd(), msg, fds)) {
+            Ok(r) => return r,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+fn init_failed(message: impl Into<String>) -> ProviderError {
+    ProviderError::IsolationUnavailable {
+        requested: "full".into(),
+        why: message.into(),
+    }
+}
+
+/// The host pid behind a pidfd.
+fn pidfd_host_pid(fd: &OwnedFd) -> Option<u32> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|p| p.trim().parse::<i64>().ok())
+        .filter(|p| *p > 0)
+        .map(|p| p as u32)
+}
+
+impl Init {
+    /// Start a sandbox's init: holder, namespaces, id maps, pid1, set-up. `join` puts
+    /// the holder into the sandbox's cgroups before it creates anything.
+    pub(crate) async fn start(
+        launcher: &Launcher,
+        spec: &InitSpec,
+        uid_base: u32,
+        uid_count: u32,
+        log: &Path,
+        join: impl FnOnce(u32) -> std::io::Result<()>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let (ours, theirs) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| internal("cannot create the init socket", std::io::Error::from(e)))?;
+        rustix::io::ioctl_fionbio(&ours, true)
+            .map_err(|e| internal("cannot configure the init socket", std::io::Error::from(e)))?;
+        let log_file =
+            std::fs::File::create(log).map_err(|e| internal("cannot create init.log", e))?;
+        let mut cmd = Command::new(&launcher.program);
         cmd.arg(CONFINE_SUBCOMMAND)
-            .arg(verb)
-            .arg(spec_path)
+            .arg("holder")
             .env_clear()
-            .kill_on_drop(false);
-        cmd
-    }
-
-    /// Run the trampoline in probe mode with `spec`, written to `spec_path`.
-    pub(crate) async fn probe(
-        &self,
-        ctx: &CallCtx,
-        spec: &ConfineSpec,
-        spec_path: &Path,
-    ) -> Result<ProbeReport> {
-        write_spec(spec_path, spec).await?;
-        let mut cmd = self.command("probe", spec_path);
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log_file))
             .kill_on_drop(true);
-        let out = ctx
-            .run(async {
-                cmd.output().await.map_err(|e| {
-                    spawn_failed(
-                        format!(
-                            "cannot run the confinement helper {}",
-                            self.program.display()
-                        ),
-                        Some(e),
-                    )
-                })
-            })
-            .await;
-        let _ = tokio::fs::remove_file(spec_path).await;
-        let out = out?;
-        let report: ProbeReport =
-            serde_json::from_slice(&out.stdout).map_err(|e| ProviderError::Unavailable {
-                message: format!(
-                    "the confinement helper {} did not report ({}): {}",
-                    self.program.display(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
+        let child = cmd.spawn().map_err(|e| {
+            spawn_failed(
+                format!(
+                    "cannot start the sandbox init {}",
+                    launcher.program.display()
                 ),
-                retry_after: None,
-                source: Some(Box::new(e)),
-            })?;
-        Ok(report)
-    }
-}
-
-/// Write a trampoline spec, readable by the owner only (it carries the environment).
-pub(crate) async fn write_spec(path: &Path, spec: &ConfineSpec) -> Result<()> {
-    let json =
-        serde_json::to_vec(spec).map_err(|e| internal("cannot encode the confinement spec", e))?;
-    let path = path.to_owned();
-    tokio::task::spawn_blocking(move || {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
-        f.write_all(&json)
-    })
-    .await
-    .map_err(crate::error::join)?
-    .map_err(|e| internal("cannot write the confinement spec", e))
-}
-
-// === impl CgroupTree ===
-
-/// Where tether keeps its cgroups: `<parent>/tether/<sandbox>/<command>`.
-#[derive(Debug, Clone)]
-pub(crate) struct CgroupTree {
-    base: PathBuf,
-}
-
-impl CgroupTree {
-    /// Find a writable cgroup v2 hierarchy, or `None` (tracking falls back to process
-    /// groups and sessions).
-    pub(crate) fn detect(cfg: &LocalConfig) -> Option<Self> {
-        if !cfg.cgroups {
-            return None;
-        }
-        let parent = match &cfg.cgroup_parent {
-            Some(p) => p.clone(),
-            None => own_cgroup_v2()?,
+                Some(e),
+            )
+        })?;
+        drop(cmd);
+        let holder_pid = child.id().unwrap_or_default();
+        let sock =
+            Arc::new(async_fd(ours).map_err(|e| internal("cannot register the init socket", e))?);
+        let fail_log = |why: String| {
+            let detail = std::fs::read_to_string(log).unwrap_or_default();
+            init_failed(format!("{why}: {}", detail.trim()))
         };
-        let base = parent.join("tether");
-        std::fs::create_dir_all(&base).ok()?;
-        base.join("cgroup.procs").is_file().then_some(Self { base })
+        let mut buf = vec![0u8; FROM_INIT_MAX];
+        let setup = async {
+            join(holder_pid).map_err(|e| internal("cannot put the sandbox into its cgroups", e))?;
+            send_async(&sock, &ToInit::Setup(spec.clone()), &[])
+                .await
+                .map_err(|e| internal("cannot talk to the sandbox init", e))?;
+            let store = match recv_async(&sock, &mut buf).await {
+                Ok(Some((FromInit::Unshared, mut fds))) => fds.pop(),
+                Ok(Some((FromInit::Failed { message }, _))) => return Err(init_failed(message)),
+                other => return Err(fail_log(format!("the init did not unshare ({other:?})"))),
+            };
+            for (file, what) in [("uid_map", "uid"), ("gid_map", "gid")] {
+                std::fs::write(
+                    format!("/proc/{holder_pid}/{file}"),
+                    format!("0 {uid_base} {uid_count}\n"),
+                )
+                .map_err(|e| internal(format!("cannot write the sandbox's {what} map"), e))?;
+            }
+            send_async(&sock, &ToInit::Mapped, &[])
+                .await
+                .map_err(|e| internal("cannot talk to the sandbox init", e))?;
+            // pid1 reads its own copy (never on its command line: that is visible inside).
+            send_async(&sock, &ToInit::Setup(spec.clone()), &[])
+                .await
+                .map_err(|e| internal("cannot talk to the sandbox init", e))?;
+            match recv_async(&sock, &mut buf).await {
+                Ok(Some((FromInit::Ready, _))) => Ok(store),
+                Ok(Some((FromInit::Failed { message }, _))) => Err(init_failed(message)),
+                other => Err(fail_log(format!("the init did not get ready ({other:?})"))),
+            }
+        };
+        let store = match tokio::time::timeout(timeout, setup).await {
+            Ok(Ok(store)) => store,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(fail_log(format!(
+                    "the init was not ready within {timeout:?}"
+                )));
+            }
+        };
+        let pid1 =
+            std::fs::read_to_string(format!("/proc/{holder_pid}/task/{holder_pid}/children"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse().ok()))
+                .ok_or_else(|| {
+                    internal(
+                        "cannot find the sandbox's pid 1",
+                        std::io::Error::other("no child"),
+                    )
+                })?;
+        let shared = Arc::new(Shared::default());
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(read_loop(sock.clone(), shared.clone(), stop.clone()));
+        Ok(Self {
+            sock,
+            holder: Mutex::new(Some(child)),
+            pid1,
+            pid1_fd: rustix::process::Pid::from_raw(pid1 as i32).and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            }),
+            store,
+            next: AtomicU64::new(1),
+            shared,
+            send_lock: Mutex::new(()),
+            stop,
+        })
     }
 
-    /// Create (or reuse) the cgroup of sandbox `id`.
-    pub(crate) fn sandbox(&self, id: &str) -> Option<Cgroup> {
-        let path = self.base.join(id);
-        match std::fs::create_dir(&path) {
-            Ok(()) => Some(Cgroup { path }),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Some(Cgroup { path }),
-            Err(e) => {
-                tracing::warn!(error = %e, path = %path.display(), "Cannot create a sandbox cgroup; tracking by process group");
-                None
+    /// Start a command with `fds` as stdin, stdout, stderr (or one pty descriptor).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn spawn(
+        &self,
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        cwd: PathBuf,
+        pty: bool,
+        uid: u32,
+        gid: u32,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Spawned> {
+        let req = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = self.shared.waiters.lock().await;
+            if w.closed {
+                return Err(spawn_failed("the sandbox's init is gone", None));
+            }
+            w.spawns.insert(req, tx);
+        }
+        let msg = ToInit::Spawn {
+            req,
+            argv,
+            env,
+            cwd,
+            pty,
+            uid,
+            gid,
+        };
+        {
+            let _g = self.send_lock.lock().await;
+            send_async(&self.sock, &msg, fds)
+                .await
+                .map_err(|e| spawn_failed("cannot reach the sandbox's init", Some(e)))?;
+        }
+        match rx.await {
+            Ok(SpawnReply::Ok(pid, pidfd, exit)) => {
+                let host_pid = pidfd.as_ref().and_then(pidfd_host_pid);
+                Ok(Spawned {
+                    pid,
+                    host_pid,
+                    exit,
+                })
+            }
+            Ok(SpawnReply::Failed { not_found, message }) => Err(spawn_failed(
+                message,
+                Some(std::io::Error::from(if not_found {
+                    std::io::ErrorKind::NotFound
+                } else {
+                    std::io::ErrorKind::Other
+                })),
+            )),
+            Err(_) => Err(spawn_failed("the sandbox's init is gone", None)),
+        }
+    }
+
+    /// Whether the init still runs.
+    pub(crate) fn alive(&self) -> bool {
+        !self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// SIGKILL pid 1, and so the whole pid namespace.
+    pub(crate) fn kill_now(&self) {
+        if let Some(fd) = &self.pid1_fd {
+            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+        }
+    }
+
+    /// Kill the whole sandbox (its pid namespace) and wait for the holder.
+    pub(crate) async fn kill(&self, limit: Duration) {
+        self.kill_now();
+        if let Some(mut child) = self.holder.lock().await.take() {
+            let _ = child.start_kill();
+            let _ = tokio::time::timeout(limit, child.wait()).await;
+        }
+    }
+}
+
+async fn read_loop(
+    sock: Arc<AsyncFd<OwnedFd>>,
+    shared: Arc<Shared>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut buf = vec![0u8; FROM_INIT_MAX];
+    loop {
+        let next = tokio::select! {
+            r = recv_async(&sock, &mut buf) => r,
+            () = stop.cancelled() => break,
+        };
+        let msg = match next {
+            Ok(Some(m)) => m,
+            Ok(None) | Err(_) => break,
+        };
+        let mut w = shared.waiters.lock().await;
+        match msg {
+            (FromInit::Spawned { req, pid }, mut fds) => {
+                let (tx, rx) = oneshot::channel();
+                w.exits.insert(pid, tx);
+                if let Some(s) = w.spawns.remove(&req) {
+                    let _ = s.send(SpawnReply::Ok(pid, fds.pop(), rx));
+                }
+            }
+            (
+                FromInit::SpawnFailed {
+                    req,
+                    not_found,
+                    message,
+                },
+                _,
+            ) => {
+                if let Some(s) = w.spawns.remove(&req) {
+                    let _ = s.send(SpawnReply::Failed { not_found, message });
+                }
+            }
+            (FromInit::Exited { pid, code, signal }, _) => {
+                if let Some(s) = w.exits.remove(&pid) {
+                    let _ = s.send(ExitStatus { code, signal });
+                }
+            }
+            (other, _) => {
+                tracing::debug!(message = ?other, "Unexpected message from a sandbox init")
             }
         }
     }
+    shared.closed.store(true, Ordering::Release);
+    let mut w = shared.waiters.lock().await;
+    w.closed = true;
+    // Dropping the senders tells every waiter the init is gone.
+    w.spawns.clear();
+    w.exits.clear();
+}
 
-    /// Where the cgroup of sandbox `id` lives.
-    pub(crate) fn path_of(&self, id: &str) -> PathBuf {
-        self.base.join(id)
-    }
+// === impl Network ===
 
-    /// The cgroup of sandbox `id` if it exists.
-    pub(crate) fn existing(&self, id: &str) -> Option<Cgroup> {
-        let path = self.base.join(id);
-        path.is_dir().then_some(Cgroup { path })
+/// The userspace NAT of a sandbox with network (`pasta`): egress only; nothing is
+/// forwarded into the sandbox, and neither the host's loopback nor the gateway address
+/// leads to the host.
+pub(crate) struct Network {
+    child: tokio::process::Child,
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network").finish_non_exhaustive()
     }
 }
 
-/// The daemon's own cgroup in the cgroup v2 hierarchy.
-fn own_cgroup_v2() -> Option<PathBuf> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mount = mountinfo.lines().find_map(|line| {
-        let (pre, post) = line.split_once(" - ")?;
-        (post.split(' ').next()? == "cgroup2").then(|| pre.split(' ').nth(4).map(PathBuf::from))?
-    })?;
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
-    Some(mount.join(rel.trim_start_matches('/')))
+/// The network helper: the configured one, else `pasta` on `PATH`.
+pub(crate) fn network_helper(cfg: &LocalConfig) -> Option<PathBuf> {
+    if let Some(p) = &cfg.network_helper {
+        return p.is_file().then(|| p.clone());
+    }
+    find_program("pasta")
 }
 
-// === impl Cgroup ===
-
-/// One cgroup v2 directory.
-#[derive(Debug, Clone)]
-pub(crate) struct Cgroup {
-    path: PathBuf,
+/// A program on the daemon's `PATH` (or the usual system directories).
+pub(crate) fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(
+            ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+                .iter()
+                .map(PathBuf::from),
+        )
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
-impl Cgroup {
-    /// The directory.
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// A child cgroup, created.
-    pub(crate) fn child(&self, name: &str) -> std::io::Result<Cgroup> {
-        let path = self.path.join(name);
-        // The sandbox's own cgroup may have been cleaned up while it was empty.
-        std::fs::create_dir_all(&self.path)?;
-        std::fs::create_dir(&path)?;
-        Ok(Cgroup { path })
-    }
-
-    /// The pids in this cgroup and its descendants.
-    pub(crate) fn pids(&self) -> Vec<i32> {
-        let mut out = Vec::new();
-        collect_pids(&self.path, &mut out);
-        out
-    }
-
-    /// Whether any process lives in this cgroup or below.
-    pub(crate) fn populated(&self) -> bool {
-        match std::fs::read_to_string(self.path.join("cgroup.events")) {
-            Ok(s) => s.lines().any(|l| l == "populated 1"),
-            Err(_) => !self.pids().is_empty(),
-        }
-    }
-
-    /// Send `sig` to every process of the cgroup.
-    pub(crate) fn signal(&self, sig: NixSignal) -> usize {
-        let pids = self.pids();
-        for pid in &pids {
-            let _ = nix::sys::signal::kill(Pid::from_raw(*pid), sig);
-        }
-        pids.len()
-    }
-
-    /// SIGKILL everything in the cgroup, atomically with respect to forks
-    /// (`cgroup.kill`); on kernels without it, freeze, kill each process, thaw.
-    pub(crate) fn kill_all(&self) {
-        if std::fs::write(self.path.join("cgroup.kill"), "1").is_ok() {
-            return;
-        }
-        let freeze = self.path.join("cgroup.freeze");
-        let frozen = std::fs::write(&freeze, "1").is_ok();
-        self.signal(NixSignal::SIGKILL);
-        if frozen {
-            let _ = std::fs::write(&freeze, "0");
-        }
-    }
-
-    /// Remove the cgroup and its (empty) children. Best effort: a cgroup that still
-    /// has processes stays.
-    pub(crate) fn remove(&self) {
-        remove_tree(&self.path);
-    }
-}
-
-fn collect_pids(dir: &Path, out: &mut Vec<i32>) {
-    if let Ok(s) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-        out.extend(s.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
-    }
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_pids(&e.path(), out);
+impl Network {
+    /// Attach the NAT to the network namespace of host pid `pid1` and wait until the
+    /// namespace has a default route.
+    pub(crate) async fn start(helper: &Path, pid1: u32, limit: Duration) -> Result<Self> {
+        let mut cmd = Command::new(helper);
+        cmd.args([
+            "--config-net",
+            "--foreground",
+            "--quiet",
+            "--no-map-gw",
+            // As root pasta would switch to `nobody`, which cannot join the sandbox's
+            // user namespace (owned by root); it drops its capabilities itself.
+            "--runas",
+            "0",
+            "-t",
+            "none",
+            "-u",
+            "none",
+            "-T",
+            "none",
+            "-U",
+            "none",
+        ])
+        .arg(pid1.to_string())
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| spawn_failed(format!("cannot start {}", helper.display()), Some(e)))?;
+        let route = format!("/proc/{pid1}/net/route");
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let ready = std::fs::read_to_string(&route).is_ok_and(|s| {
+                s.lines()
+                    .skip(1)
+                    .any(|l| l.split_whitespace().nth(1) == Some("00000000"))
+            });
+            if ready {
+                return Ok(Self { child });
             }
-        }
-    }
-}
-
-fn remove_tree(dir: &Path) {
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                remove_tree(&e.path());
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(init_failed(format!(
+                    "the network helper {} exited ({status})",
+                    helper.display()
+                )));
             }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = child.start_kill();
+                return Err(init_failed(format!(
+                    "the network helper {} did not configure the sandbox within {limit:?}",
+                    helper.display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    let _ = std::fs::remove_dir(dir);
+
+    /// Stop the NAT.
+    pub(crate) async fn stop(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+    }
 }
 
 // === process scans ===
@@ -342,19 +582,37 @@ pub(crate) struct Pty {
     pub slave: OwnedFd,
 }
 
-/// Allocate a pty of `rows` x `cols`.
-pub(crate) fn open_pty(rows: u16, cols: u16) -> std::io::Result<Pty> {
+/// Allocate a pty of `rows` x `cols` from the multiplexer `ptmx` (the sandbox's own
+/// `/dev/pts` instance, so that the terminal has a name inside).
+pub(crate) fn open_pty(
+    ptmx: &Path,
+    rows: u16,
+    cols: u16,
+    owner: Option<(u32, u32)>,
+) -> std::io::Result<Pty> {
     use rustix::fs::{Mode, OFlags};
-    use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
-    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+    use rustix::pty::{OpenptFlags, grantpt, ioctl_tiocgptpeer, unlockpt};
+    // The path goes through the init's root (a magic link only the provider may
+    // follow); the terminal's owner is the file-system uid at the open: `owner`.
+    let dir = rustix::fs::open(
+        ptmx.parent().unwrap_or(Path::new("/")),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let master = crate::fs::as_user(owner, || {
+        rustix::fs::openat(
+            &dir,
+            "ptmx",
+            OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    })?;
     grantpt(&master)?;
     unlockpt(&master)?;
-    let name = ptsname(&master, Vec::new())?;
     set_winsize(&master, rows, cols)?;
-    let slave = rustix::fs::open(
-        name.as_c_str(),
-        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
-        Mode::empty(),
+    let slave = ioctl_tiocgptpeer(
+        &master,
+        OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC,
     )?;
     rustix::fs::fcntl_setfl(
         &master,

@@ -6,6 +6,7 @@
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use tether_protocol::limits::ResourceLimits;
 use tether_provider::ProviderError;
 
 /// Default sandbox path of the workspace.
@@ -29,11 +30,11 @@ pub const DEFAULT_FINISHED_COMMANDS_KEPT: usize = 256;
 /// command before it reports survivors.
 pub const DEFAULT_KILL_VERIFY_MS: u64 = 5_000;
 
-/// System paths a confined command may read and execute (and nothing else outside its
-/// workspace, its private `/tmp` and `/dev/shm`, and the device nodes). `/etc` is
-/// narrowed to what programs need to resolve users, hosts, locales, certificates and
-/// shell start-up files: `/etc/shadow`, `/etc/ssh`, and other credentials stay out.
-/// Paths that do not exist on the host are skipped.
+/// Host paths the `host` template shows inside a sandbox, read-only (bind mounts over
+/// the template's skeleton). `/etc` is narrowed to what programs need to resolve users,
+/// hosts, locales, certificates and shell start-up files: `/etc/shadow`, `/etc/ssh` and
+/// other credentials stay out. Paths that do not exist on the host are skipped; the
+/// host's homes, `/root`, `/run`, `/var` and the daemon's state are never among them.
 pub const DEFAULT_READ_ONLY_PATHS: &[&str] = &[
     "/usr",
     "/bin",
@@ -43,8 +44,6 @@ pub const DEFAULT_READ_ONLY_PATHS: &[&str] = &[
     "/lib64",
     "/libx32",
     "/opt",
-    "/proc",
-    "/sys/devices/system/cpu",
     "/etc/alternatives",
     "/etc/bash.bashrc",
     "/etc/ca-certificates",
@@ -55,7 +54,6 @@ pub const DEFAULT_READ_ONLY_PATHS: &[&str] = &[
     "/etc/gitconfig",
     "/etc/group",
     "/etc/host.conf",
-    "/etc/hostname",
     "/etc/hosts",
     "/etc/inputrc",
     "/etc/ld.so.cache",
@@ -85,9 +83,8 @@ pub const DEFAULT_READ_ONLY_PATHS: &[&str] = &[
     "/etc/vim",
 ];
 
-/// Device nodes a confined command may read and write (ioctls included, for terminals).
-/// `/dev/pts` is deliberately absent: a command under a pty is granted its own terminal
-/// only, so that it cannot open the terminals of other sandboxes or of host sessions.
+/// Device nodes of the host shown in every sandbox's `/dev` (bind mounts); a sandbox
+/// also gets its own `/dev/pts` instance and a size-limited `/dev/shm`.
 pub const DEFAULT_DEVICE_PATHS: &[&str] = &[
     "/dev/null",
     "/dev/zero",
@@ -95,69 +92,105 @@ pub const DEFAULT_DEVICE_PATHS: &[&str] = &[
     "/dev/random",
     "/dev/urandom",
     "/dev/tty",
-    "/dev/ptmx",
 ];
 
-/// Host directories replaced by an empty, unreadable tmpfs inside the sandbox (besides the
-/// first component of the workspace path, always hidden). `/run` holds the host's
-/// daemon sockets (container runtimes, D-Bus): Landlock before ABI 9 does not mediate
-/// `connect()` on a named Unix socket, so hiding them is what keeps them out of reach.
-pub const DEFAULT_HIDDEN_PATHS: &[&str] = &["/run"];
+/// The template of a sandbox whose spec names none.
+pub const DEFAULT_TEMPLATE: &str = "host";
 
-/// Private writable tmpfs mounts of every command.
-pub const PRIVATE_TMPFS_PATHS: &[&str] = &["/tmp", "/dev/shm"];
+/// First host uid (and gid) of the range a sandbox's ids map to: root inside is this
+/// uid outside, an unprivileged one.
+pub const DEFAULT_UID_BASE: u32 = 100_000;
+
+/// Number of ids mapped into a sandbox.
+pub const DEFAULT_UID_COUNT: u32 = 65_536;
+
+/// Default memory limit of a sandbox (2 GiB).
+pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
+
+/// Default process limit of a sandbox.
+pub const DEFAULT_PIDS: u64 = 1024;
+
+/// Default size of a sandbox's own file system (4 GiB, sparse on the host).
+pub const DEFAULT_DISK_BYTES: u64 = 4 << 30;
+
+/// Default size of a sandbox's `/dev/shm` (64 MiB, charged to its memory limit).
+pub const DEFAULT_SHM_BYTES: u64 = 64 << 20;
+
+/// Default time a sandbox's init has to set the sandbox up.
+pub const DEFAULT_INIT_TIMEOUT_MS: u64 = 20_000;
+
+/// Default time the network helper has to configure a sandbox's interface.
+pub const DEFAULT_NETWORK_TIMEOUT_MS: u64 = 5_000;
 
 /// Configuration of the local provider.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
-    /// Directory holding one subdirectory per sandbox (workspace, `sandbox.json`, output
-    /// spools). Empty: the daemon fills in `<state_dir>/sandboxes/<provider name>`. It
-    /// must not lie under a path confined commands may read.
+    /// Directory holding one subdirectory per sandbox (its file-system image, record and
+    /// output spools). Empty: the daemon fills in `<state_dir>/sandboxes/<provider name>`.
     #[serde(default)]
     pub root: PathBuf,
-    /// The workspace as sandbox paths see it. Absolute, at least two components; the
-    /// first component (`/home`) is hidden by an empty tmpfs inside the sandbox.
+    /// The home directory and default working directory inside (`/home/user`).
+    /// Absolute, at least two components.
     #[serde(default = "default_workspace_path")]
     pub workspace_path: PathBuf,
-    /// Create sandboxes even when the full isolation (mount namespace plus a fully
-    /// enforced Landlock ruleset) is not available; `SandboxInfo::enforcement` then says
-    /// what is. Default false: `create()` fails with `ISOLATION_UNAVAILABLE`.
+    /// Create sandboxes even when the full isolation is not available;
+    /// `SandboxInfo::enforcement` then says what is. Default false: `create()` fails
+    /// with `ISOLATION_UNAVAILABLE`.
     #[serde(default)]
     pub allow_weaker_isolation: bool,
     /// Give every sandbox network access, even when its spec does not ask for it.
-    /// Default false: a sandbox without network runs in an empty network namespace and
-    /// Landlock denies TCP bind and connect.
+    /// Default false: a sandbox without network has a network namespace with only
+    /// its own loopback.
     #[serde(default)]
     pub default_network: bool,
-    /// The confinement trampoline. Default: `tether-confine` next to the running
-    /// executable (or one directory up), else the running executable itself, called with
-    /// the hidden `__confine` subcommand.
+    /// The helper binary that becomes each sandbox's init. Default: `tether-confine`
+    /// next to the running executable (or one directory up), else the running
+    /// executable itself, called with the hidden `__confine` subcommand.
     #[serde(default)]
     pub confine_helper: Option<PathBuf>,
-    /// Apply Landlock rules. Turning this off leaves the namespaces only, which the
-    /// provider reports as `partial` enforcement (refused unless
-    /// `allow_weaker_isolation`).
-    #[serde(default = "yes")]
-    pub landlock: bool,
-    /// Paths confined commands may read and execute. Default: [`DEFAULT_READ_ONLY_PATHS`].
+    /// Where built templates (`base`) are cached. Default: `<root>-templates`, next to
+    /// the root (the root holds sandboxes only).
+    #[serde(default)]
+    pub templates_dir: Option<PathBuf>,
+    /// The template of a sandbox whose spec names none (`host` or `base`).
+    #[serde(default = "default_template")]
+    pub default_template: String,
+    /// Host paths the `host` template shows read-only. Default: [`DEFAULT_READ_ONLY_PATHS`].
     #[serde(default = "default_read_only_paths")]
     pub read_only_paths: Vec<PathBuf>,
-    /// Device nodes confined commands may read and write. Default: [`DEFAULT_DEVICE_PATHS`].
+    /// Host device nodes shown in `/dev`. Default: [`DEFAULT_DEVICE_PATHS`].
     #[serde(default = "default_device_paths")]
     pub device_paths: Vec<PathBuf>,
-    /// Host directories hidden behind an empty tmpfs. Default: [`DEFAULT_HIDDEN_PATHS`].
-    #[serde(default = "default_hidden_paths")]
-    pub hidden_paths: Vec<PathBuf>,
-    /// Track each command in its own cgroup (v2) so that `terminate()` and `destroy()`
-    /// reach processes that left the process group (`setsid`, daemons). Falls back to
-    /// process-group tracking when no writable cgroup v2 hierarchy is found.
+    /// First host id of the range sandbox ids map to.
+    #[serde(default = "default_uid_base")]
+    pub uid_base: u32,
+    /// Number of ids mapped.
+    #[serde(default = "default_uid_count")]
+    pub uid_count: u32,
+    /// Default limits of a sandbox; a sandbox's spec overrides each.
+    #[serde(default = "default_limits")]
+    pub limits: ResourceLimits,
+    /// Size of `/dev/shm`, in bytes.
+    #[serde(default = "default_shm_bytes")]
+    pub shm_bytes: u64,
+    /// Apply the limits with cgroups (v1 controllers or a v2 hierarchy, whichever the
+    /// host has). Without, limits other than disk are not enforced (`partial`).
     #[serde(default = "yes")]
     pub cgroups: bool,
-    /// The cgroup under which tether creates its sandbox cgroups. Default: the daemon's
-    /// own cgroup in the cgroup v2 hierarchy.
+    /// The cgroup under which tether creates its sandbox cgroups, relative to each
+    /// hierarchy's mount point. Default: the daemon's own cgroup in each hierarchy.
     #[serde(default)]
     pub cgroup_parent: Option<PathBuf>,
+    /// The userspace network helper (`pasta`). Default: `pasta` on `PATH`.
+    #[serde(default)]
+    pub network_helper: Option<PathBuf>,
+    /// Time a sandbox's init has to set the sandbox up, in ms.
+    #[serde(default = "default_init_timeout_ms")]
+    pub init_timeout_ms: u64,
+    /// Time the network helper has to configure a sandbox's interface, in ms.
+    #[serde(default = "default_network_timeout_ms")]
+    pub network_timeout_ms: u64,
     /// Capture cap per output stream when a command's spec sets none, in bytes.
     #[serde(default = "default_max_output_bytes")]
     pub max_output_bytes: u64,
@@ -183,12 +216,19 @@ impl Default for LocalConfig {
             allow_weaker_isolation: false,
             default_network: false,
             confine_helper: None,
-            landlock: true,
+            templates_dir: None,
+            default_template: default_template(),
             read_only_paths: default_read_only_paths(),
             device_paths: default_device_paths(),
-            hidden_paths: default_hidden_paths(),
+            uid_base: DEFAULT_UID_BASE,
+            uid_count: DEFAULT_UID_COUNT,
+            limits: default_limits(),
+            shm_bytes: DEFAULT_SHM_BYTES,
             cgroups: true,
             cgroup_parent: None,
+            network_helper: None,
+            init_timeout_ms: DEFAULT_INIT_TIMEOUT_MS,
+            network_timeout_ms: DEFAULT_NETWORK_TIMEOUT_MS,
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
             drain_after_exit_ms: DEFAULT_DRAIN_AFTER_EXIT_MS,
             max_grace_ms: DEFAULT_MAX_GRACE_MS,
@@ -217,12 +257,7 @@ impl LocalConfig {
             )));
         }
         workspace_components(&self.workspace_path)?;
-        for p in self
-            .read_only_paths
-            .iter()
-            .chain(&self.device_paths)
-            .chain(&self.hidden_paths)
-        {
+        for p in self.read_only_paths.iter().chain(&self.device_paths) {
             if !is_clean_absolute(p) {
                 return Err(invalid(format!(
                     "{} must be a normalized absolute path",
@@ -230,16 +265,27 @@ impl LocalConfig {
                 )));
             }
         }
-        // Sandboxes must not see each other's workspaces or output spools.
+        // Sandboxes must not see each other's file systems or output spools.
         if let Some(p) = self
             .read_only_paths
             .iter()
             .find(|p| self.root.starts_with(p) || p.starts_with(&self.root))
         {
             return Err(invalid(format!(
-                "local provider root {} overlaps the confined commands' readable path {}",
+                "local provider root {} overlaps the sandboxes' readable path {}",
                 self.root.display(),
                 p.display()
+            )));
+        }
+        if self.uid_count < 1024 || self.uid_base == 0 {
+            return Err(invalid(
+                "uid_base must be positive and uid_count at least 1024".into(),
+            ));
+        }
+        if !matches!(self.default_template.as_str(), "host" | "base") {
+            return Err(invalid(format!(
+                "default_template {:?}: the templates are host and base",
+                self.default_template
             )));
         }
         if self.max_output_bytes == 0 {
@@ -251,6 +297,28 @@ impl LocalConfig {
     /// The workspace path as a string (validated: UTF-8, absolute).
     pub(crate) fn workspace_str(&self) -> String {
         self.workspace_path.to_string_lossy().into_owned()
+    }
+
+    /// Where built templates live.
+    pub(crate) fn templates(&self) -> PathBuf {
+        self.templates_dir
+            .clone()
+            .unwrap_or_else(|| self.sibling("templates"))
+    }
+
+    /// Where snapshots live: `<root>-snapshots`.
+    pub(crate) fn snapshots(&self) -> PathBuf {
+        self.sibling("snapshots")
+    }
+
+    /// `<root>-<what>`, next to the root: the root holds sandboxes and nothing else.
+    fn sibling(&self, what: &str) -> PathBuf {
+        let name = self
+            .root
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sandboxes".into());
+        self.root.with_file_name(format!("{name}-{what}"))
     }
 }
 
@@ -306,8 +374,37 @@ fn default_device_paths() -> Vec<PathBuf> {
     DEFAULT_DEVICE_PATHS.iter().map(PathBuf::from).collect()
 }
 
-fn default_hidden_paths() -> Vec<PathBuf> {
-    DEFAULT_HIDDEN_PATHS.iter().map(PathBuf::from).collect()
+fn default_template() -> String {
+    DEFAULT_TEMPLATE.into()
+}
+
+fn default_uid_base() -> u32 {
+    DEFAULT_UID_BASE
+}
+
+fn default_uid_count() -> u32 {
+    DEFAULT_UID_COUNT
+}
+
+fn default_limits() -> ResourceLimits {
+    ResourceLimits {
+        memory_bytes: Some(DEFAULT_MEMORY_BYTES),
+        pids: Some(DEFAULT_PIDS),
+        cpu_millis: None,
+        disk_bytes: Some(DEFAULT_DISK_BYTES),
+    }
+}
+
+fn default_shm_bytes() -> u64 {
+    DEFAULT_SHM_BYTES
+}
+
+fn default_init_timeout_ms() -> u64 {
+    DEFAULT_INIT_TIMEOUT_MS
+}
+
+fn default_network_timeout_ms() -> u64 {
+    DEFAULT_NETWORK_TIMEOUT_MS
 }
 
 fn default_max_output_bytes() -> u64 {

@@ -1,20 +1,15 @@
 //! Backend errors of the local provider (I/O, `errno`, the trampoline) mapped to
 //! [`ProviderError`] with stable codes.
 //!
-//! The seam's error type is the crate's error type: these are conversion helpers, plus
-//! [`ConfineError`], the trampoline's own failures, which never cross the seam as such
-//! (the trampoline reports them on stderr and through its exit code).
+//! The seam's error type is the crate's error type: these are conversion helpers.
 
 use std::io;
 
 use tether_protocol::ErrorCode;
 use tether_provider::ProviderError;
 
-/// Exit code of `tether-confine` when a confinement step failed: the command was not run.
+/// Exit code of the sandbox init (`tether-confine holder|pid1`) when a set-up step failed.
 pub const CONFINE_FAILED_EXIT: i32 = 121;
-
-/// Prefix of the trampoline's diagnostic line on stderr when confinement failed.
-pub const CONFINE_FAILED_PREFIX: &str = "tether-confine: confinement failed:";
 
 /// An I/O error on sandbox path `path`, as an `FS_*` error. An escape attempt the kernel
 /// refused (`EXDEV` from `RESOLVE_BENEATH`/`RESOLVE_NO_XDEV`, `ELOOP` from
@@ -74,51 +69,4 @@ pub(crate) fn spawn_failed(message: impl Into<String>, source: Option<io::Error>
 /// A blocking task that panicked or was cancelled.
 pub(crate) fn join(e: tokio::task::JoinError) -> ProviderError {
     internal("a blocking file operation did not complete", e)
-}
-
-/// Why the trampoline could not confine a command. Each variant names the step.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfineError {
-    /// The command line of the trampoline is wrong.
-    #[error("usage: tether-confine [__confine] run|probe <spec.json>")]
-    Usage,
-    /// The spec file could not be read or parsed.
-    #[error("cannot read the spec {path}")]
-    Spec {
-        /// The spec path.
-        path: String,
-        /// Why.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// A confinement step failed.
-    #[error("{step}")]
-    Step {
-        /// The step (`unshare`, `mount /tmp`, `landlock`, ...).
-        step: String,
-        /// Why.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// The enforcement reached is below what the sandbox promised.
-    #[error("enforcement {reached} is below the required {required}")]
-    Weaker {
-        /// What was reached.
-        reached: &'static str,
-        /// What the sandbox requires.
-        required: &'static str,
-    },
-}
-
-impl ConfineError {
-    /// A failed step with its cause.
-    pub(crate) fn step(
-        step: impl Into<String>,
-        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
-    ) -> Self {
-        Self::Step {
-            step: step.into(),
-            source: source.into(),
-        }
-    }
 }

@@ -64,16 +64,46 @@ type Comps = Vec<OsString>;
 
 // === impl Workspace ===
 
-/// The host directory behind a sandbox's workspace, and how sandbox paths map to it.
+/// A sandbox's root as the provider reaches it (its init's `/proc/<pid>/root`), and how
+/// sandbox paths map to it.
 #[derive(Debug)]
 pub(crate) struct Workspace {
     root: OwnedFd,
+    /// Components of the home directory, where relative paths start.
+    home: Vec<OsString>,
+    /// Components every path must lie under (empty: the whole root).
     prefix: Vec<OsString>,
     display: String,
+    /// Host uid and gid file operations run as (the sandbox's default user), or `None`
+    /// to keep the provider's own.
+    pub(crate) creds: Option<(u32, u32)>,
 }
 
 impl Workspace {
-    /// Open the workspace at `host`, seen inside as `sandbox_path` (components `prefix`).
+    /// Open the sandbox root at `host`, with relative paths starting at `home`
+    /// (components `home_comps`), file operations running as `creds`.
+    pub(crate) fn open_root(
+        host: &std::path::Path,
+        home: &str,
+        home_comps: &[String],
+        creds: Option<(u32, u32)>,
+    ) -> std::io::Result<Self> {
+        let root = rustix::fs::open(
+            host,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(Self {
+            root,
+            home: home_comps.iter().map(OsString::from).collect(),
+            prefix: Vec::new(),
+            display: home.to_owned(),
+            creds,
+        })
+    }
+
+    /// A view confined to `host`, seen inside as `sandbox_path` (components `prefix`).
+    #[cfg(test)]
     pub(crate) fn open(
         host: &std::path::Path,
         sandbox_path: &str,
@@ -84,24 +114,30 @@ impl Workspace {
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
+        let prefix: Vec<OsString> = prefix.iter().map(OsString::from).collect();
         Ok(Self {
             root,
-            prefix: prefix.iter().map(OsString::from).collect(),
+            home: prefix.clone(),
+            prefix,
             display: sandbox_path.to_owned(),
+            creds: None,
         })
     }
 
-    /// The workspace as sandbox paths see it (`/home/user`).
+    /// The home directory as sandbox paths see it (`/home/user`).
     pub(crate) fn display(&self) -> &str {
         &self.display
     }
 
-    /// The sandbox path of workspace-relative components.
+    /// The sandbox path of root-relative components.
     pub(crate) fn sandbox_path(&self, comps: &[OsString]) -> String {
-        let mut s = self.display.clone();
-        for c in comps {
+        let mut s = String::new();
+        for c in self.prefix.iter().chain(comps) {
             s.push('/');
             s.push_str(&c.to_string_lossy());
+        }
+        if s.is_empty() {
+            s.push('/');
         }
         s
     }
@@ -113,7 +149,7 @@ impl Workspace {
         }
         let mut stack: Vec<OsString> = Vec::new();
         let rel = !path.starts_with('/');
-        let base = if rel { self.prefix.clone() } else { Vec::new() };
+        let base = if rel { self.home.clone() } else { Vec::new() };
         stack.extend(base);
         push_lexical(&mut stack, OsStr::new(path));
         strip_prefix(&self.prefix, stack).ok_or_else(|| outside(path))
@@ -132,7 +168,8 @@ impl Workspace {
                 continue;
             }
             if c == ".." {
-                if done.pop().is_none() {
+                // `/..` is `/` when the view is the whole root.
+                if done.pop().is_none() && !self.prefix.is_empty() {
                     return Err(outside(path));
                 }
                 continue;
@@ -204,10 +241,16 @@ impl Workspace {
             rel.as_os_str(),
             flags | extra,
             Mode::empty(),
-            ResolveFlags::BENEATH
-                | ResolveFlags::NO_SYMLINKS
-                | ResolveFlags::NO_MAGICLINKS
-                | ResolveFlags::NO_XDEV,
+            // Mounts inside the sandbox (`/proc`, `/dev/shm`) are the sandbox's own: only
+            // a view confined to a directory refuses to cross them.
+            if self.prefix.is_empty() {
+                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS
+            } else {
+                ResolveFlags::BENEATH
+                    | ResolveFlags::NO_SYMLINKS
+                    | ResolveFlags::NO_MAGICLINKS
+                    | ResolveFlags::NO_XDEV
+            },
         )
     }
 
@@ -362,13 +405,33 @@ fn unique_mtime() -> rustix::fs::Timespec {
 /// over. Once started, the closure is waited for even if the call is cancelled: these are
 /// short local system calls, and returning early would report a cancel for an operation
 /// that takes effect anyway (or leak the temporary file a write was creating).
-async fn blocking<T, F>(ctx: &CallCtx, f: F) -> Result<T>
+async fn blocking<T, F>(ctx: &CallCtx, creds: Option<(u32, u32)>, f: F) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T> + Send + 'static,
 {
     ctx.check()?;
-    tokio::task::spawn_blocking(f).await.map_err(join)?
+    tokio::task::spawn_blocking(move || as_user(creds, f))
+        .await
+        .map_err(join)?
+}
+
+/// Run `f` on this thread with the file-system identity `creds` (the sandbox's user,
+/// as the host sees it), then restore the provider's. The kernel then checks every
+/// path access as it would for a process of the sandbox, and what is created belongs
+/// to that user; a change of the file-system uid away from 0 also drops the
+/// capabilities that bypass permission checks, for this thread only.
+pub(crate) fn as_user<T>(creds: Option<(u32, u32)>, f: impl FnOnce() -> T) -> T {
+    let Some((uid, gid)) = creds else {
+        return f();
+    };
+    use nix::unistd::{Gid, Uid, setfsgid, setfsuid};
+    let old_gid = setfsgid(Gid::from_raw(gid));
+    let old_uid = setfsuid(Uid::from_raw(uid));
+    let r = f();
+    setfsuid(old_uid);
+    setfsgid(old_gid);
+    r
 }
 
 // === impl LocalFs ===
@@ -409,7 +472,7 @@ impl Fs for LocalFs {
     async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
         let ws = self.ws.clone();
         let path = path.to_owned();
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&path, false)?;
             ws.stat_comps(&path, &comps)
         })
@@ -419,7 +482,7 @@ impl Fs for LocalFs {
     async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
         let ws = self.ws.clone();
         let p = path.to_owned();
-        let fd = blocking(ctx, move || {
+        let fd = blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let fd = ws
                 .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
@@ -481,7 +544,7 @@ impl Fs for LocalFs {
         let tmp_name = OsString::from(format!("{TEMP_PREFIX}{}", uuid::Uuid::new_v4().simple()));
         let tmp = tmp_name.clone();
         // Resolve, create the parents, create the temporary file next to the target.
-        let (comps, parent, fd) = blocking(ctx, move || {
+        let (comps, parent, fd) = blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let (_, parent_comps) = comps.split_last().ok_or_else(|| {
                 ProviderError::fs(ErrorCode::FsIsDirectory, &p, "is the workspace")
@@ -499,9 +562,12 @@ impl Fs for LocalFs {
         })
         .await?;
         let parent = Arc::new(parent);
+        let creds = self.ws.creds;
         let cleanup = |parent: Arc<OwnedFd>, tmp: OsString| async move {
             let _ = tokio::task::spawn_blocking(move || {
-                rustix::fs::unlinkat(&*parent, tmp.as_os_str(), AtFlags::empty())
+                as_user(creds, || {
+                    rustix::fs::unlinkat(&*parent, tmp.as_os_str(), AtFlags::empty())
+                })
             })
             .await;
         };
@@ -543,8 +609,8 @@ impl Fs for LocalFs {
         let ws = self.ws.clone();
         let p = path.to_owned();
         let (par, tmp) = (parent.clone(), tmp_name.clone());
-        let published =
-            tokio::task::spawn_blocking(move || -> Result<(WriteOutcome, Comps, bool)> {
+        let published = tokio::task::spawn_blocking(move || {
+            as_user(creds, move || -> Result<(WriteOutcome, Comps, bool)> {
                 let Some(name) = comps.last().cloned() else {
                     return Err(ProviderError::fs(
                         ErrorCode::FsIsDirectory,
@@ -651,9 +717,10 @@ impl Fs for LocalFs {
                 };
                 Ok((outcome, comps, created))
             })
-            .await
-            .map_err(join)
-            .and_then(|r| r);
+        })
+        .await
+        .map_err(join)
+        .and_then(|r| r);
         drop(_publishing);
         match published {
             Ok((outcome, comps, created)) => {
@@ -675,7 +742,7 @@ impl Fs for LocalFs {
         }
         let ws = self.ws.clone();
         let p = path.to_owned();
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let fd = ws
                 .open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY)
@@ -691,7 +758,7 @@ impl Fs for LocalFs {
     async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat> {
         let ws = self.ws.clone();
         let p = path.to_owned();
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let Some((_, parent_comps)) = comps.split_last() else {
                 return Err(ProviderError::fs(
@@ -715,7 +782,7 @@ impl Fs for LocalFs {
     async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat> {
         let ws = self.ws.clone();
         let (f, t) = (from.to_owned(), to.to_owned());
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let fc = ws.resolve(&f, false)?;
             let tc = ws.resolve(&t, false)?;
             let (fdir, fname) = ws.parent(&f, &fc)?;
@@ -731,7 +798,7 @@ impl Fs for LocalFs {
     async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()> {
         let ws = self.ws.clone();
         let p = path.to_owned();
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, false)?;
             let (dir, name) = ws.parent(&p, &comps)?;
             let st = rustix::fs::statat(&dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
@@ -757,7 +824,7 @@ impl Fs for LocalFs {
         prefix: &str,
     ) -> Result<std::collections::BTreeMap<String, Vec<u8>>> {
         let (ws, p, prefix) = (self.ws.clone(), path.to_owned(), prefix.to_owned());
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let fd = ws
                 .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
@@ -792,7 +859,7 @@ impl Fs for LocalFs {
         values: std::collections::BTreeMap<String, Vec<u8>>,
     ) -> Result<()> {
         let (ws, p, prefix) = (self.ws.clone(), path.to_owned(), prefix.to_owned());
-        blocking(ctx, move || {
+        blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let fd = ws
                 .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
@@ -826,7 +893,7 @@ impl Fs for LocalFs {
     ) -> Result<BoxStream<'static, Result<FsEvent>>> {
         let ws = self.ws.clone();
         let p = path.to_owned();
-        let (inotify, root_comps, wds) = blocking(ctx, move || {
+        let (inotify, root_comps, wds) = blocking(ctx, self.ws.creds, move || {
             let comps = ws.resolve(&p, true)?;
             let dir = ws
                 .open_beneath(&comps, OFlags::RDONLY | OFlags::DIRECTORY)

@@ -1,25 +1,29 @@
-//! tether's local provider: sandboxes as confined local processes.
+//! tether's local provider: every sandbox a machine of its own.
 //!
-//! A sandbox is a private workspace directory on the host, presented to its commands at
-//! `/home/user` through a mount namespace, plus the commands confined in it. Every
-//! command starts through the confinement trampoline ([`confine`]): own user, mount and
-//! (without network) network namespaces, a Landlock ruleset that allows reading the
-//! system, writing the workspace and a private `/tmp`, and nothing else, its own process
-//! group and cgroup so that `terminate()` reaches every descendant. What is enforced is
-//! probed when a sandbox is created and reported in `SandboxInfo::enforcement`; less
-//! than `full` is refused unless the configuration allows weaker isolation.
+//! A sandbox is a set of namespaces (user, with root inside mapped to an unprivileged
+//! host uid range; mount; pid; UTS; IPC; network; cgroup) created once and held by a
+//! small init that is pid 1 inside ([`init`]); it starts every command. Its root file
+//! system is an overlay over a read-only template, whose upper layer lives on its own
+//! size-limited ext4 image ([`rootfs`]); its cgroups carry memory, process and CPU
+//! limits on cgroup v1 or v2 hierarchies; its network is its own loopback only, or
+//! egress through a userspace NAT (`pasta`) that cannot reach the host's loopback.
+//! What is enforced is reported in `SandboxInfo::enforcement`; less than `full` is
+//! refused unless the configuration allows weaker isolation.
 //!
-//! File operations ([`LocalFs`]) act on the host workspace directory directly, with
-//! path resolution that cannot leave it. The crate contains no daemon logic and no
-//! `unsafe` code: confinement uses safe wrappers (`nix`, `rustix`, `landlock`) in a
-//! separate, single-threaded process instead of `pre_exec`.
+//! File operations ([`LocalFs`]) act on the sandbox's root through its init's
+//! `/proc/<pid>/root`, with path resolution that cannot leave it, as the sandbox's
+//! user. The crate contains no `unsafe` code: namespaces, mounts and descriptor passing
+//! use safe wrappers (`nix`, `rustix`) in a separate, single-threaded helper process.
 
+mod cgroup;
 mod client;
 mod config;
 pub mod confine;
 mod error;
 mod fs;
+pub mod init;
 mod process;
+pub mod rootfs;
 mod sandbox;
 
 #[cfg(test)]
@@ -27,11 +31,14 @@ mod tests;
 
 pub use client::CONFINE_BINARY;
 pub use config::{
-    DEFAULT_DEVICE_PATHS, DEFAULT_HIDDEN_PATHS, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_READ_ONLY_PATHS,
-    DEFAULT_WORKSPACE_PATH, LocalConfig, PRIVATE_TMPFS_PATHS,
+    DEFAULT_DEVICE_PATHS, DEFAULT_DISK_BYTES, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_MEMORY_BYTES,
+    DEFAULT_PIDS, DEFAULT_READ_ONLY_PATHS, DEFAULT_TEMPLATE, DEFAULT_UID_BASE,
+    DEFAULT_WORKSPACE_PATH, LocalConfig,
 };
-pub use confine::{CONFINE_SUBCOMMAND, ConfineSpec, LandlockLevel, ProbeReport};
-pub use error::{CONFINE_FAILED_EXIT, CONFINE_FAILED_PREFIX, ConfineError};
+pub use confine::CONFINE_SUBCOMMAND;
+pub use error::CONFINE_FAILED_EXIT;
 pub use fs::{LocalFs, READ_CHUNK, TEMP_PREFIX};
+pub use init::InitSpec;
 pub use process::{DEFAULT_PATH, LocalCommand, LocalProcess};
+pub use rootfs::{BuildProgress, build_base};
 pub use sandbox::{KIND, LocalProvider, LocalSandbox};

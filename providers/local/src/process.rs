@@ -1,12 +1,13 @@
-//! Commands of a local sandbox: spawning through the trampoline, output spools, signals
+//! Commands of a local sandbox: started by the sandbox's init, output spools, signals
 //! and termination.
 //!
-//! Each command runs in its own process group (its own session under a pty) and, when
-//! the host has a writable cgroup v2 hierarchy, in its own cgroup below the sandbox's.
-//! The cgroup is what `terminate()` trusts: it reaches descendants that called `setsid`
-//! or double-forked, `cgroup.kill` kills them atomically with respect to new forks, and
-//! an empty `cgroup.procs` is the proof that nothing is left. Without cgroups the
-//! command's process group and session are scanned in `/proc` instead.
+//! The provider hands the init the command's stdio (pipes, or a pty it allocated) over
+//! the init's socket; the init starts the command as its child, in its own process
+//! group (its own session under a pty), inside every namespace and cgroup of the
+//! sandbox, and reports its exit. Signals go to the command's process group (and
+//! session) by host pid; `terminate()` verifies with a scan of `/proc` that nothing of
+//! the group is left. `destroy` kills the whole pid namespace, which reaches whatever
+//! left its group.
 //!
 //! Output is spooled to one file per stream in the sandbox's private state directory
 //! (outside the workspace), up to the capture cap; the pipe is drained past the cap so
@@ -19,10 +20,9 @@
 //! (`stdout_max_bytes`, default `max_output_bytes`) bounds what is spooled and
 //! delivered: the first N bytes of the stream.
 //!
-//! A command the trampoline refused to confine never runs: it exits with code
-//! [`CONFINE_FAILED_EXIT`](crate::CONFINE_FAILED_EXIT) and one diagnostic line on
-//! stderr. `ProcessSpec::user` is ignored: every command of a local sandbox runs as the
-//! daemon's user, inside its own user namespace.
+//! `ProcessSpec::user` names a user of the sandbox (`root`, or one in its
+//! `/etc/passwd`); without it commands run as the template's default user (root in
+//! `host`, `user` in `base`). Pids are the sandbox's own.
 //!
 //! A command has exited once its leader has exited and its pipes reached end of file,
 //! or `drain_after_exit_ms` after the leader exited, whichever comes first: background
@@ -30,11 +30,9 @@
 //! command) until `terminate()` or the sandbox's destruction.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
-use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -43,7 +41,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal as NixSignal;
-use tether_protocol::ErrorCode;
+use tether_protocol::limits::LimitKind;
 use tether_protocol::process::{
     Command as CommandSpec, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode,
     StreamKind,
@@ -54,12 +52,9 @@ use tether_provider::{
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::ChildStdin;
 use tokio::sync::{Mutex, watch};
 
-use crate::client::{
-    Cgroup, group_members, open_pty, set_winsize, shell_argv, signal_group, write_spec,
-};
+use crate::client::{group_members, open_pty, set_winsize, shell_argv, signal_group};
 use crate::error::{fs_errno, internal, spawn_failed};
 use crate::sandbox::SandboxCore;
 
@@ -118,17 +113,6 @@ impl LocalProcess {
         for c in &commands {
             c.kill_now();
         }
-        if let Some(cg) = &self.inner.core.cgroup {
-            cg.kill_all();
-        }
-        let verify = Duration::from_millis(self.inner.core.cfg.kill_verify_ms);
-        let gone = futures_util::future::join_all(commands.iter().map(|c| c.wait_gone(verify)));
-        let sandbox_gone = async {
-            if let Some(cg) = &self.inner.core.cgroup {
-                poll_until(verify, || !cg.populated()).await;
-            }
-        };
-        futures_util::join!(gone, sandbox_gone);
     }
 
     fn resolve_cwd(&self, cwd: Option<&str>) -> Result<(PathBuf, Option<String>)> {
@@ -136,32 +120,35 @@ impl LocalProcess {
         let Some(cwd) = cwd else {
             return Ok((PathBuf::from(ws.display()), None));
         };
-        // Inside the workspace the directory must exist (checked the way Fs checks
-        // paths); elsewhere (`/tmp`, `/`) the trampoline's chdir decides.
-        match ws.resolve(cwd, true) {
-            Ok(comps) => {
-                ws.open_dir(&comps).map_err(|e| fs_errno(cwd, e))?;
-                Ok((PathBuf::from(ws.sandbox_path(&comps)), Some(cwd.to_owned())))
-            }
-            Err(e) if e.code() == ErrorCode::FsPermissionDenied && cwd.starts_with('/') => {
-                let mut stack: Vec<&str> = Vec::new();
-                for c in cwd.split('/') {
-                    match c {
-                        "" | "." => {}
-                        ".." => {
-                            stack.pop();
-                        }
-                        c => stack.push(c),
-                    }
-                }
-                Ok((
-                    PathBuf::from(format!("/{}", stack.join("/"))),
-                    Some(cwd.to_owned()),
-                ))
-            }
-            Err(e) => Err(e),
-        }
+        // The directory must exist, checked the way Fs checks paths.
+        let comps = ws.resolve(cwd, true)?;
+        ws.open_dir(&comps).map_err(|e| fs_errno(cwd, e))?;
+        Ok((PathBuf::from(ws.sandbox_path(&comps)), Some(cwd.to_owned())))
     }
+}
+
+/// A command that used all the free space of the sandbox's disk left less than this.
+const DISK_FULL_BYTES: u64 = 1 << 20;
+
+/// uid and gid inside of user `name`, from the sandbox's `/etc/passwd`.
+fn lookup_user(core: &SandboxCore, name: &str) -> Result<(u32, u32)> {
+    if name == "root" {
+        return Ok((0, 0));
+    }
+    let passwd = std::fs::read_to_string(format!("/proc/{}/root/etc/passwd", core.init.pid1))
+        .unwrap_or_default();
+    passwd
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.len() > 3 && f[0] == name)
+                .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+                .flatten()
+        })
+        .or_else(|| (name == "user").then_some(core.user))
+        .ok_or_else(|| ProviderError::InvalidRequest {
+            message: format!("no user {name:?} in the sandbox"),
+        })
 }
 
 fn build_env(
@@ -256,111 +243,109 @@ impl Process for LocalProcess {
         }
 
         let spool = core.state_dir.join("cmd").join(&key);
-        tokio::fs::create_dir_all(&spool)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
         let out_path = spool.join("stdout");
         let err_path = spool.join("stderr");
-        let out_file = tokio::fs::File::create(&out_path)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
-        let err_file = tokio::fs::File::create(&err_path)
-            .await
-            .map_err(|e| internal("cannot create the output spool", e))?;
-
-        let cgroup = match &core.cgroup {
-            Some(cg) => Some(
-                cg.child(&key)
-                    .map_err(|e| spawn_failed("cannot create the command's cgroup", Some(e)))?,
-            ),
-            None => None,
-        };
-        let pty = match spec.pty {
-            Some(size) => Some(
-                open_pty(size.rows, size.cols)
-                    .map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?,
-            ),
-            None => None,
-        };
-        let confine = core.confine_spec(
-            cgroup.as_ref().map(|c| c.path().to_owned()),
-            pty.is_some(),
-            cwd.clone(),
-            env,
-            argv,
+        // One trip to the blocking pool for the spool (each trip is a thread wake-up).
+        let (d, o, e) = (spool.clone(), out_path.clone(), err_path.clone());
+        let (out_file, err_file) = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&d)?;
+            Ok::<_, std::io::Error>((std::fs::File::create(&o)?, std::fs::File::create(&e)?))
+        })
+        .await
+        .map_err(crate::error::join)?
+        .map_err(|e| internal("cannot create the output spool", e))?;
+        let (out_file, err_file) = (
+            tokio::fs::File::from_std(out_file),
+            tokio::fs::File::from_std(err_file),
         );
-        let spec_path = spool.join("spec.json");
-        if let Err(e) = write_spec(&spec_path, &confine).await {
-            let _ = tokio::fs::remove_dir_all(&spool).await;
-            if let Some(cg) = &cgroup {
-                cg.remove();
-            }
-            return Err(e);
-        }
+        let (uid, gid) = match spec.user.as_deref() {
+            None => core.user,
+            Some(name) => lookup_user(core, name)?,
+        };
+        let before = core
+            .cgroup
+            .as_ref()
+            .map(|cg| (cg.oom_kills(), cg.pids_refusals()));
 
-        let mut cmd = core.launcher.command("run", &spec_path);
+        // Pipes and ptys belong to whoever creates them, and a command that reopens its
+        // stdio by name (`/dev/fd/1`, `/dev/pts/N`) is checked against that owner: create
+        // them as the command's user, as the host sees it.
+        let owner = Some((
+            core.cfg.uid_base.saturating_add(uid),
+            core.cfg.uid_base.saturating_add(gid),
+        ));
+        let pipe = || {
+            crate::fs::as_user(owner, || {
+                rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+            })
+            .map_err(|e| spawn_failed("cannot create a pipe", Some(e.into())))
+        };
         let mut master = None;
-        match pty {
-            Some(p) => {
-                let dup = |fd: &OwnedFd| {
-                    fd.try_clone()
-                        .map_err(|e| spawn_failed("cannot duplicate the pty", Some(e)))
-                };
-                cmd.stdin(Stdio::from(dup(&p.slave)?))
-                    .stdout(Stdio::from(dup(&p.slave)?))
-                    .stderr(Stdio::from(p.slave));
-                // The trampoline calls setsid: it must not be a group leader already.
+        let mut stdin_w = None;
+        let mut out_r = None;
+        let mut err_r = None;
+        let theirs: Vec<OwnedFd> = match spec.pty {
+            Some(size) => {
+                let ptmx = PathBuf::from(format!("/proc/{}/root/dev/pts/ptmx", core.init.pid1));
+                // The multiplexer is opened as the provider (through the init's root);
+                // the terminal is created as the command's user.
+                let p = open_pty(&ptmx, size.rows, size.cols, owner)
+                    .map_err(|e| spawn_failed("cannot allocate a pty", Some(e)))?;
                 master = Some(Arc::new(
                     crate::client::async_fd(p.master)
                         .map_err(|e| spawn_failed("cannot register the pty", Some(e)))?,
                 ));
+                vec![p.slave]
             }
             None => {
-                let stdin = match spec.stdin {
-                    StdinMode::Ignore => Stdio::null(),
-                    StdinMode::Pipe | StdinMode::Data { .. } => Stdio::piped(),
-                };
-                cmd.stdin(stdin)
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .process_group(0);
-            }
-        }
-        let spawned = cmd.spawn();
-        // Our copies of the pty slave go with the builder: end of file must come when
-        // the command's side closes.
-        drop(cmd);
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = tokio::fs::remove_dir_all(&spool).await;
-                if let Some(cg) = &cgroup {
-                    cg.remove();
+                let (in_r, in_w) = pipe()?;
+                if !matches!(spec.stdin, StdinMode::Ignore) {
+                    stdin_w = Some(in_w);
                 }
-                return Err(spawn_failed(
-                    format!("cannot start {}", core.launcher.program().display()),
-                    Some(e),
-                ));
+                let (o_r, o_w) = pipe()?;
+                let (e_r, e_w) = pipe()?;
+                out_r = Some(o_r);
+                err_r = Some(e_r);
+                vec![in_r, o_w, e_w]
             }
         };
-        let pid = child.id().unwrap_or_default();
+        let fds: Vec<BorrowedFd<'_>> = theirs.iter().map(|f| f.as_fd()).collect();
+        let started = core
+            .init
+            .spawn(argv, env, cwd.clone(), master.is_some(), uid, gid, &fds)
+            .await;
+        // Our copies of the command's ends go now: end of file must come when the
+        // command's side closes.
+        drop(fds);
+        drop(theirs);
+        let started = match started {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&spool).await;
+                return Err(e);
+            }
+        };
+        let pid = started.pid;
 
         let out_cap = spec.stdout_max_bytes.unwrap_or(core.cfg.max_output_bytes);
         let err_cap = spec.stderr_max_bytes.unwrap_or(core.cfg.max_output_bytes);
         let (progress, _) = watch::channel(Progress::default());
-        let stdin = match (&master, spec.stdin.clone()) {
-            (Some(m), _) => Some(StdinSink::Pty(m.clone())),
-            (None, StdinMode::Pipe) => child.stdin.take().map(StdinSink::Pipe),
-            (None, StdinMode::Data { data }) => {
-                if let Some(mut w) = child.stdin.take() {
-                    core.tasks.spawn(async move {
-                        // A command that exits without reading ends this with EPIPE.
-                        let _ = w.write_all(&data).await;
-                    });
-                }
+        let to_sender = |fd: OwnedFd| {
+            tokio::net::unix::pipe::Sender::from_owned_fd(fd)
+                .map_err(|e| spawn_failed("cannot register a pipe", Some(e)))
+        };
+        let stdin = match (&master, spec.stdin.clone(), stdin_w) {
+            (Some(m), _, _) => Some(StdinSink::Pty(m.clone())),
+            (None, StdinMode::Pipe, Some(w)) => Some(StdinSink::Pipe(to_sender(w)?)),
+            (None, StdinMode::Data { data }, Some(w)) => {
+                let mut w = to_sender(w)?;
+                core.tasks.spawn(async move {
+                    // A command that exits without reading ends this with EPIPE.
+                    let _ = w.write_all(&data).await;
+                });
                 None
             }
-            (None, StdinMode::Ignore) => None,
+            _ => None,
         };
         let command = Arc::new(LocalCommand {
             id: id.clone(),
@@ -379,7 +364,8 @@ impl Process for LocalProcess {
             stdin: Mutex::new(stdin),
             pty: master.clone(),
             progress,
-            cgroup,
+            host_pid: started.host_pid,
+            limit: std::sync::OnceLock::new(),
             grace: Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms)),
             verify: Duration::from_millis(core.cfg.kill_verify_ms),
             terminating: Mutex::new(None),
@@ -400,7 +386,8 @@ impl Process for LocalProcess {
                 drop(err_file);
             }
             None => {
-                if let Some(out) = child.stdout.take() {
+                let to_receiver = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
+                if let Some(Ok(out)) = out_r.map(to_receiver) {
                     pumps.push(core.tasks.spawn(pump(
                         out,
                         out_file,
@@ -410,7 +397,7 @@ impl Process for LocalProcess {
                         sealed.clone(),
                     )));
                 }
-                if let Some(err) = child.stderr.take() {
+                if let Some(Ok(err)) = err_r.map(to_receiver) {
                     pumps.push(core.tasks.spawn(pump(
                         err,
                         err_file,
@@ -428,7 +415,8 @@ impl Process for LocalProcess {
         }
         let drain = Duration::from_millis(core.cfg.drain_after_exit_ms);
         core.tasks.spawn(supervise(
-            child,
+            started.exit,
+            before,
             command.clone(),
             pumps,
             sealed,
@@ -472,36 +460,46 @@ impl Process for LocalProcess {
 
 /// Wait for the leader, let the pumps drain (bounded), then report the exit.
 async fn supervise(
-    mut child: tokio::process::Child,
+    exit: tokio::sync::oneshot::Receiver<ExitStatus>,
+    before: Option<(u64, u64)>,
     command: Arc<LocalCommand>,
     pumps: Vec<tokio::task::JoinHandle<()>>,
     sealed: Arc<AtomicBool>,
     drain: Duration,
     owner: Weak<Inner>,
 ) {
-    let status = match child.wait().await {
-        Ok(s) => ExitStatus {
-            code: s.code(),
-            signal: s.signal(),
-        },
-        Err(e) => {
-            tracing::warn!(error = %e, command.id = %command.id, "Cannot wait for a command");
-            ExitStatus {
-                code: None,
-                signal: None,
+    // The init is gone (the sandbox was destroyed): the command died with it.
+    let status = exit.await.unwrap_or(ExitStatus {
+        code: None,
+        signal: Some(NixSignal::SIGKILL as i32),
+    });
+    if let Some(owner) = owner.upgrade() {
+        let core = &owner.core;
+        let hit = match (&core.cgroup, before) {
+            // The out-of-memory killer took the command, or a process it waited for.
+            (Some(cg), Some((oom, _))) if !status.success() && cg.oom_kills() > oom => {
+                Some(LimitKind::Memory)
             }
+            (Some(cg), Some((_, pids))) if !status.success() && cg.pids_refusals() > pids => {
+                Some(LimitKind::Pids)
+            }
+            _ if !status.success()
+                && crate::rootfs::disk_free(&core.root_view())
+                    .is_some_and(|f| f < DISK_FULL_BYTES) =>
+            {
+                Some(LimitKind::Disk)
+            }
+            _ => None,
+        };
+        if let Some(hit) = hit {
+            let _ = command.limit.set(hit);
         }
-    };
+    }
     let _ = tokio::time::timeout(drain, futures_util::future::join_all(pumps)).await;
     // Later output (a background process still writing) is drained and dropped, so it
     // never blocks on a full pipe, nor dies of SIGPIPE.
     sealed.store(true, Ordering::Release);
     command.progress.send_modify(|p| p.exited = Some(status));
-    if let Some(cg) = &command.cgroup
-        && !cg.populated()
-    {
-        cg.remove();
-    }
     let Some(owner) = owner.upgrade() else { return };
     let mut table = owner.table.lock().await;
     table.finished.push_back(command.id.clone());
@@ -630,7 +628,7 @@ struct Progress {
 
 #[derive(Debug)]
 enum StdinSink {
-    Pipe(ChildStdin),
+    Pipe(tokio::net::unix::pipe::Sender),
     Pty(Arc<AsyncFd<OwnedFd>>),
 }
 
@@ -646,7 +644,11 @@ pub struct LocalCommand {
     stdin: Mutex<Option<StdinSink>>,
     pty: Option<Arc<AsyncFd<OwnedFd>>>,
     progress: watch::Sender<Progress>,
-    cgroup: Option<Cgroup>,
+    /// The leader's pid on the host (what signals are sent to); `None` when it had
+    /// ended before it could be identified.
+    host_pid: Option<u32>,
+    /// The limit the command ran into, known once it has exited.
+    limit: std::sync::OnceLock<LimitKind>,
     grace: Duration,
     verify: Duration,
     /// Serializes `terminate()`, and remembers its first report (it is idempotent).
@@ -661,46 +663,28 @@ impl LocalCommand {
         }
     }
 
-    /// Processes of the command still alive.
+    /// Processes of the command still alive (host pids): its process group, and
+    /// under a pty its session.
     fn members(&self) -> Vec<i32> {
-        match &self.cgroup {
-            Some(cg) => cg.pids(),
-            None => group_members(self.pid as i32),
+        match self.host_pid {
+            Some(pid) if pid > 1 => group_members(pid as i32),
+            _ => Vec::new(),
         }
     }
 
     fn deliver(&self, sig: NixSignal) {
-        match &self.cgroup {
-            Some(cg) => {
-                // The trampoline joins the command's cgroup from inside, a moment after
-                // spawn; its process group exists from spawn on. Until the leader is seen
-                // to exit, signal the group too, so a signal sent right after spawn is
-                // never lost.
-                if self.progress.borrow().exited.is_none() {
-                    signal_group(self.pid as i32, sig);
-                }
-                cg.signal(sig);
-            }
-            None => {
-                signal_group(self.pid as i32, sig);
-                // Members that left the group but kept the session (pty commands).
-                for pid in group_members(self.pid as i32) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
-                }
-            }
+        let Some(pid) = self.host_pid.filter(|p| *p > 1) else {
+            return;
+        };
+        signal_group(pid as i32, sig);
+        // Members that left the group but kept the session (pty commands).
+        for member in group_members(pid as i32) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(member), sig);
         }
     }
 
     fn kill_now(&self) {
-        match &self.cgroup {
-            Some(cg) => {
-                if self.progress.borrow().exited.is_none() {
-                    signal_group(self.pid as i32, NixSignal::SIGKILL);
-                }
-                cg.kill_all()
-            }
-            None => self.deliver(NixSignal::SIGKILL),
-        }
+        self.deliver(NixSignal::SIGKILL);
     }
 
     async fn wait_gone(&self, limit: Duration) -> bool {
@@ -715,12 +699,9 @@ impl LocalCommand {
         let _ = rx.wait_for(|p| p.exited.is_some()).await;
     }
 
-    /// Drop the spool and the cgroup of a command no longer remembered.
+    /// Drop the spool of a command no longer remembered.
     async fn forget(&self) {
         let _ = tokio::fs::remove_dir_all(&self.spool).await;
-        if let Some(cg) = &self.cgroup {
-            cg.remove();
-        }
     }
 
     async fn write_pty(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> std::io::Result<()> {
@@ -907,6 +888,10 @@ impl ProcessHandle for LocalCommand {
 
     fn try_status(&self) -> Option<ExitStatus> {
         self.progress.borrow().exited
+    }
+
+    fn limit_hit(&self) -> Option<LimitKind> {
+        self.limit.get().copied()
     }
 }
 

@@ -1,21 +1,20 @@
 //! Local sandboxes and their lifecycle: the [`LocalProvider`] and [`LocalSandbox`].
 //!
-//! A sandbox is a directory under the provider's root:
+//! A sandbox is a machine of its own (see [`crate::init`] and [`crate::rootfs`]):
 //!
 //! ```text
 //! <root>/<id>/sandbox.json     what it is (survives a daemon restart: `connect` reads it)
-//! <root>/<id>/workspace/       the workspace, mounted at /home/user inside
-//! <root>/<id>/state/cmd/<key>/ output spools of its commands (never visible inside)
+//! <root>/<id>/store.img        its file system (ext4, as large as its disk limit)
+//! <root>/<id>/store/, rootfs/  the image's mount and the overlay root over the template
+//! <root>/<id>/state/           output spools of its commands, init.log (never inside)
+//! <root>-templates/            built templates (`host` skeleton, `base` Debian root)
+//! <root>-snapshots/<snap>/     file-system snapshots (an upper layer and its template)
 //! ```
 //!
-//! A local sandbox has no templates: `SandboxSpec::template` is recorded and reported,
-//! nothing more. The TTL is recorded too (`renew` extends it); expiry is enforced by the
-//! daemon's lease reconciliation, not here.
-//!
-//! Where cgroups are available, a cgroup `<parent>/tether/<id>` holds one child
-//! cgroup per command. Processes do not survive a daemon restart as far as tether is
-//! concerned (they are no longer attachable), but the sandbox cgroup still holds them,
-//! so `destroy` kills them too.
+//! Its processes live in namespaces held by its init, in cgroups that carry its limits.
+//! Processes do not survive a daemon restart (the init exits when the daemon's end of
+//! its socket closes, and the kernel kills the pid namespace), files do: `connect`
+//! starts a new init over the same file system.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -25,23 +24,29 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use tether_protocol::limits::ResourceLimits;
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
-    SandboxInfo, SandboxSpec,
+    SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::client::{Cgroup, CgroupTree, Launcher};
-use crate::config::{LocalConfig, PRIVATE_TMPFS_PATHS, workspace_components};
-use crate::confine::{ConfineSpec, ProbeReport};
+use crate::cgroup::{CgroupTree, SandboxCgroup};
+use crate::client::{Init, Launcher, Network, find_program, network_helper};
+use crate::config::{LocalConfig, workspace_components};
 use crate::error::internal;
 use crate::fs::{LocalFs, Workspace};
+use crate::init::InitSpec;
 use crate::process::LocalProcess;
+use crate::rootfs::{self, Template};
 
 /// The provider kind.
 pub const KIND: &str = "local";
+
+/// Rounds of 2 ms a dropped sandbox waits for its processes to end.
+const DROP_WAIT_ROUNDS: u32 = 100;
 
 /// Name of the per-sandbox record.
 const RECORD: &str = "sandbox.json";
@@ -53,8 +58,8 @@ fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Sandbox ids are generated here; anything else is not one of ours (and must never
-/// reach a path join).
+/// Sandbox and snapshot ids are generated here; anything else is not one of ours (and
+/// must never reach a path join).
 fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
@@ -64,6 +69,9 @@ fn valid_id(id: &str) -> bool {
 struct SandboxRecord {
     id: String,
     template: Option<String>,
+    /// The template the root file system is built on (`host` or `base`).
+    #[serde(default = "host_name")]
+    rootfs: String,
     workspace: String,
     enforcement: Enforcement,
     created_ms: i64,
@@ -71,6 +79,21 @@ struct SandboxRecord {
     metadata: BTreeMap<String, String>,
     env: BTreeMap<String, String>,
     network: bool,
+    #[serde(default)]
+    limits: ResourceLimits,
+}
+
+fn host_name() -> String {
+    "host".into()
+}
+
+/// What a snapshot's `snapshot.json` holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct SnapshotRecord {
+    id: String,
+    sandbox: String,
+    rootfs: String,
+    created_ms: i64,
 }
 
 // === impl SandboxCore ===
@@ -80,76 +103,44 @@ struct SandboxRecord {
 pub(crate) struct SandboxCore {
     pub(crate) id: String,
     pub(crate) cfg: Arc<LocalConfig>,
-    pub(crate) launcher: Launcher,
     pub(crate) ws: Arc<Workspace>,
-    pub(crate) workspace_host: PathBuf,
+    pub(crate) dir: PathBuf,
     pub(crate) state_dir: PathBuf,
-    pub(crate) cgroup: Option<Cgroup>,
-    pub(crate) network: bool,
-    pub(crate) enforcement: Enforcement,
+    pub(crate) init: Init,
+    pub(crate) cgroup: Option<SandboxCgroup>,
+    pub(crate) network: Mutex<Option<Network>>,
     pub(crate) env: BTreeMap<String, String>,
+    /// uid and gid inside of commands that name no user.
+    pub(crate) user: (u32, u32),
     pub(crate) tasks: TaskTracker,
     pub(crate) closed: CancellationToken,
 }
 
-impl SandboxCore {
-    /// The trampoline spec of a command of this sandbox.
-    pub(crate) fn confine_spec(
-        &self,
-        cgroup: Option<PathBuf>,
-        pty: bool,
-        cwd: PathBuf,
-        env: Vec<(String, String)>,
-        argv: Vec<String>,
-    ) -> ConfineSpec {
-        base_spec(
-            &self.cfg,
-            &self.workspace_host,
-            self.network,
-            self.enforcement,
-            cgroup,
-            pty,
-            cwd,
-            env,
-            argv,
-        )
+impl Drop for SandboxCore {
+    /// A sandbox dropped without `destroy` (the daemon is going away, and keeps its
+    /// sandboxes' files for a later daemon): its processes end now (they would when the
+    /// init's socket closes, but a paused sandbox would never notice), and its cgroups
+    /// go with them. Bounded: a sandbox that does not die at once keeps its cgroups
+    /// until `destroy` or the next `connect`.
+    fn drop(&mut self) {
+        self.init.kill_now();
+        if let Some(cg) = &self.cgroup {
+            cg.freeze(false);
+            for _ in 0..DROP_WAIT_ROUNDS {
+                if cg.pids().is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            cg.remove();
+        }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn base_spec(
-    cfg: &LocalConfig,
-    workspace_host: &Path,
-    network: bool,
-    require: Enforcement,
-    cgroup: Option<PathBuf>,
-    pty: bool,
-    cwd: PathBuf,
-    env: Vec<(String, String)>,
-    argv: Vec<String>,
-) -> ConfineSpec {
-    // The workspace's first component (`/home`) is always hidden: the host's homes
-    // must not show through around the workspace mount.
-    let mut hidden: Vec<PathBuf> = Vec::new();
-    if let Some(first) = cfg.workspace_path.iter().nth(1) {
-        hidden.push(Path::new("/").join(first));
-    }
-    hidden.extend(cfg.hidden_paths.iter().cloned());
-    ConfineSpec {
-        workspace_host: workspace_host.to_owned(),
-        workspace_path: cfg.workspace_path.clone(),
-        hidden,
-        private_tmpfs: PRIVATE_TMPFS_PATHS.iter().map(PathBuf::from).collect(),
-        read_only: cfg.read_only_paths.clone(),
-        devices: cfg.device_paths.clone(),
-        network,
-        landlock: cfg.landlock,
-        cgroup,
-        require,
-        pty,
-        cwd,
-        env,
-        argv,
+impl SandboxCore {
+    /// The sandbox's root as the host reaches it.
+    pub(crate) fn root_view(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root", self.init.pid1))
     }
 }
 
@@ -182,9 +173,19 @@ impl LocalSandbox {
         }
     }
 
-    /// The sandbox's workspace directory on the host.
-    pub fn workspace_dir(&self) -> &Path {
-        &self.core.workspace_host
+    /// Host pid of the sandbox's init (pid 1 inside).
+    pub fn init_pid(&self) -> u32 {
+        self.core.init.pid1
+    }
+
+    /// Whether the sandbox is paused (frozen).
+    pub fn paused(&self) -> bool {
+        self.core.cgroup.as_ref().is_some_and(|cg| cg.frozen())
+    }
+
+    /// The sandbox's directory on the host.
+    pub fn dir(&self) -> &Path {
+        &self.core.dir
     }
 
     fn current_record(&self) -> SandboxRecord {
@@ -195,16 +196,29 @@ impl LocalSandbox {
         }
     }
 
-    /// Kill everything, stop background tasks.
+    /// Kill everything, stop background tasks, release the mounts and cgroups.
     async fn shutdown(&self) {
+        if let Some(cg) = &self.core.cgroup {
+            // A frozen sandbox cannot die.
+            cg.freeze(false);
+        }
+        let verify = Duration::from_millis(self.core.cfg.kill_verify_ms);
         self.process.kill_all().await;
+        self.core.init.kill(verify).await;
+        if let Some(mut n) = self.core.network.lock().await.take() {
+            n.stop().await;
+        }
         self.core.closed.cancel();
         self.core.tasks.close();
-        // Pumps end once their pipes close; the processes are dead, so this is quick.
         let _ = tokio::time::timeout(Duration::from_secs(2), self.core.tasks.wait()).await;
         if let Some(cg) = &self.core.cgroup {
+            let deadline = tokio::time::Instant::now() + verify;
+            while !cg.pids().is_empty() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             cg.remove();
         }
+        rootfs::unmount(&self.core.dir);
     }
 }
 
@@ -236,16 +250,16 @@ fn info_of(r: &SandboxRecord) -> SandboxInfo {
     }
 }
 
-async fn write_record(dir: &Path, record: &SandboxRecord) -> Result<()> {
+async fn write_json<T: Serialize>(dir: &Path, name: &str, record: &T) -> Result<()> {
     let json =
-        serde_json::to_vec_pretty(record).map_err(|e| internal("cannot encode sandbox.json", e))?;
-    let tmp = dir.join(format!("{RECORD}.tmp"));
+        serde_json::to_vec_pretty(record).map_err(|e| internal("cannot encode a record", e))?;
+    let tmp = dir.join(format!("{name}.tmp"));
     tokio::fs::write(&tmp, json)
         .await
-        .map_err(|e| internal("cannot write sandbox.json", e))?;
-    tokio::fs::rename(&tmp, dir.join(RECORD))
+        .map_err(|e| internal(format!("cannot write {name}"), e))?;
+    tokio::fs::rename(&tmp, dir.join(name))
         .await
-        .map_err(|e| internal("cannot write sandbox.json", e))
+        .map_err(|e| internal(format!("cannot write {name}"), e))
 }
 
 async fn read_record(dir: &Path) -> Option<SandboxRecord> {
@@ -253,24 +267,34 @@ async fn read_record(dir: &Path) -> Option<SandboxRecord> {
     serde_json::from_slice(&bytes).ok()
 }
 
+/// Run blocking set-up work off the runtime.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(crate::error::join)?
+}
+
 // === impl LocalProvider ===
 
-/// Sandboxes as confined local processes.
+/// Sandboxes as machines of their own on the local host.
 #[derive(Debug)]
 pub struct LocalProvider {
     cfg: Arc<LocalConfig>,
-    prefix: Vec<String>,
+    home: Vec<String>,
     launcher: Launcher,
     cgroups: Option<CgroupTree>,
+    net_helper: Option<PathBuf>,
+    ip: Option<PathBuf>,
+    mount: PathBuf,
     live: Mutex<HashMap<String, Arc<LocalSandbox>>>,
 }
 
 impl LocalProvider {
-    /// A provider with `cfg`; creates the root directory. Isolation is probed by
-    /// `healthcheck` and by every `create`.
+    /// A provider with `cfg`; creates the root directory. What the host can enforce is
+    /// checked by `healthcheck` and by every `create`.
     pub fn new(cfg: LocalConfig) -> Result<Self> {
         cfg.validate()?;
-        let prefix = workspace_components(&cfg.workspace_path)?;
+        let home = workspace_components(&cfg.workspace_path)?;
         std::fs::create_dir_all(&cfg.root)
             .map_err(|e| internal(format!("cannot create {}", cfg.root.display()), e))?;
         {
@@ -278,12 +302,23 @@ impl LocalProvider {
             let _ = std::fs::set_permissions(&cfg.root, std::fs::Permissions::from_mode(0o700));
         }
         let launcher = Launcher::resolve(&cfg)?;
-        let cgroups = CgroupTree::detect(&cfg);
+        let cgroups = if cfg.cgroups {
+            CgroupTree::detect(cfg.cgroup_parent.as_deref())
+        } else {
+            None
+        };
+        if let Some(t) = &cgroups {
+            t.sweep();
+        }
+        let net_helper = network_helper(&cfg);
         Ok(Self {
             cfg: Arc::new(cfg),
-            prefix,
+            home,
             launcher,
             cgroups,
+            net_helper,
+            ip: find_program("ip"),
+            mount: find_program("mount").unwrap_or_else(|| PathBuf::from("/bin/mount")),
             live: Mutex::new(HashMap::new()),
         })
     }
@@ -293,54 +328,64 @@ impl LocalProvider {
         &self.cfg
     }
 
-    /// Whether commands are tracked by cgroup (else by process group and session).
-    pub fn tracks_by_cgroup(&self) -> bool {
-        self.cgroups.is_some()
+    /// The live sandbox `id` as the concrete type (tests and tools).
+    pub async fn local(&self, id: &str) -> Result<Arc<LocalSandbox>> {
+        self.connect_local(id).await
     }
 
-    /// The cgroup directory of sandbox `id`, when commands are tracked by cgroup.
-    pub fn sandbox_cgroup(&self, id: &str) -> Option<PathBuf> {
-        if !valid_id(id) {
-            return None;
+    /// Why this host cannot run full sandboxes, if it cannot.
+    fn host_problem(&self) -> Option<String> {
+        if !nix::unistd::geteuid().is_root() {
+            return Some(
+                "the local provider maps each sandbox to an unprivileged uid range and mounts \
+                 its file system: it must run as root"
+                    .into(),
+            );
         }
-        self.cgroups.as_ref().map(|t| t.path_of(id))
+        if !self.mount.is_file() {
+            return Some(format!("no mount program at {}", self.mount.display()));
+        }
+        if find_program("mkfs.ext4").is_none() {
+            return Some("no mkfs.ext4 (e2fsprogs) to make the sandboxes' file systems".into());
+        }
+        None
     }
 
-    /// Run the trampoline's probe for a workspace at `workspace`.
-    async fn probe(
-        &self,
-        ctx: &CallCtx,
-        workspace: &Path,
-        state: &Path,
-        network: bool,
-        cgroup: Option<&Cgroup>,
-    ) -> Result<ProbeReport> {
-        let probe_cg = cgroup.and_then(|cg| {
-            cg.child(&format!("probe-{}", uuid::Uuid::new_v4().simple()))
-                .ok()
-        });
-        let spec = base_spec(
-            &self.cfg,
-            workspace,
-            network,
-            Enforcement::None,
-            probe_cg.as_ref().map(|c| c.path().to_owned()),
-            false,
-            self.cfg.workspace_path.clone(),
-            Vec::new(),
-            Vec::new(),
-        );
-        let path = state.join(format!("probe-{}.json", uuid::Uuid::new_v4().simple()));
-        let report = self.launcher.probe(ctx, &spec, &path).await;
-        if let Some(cg) = probe_cg {
-            cg.remove();
+    fn template(&self, name: &str) -> Result<Template> {
+        let templates = self.cfg.templates();
+        std::fs::create_dir_all(&templates)
+            .map_err(|e| internal("cannot create the templates dir", e))?;
+        if name == "base" {
+            if let Some(t) = rootfs::base_template(&templates) {
+                return Ok(t);
+            }
+            tracing::warn!(
+                "The base template is not built (`tether template build base`): using the host template"
+            );
+        } else if name != "host" {
+            tracing::warn!(template = %name, "Unknown local template: using the host template");
         }
-        report
+        rootfs::host_template(
+            &templates,
+            &self.cfg.read_only_paths,
+            &self.cfg.workspace_path,
+            self.cfg.uid_base,
+        )
+    }
+
+    /// The template name a spec asks for, resolved to what exists.
+    fn rootfs_name(&self, spec_template: Option<&str>) -> String {
+        let want = spec_template.unwrap_or(&self.cfg.default_template);
+        if want == "base" && rootfs::base_template(&self.cfg.templates()).is_some() {
+            "base".into()
+        } else {
+            "host".into()
+        }
     }
 
     /// Refuse what the config does not accept.
-    fn check_enforcement(&self, report: &ProbeReport) -> Result<()> {
-        let acceptable = match report.enforcement {
+    fn check_enforcement(&self, enforcement: Enforcement, problems: &[String]) -> Result<()> {
+        let acceptable = match enforcement {
             Enforcement::Full => true,
             Enforcement::Partial => self.cfg.allow_weaker_isolation,
             Enforcement::None => false,
@@ -354,46 +399,162 @@ impl LocalProvider {
             } else {
                 "full".into()
             },
-            why: if report.problems.is_empty() {
-                format!("enforcement is {}", report.enforcement.as_str())
+            why: if problems.is_empty() {
+                format!("enforcement is {}", enforcement.as_str())
             } else {
-                report.problems.join("; ")
+                problems.join("; ")
             },
         })
     }
 
-    fn sandbox_from(
-        &self,
-        record: SandboxRecord,
-        dir: &Path,
-        cgroup: Option<Cgroup>,
-    ) -> Result<Arc<LocalSandbox>> {
-        let workspace_host = dir.join("workspace");
-        let ws = Workspace::open(&workspace_host, &self.cfg.workspace_str(), &self.prefix)
-            .map_err(|e| {
-                internal(
-                    format!("cannot open the workspace {}", workspace_host.display()),
-                    e,
-                )
-            })?;
+    /// Bring a sandbox up over its (existing) store: mounts, cgroups, init, network.
+    async fn boot(&self, record: &SandboxRecord, dir: &Path) -> Result<Arc<LocalSandbox>> {
+        let template = self.template(&record.rootfs)?;
+        let uid_base = self.cfg.uid_base;
+        let root = dir.join("rootfs");
+        let mut problems = Vec::new();
+        let cgroup = match &self.cgroups {
+            Some(t) => {
+                let (cg, applied) = t.create(&record.id, &record.limits);
+                if !applied.memory {
+                    problems.push("no memory limit (no memory controller)".to_owned());
+                }
+                if !applied.pids {
+                    problems.push("no process limit (no pids controller)".to_owned());
+                }
+                if !applied.cpu {
+                    problems.push("no CPU limit (no cpu controller)".to_owned());
+                }
+                Some(cg)
+            }
+            None => {
+                problems.push("no cgroups: limits other than disk are not enforced".into());
+                None
+            }
+        };
+        let (user, creds) = if template.name == "base" {
+            let u = rootfs::BASE_USER_UID;
+            ((u, u), (uid_base + u, uid_base + u))
+        } else {
+            ((0, 0), (uid_base, uid_base))
+        };
+        let hostname = format!("tether-{}", &record.id[..record.id.len().min(12)]);
+        let spec = InitSpec {
+            root: root.clone(),
+            image: dir.join("store.img"),
+            store: dir.join("store"),
+            lower: template.lower.clone(),
+            owner: uid_base,
+            mount: self.mount.clone(),
+            hosts_entry: template.name == "base",
+            binds: template.binds.clone(),
+            devices: self.cfg.device_paths.clone(),
+            shm_bytes: self.cfg.shm_bytes,
+            hostname,
+            home: self.cfg.workspace_path.clone(),
+            home_owner: user,
+            ip: self.ip.clone(),
+        };
+        let state = dir.join("state");
+        tokio::fs::create_dir_all(&state)
+            .await
+            .map_err(|e| internal("cannot create state/", e))?;
+        let cg = cgroup.clone();
+        let init = Init::start(
+            &self.launcher,
+            &spec,
+            uid_base,
+            self.cfg.uid_count,
+            &state.join("init.log"),
+            move |pid| match &cg {
+                Some(cg) => cg.join(pid),
+                None => Ok(()),
+            },
+            Duration::from_millis(self.cfg.init_timeout_ms),
+        )
+        .await;
+        let init = match init {
+            Ok(i) => i,
+            Err(e) => {
+                if let Some(cg) = &cgroup {
+                    cg.remove();
+                }
+                return Err(e);
+            }
+        };
+        let network = if record.network {
+            let started = match &self.net_helper {
+                Some(h) => {
+                    Network::start(
+                        h,
+                        init.pid1,
+                        Duration::from_millis(self.cfg.network_timeout_ms),
+                    )
+                    .await
+                }
+                None => Err(ProviderError::IsolationUnavailable {
+                    requested: "network".into(),
+                    why: "no userspace network helper (pasta) is installed".into(),
+                }),
+            };
+            match started {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    init.kill(Duration::from_millis(self.cfg.kill_verify_ms))
+                        .await;
+                    if let Some(cg) = &cgroup {
+                        cg.remove();
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        let ws = Workspace::open_root(
+            Path::new(&format!("/proc/{}/root", init.pid1)),
+            &self.cfg.workspace_str(),
+            &self.home,
+            Some(creds),
+        )
+        .map_err(|e| internal("cannot open the sandbox's root", e))?;
+        let enforcement = if problems.is_empty() {
+            Enforcement::Full
+        } else {
+            Enforcement::Partial
+        };
+        if let Err(e) = self.check_enforcement(enforcement, &problems) {
+            init.kill(Duration::from_millis(self.cfg.kill_verify_ms))
+                .await;
+            if let Some(cg) = &cgroup {
+                cg.remove();
+            }
+            return Err(e);
+        }
         let core = SandboxCore {
             id: record.id.clone(),
             cfg: self.cfg.clone(),
-            launcher: self.launcher.clone(),
             ws: Arc::new(ws),
-            workspace_host,
-            state_dir: dir.join("state"),
+            dir: dir.to_owned(),
+            state_dir: state,
+            init,
             cgroup,
-            network: record.network,
-            enforcement: record.enforcement,
+            network: Mutex::new(network),
             env: record.env.clone(),
+            user,
             tasks: TaskTracker::new(),
             closed: CancellationToken::new(),
         };
+        let record = SandboxRecord {
+            enforcement,
+            ..record.clone()
+        };
+        write_json(dir, RECORD, &record).await?;
         Ok(Arc::new(LocalSandbox::new(Arc::new(core), record)))
     }
 
-    /// The live sandbox `id`, loaded from its record if this provider has not seen it yet.
+    /// The live sandbox `id`, booted again from its record if this provider has not
+    /// seen it yet (a daemon restart).
     async fn connect_local(&self, id: &str) -> Result<Arc<LocalSandbox>> {
         let not_found = || ProviderError::SandboxNotFound { id: id.to_owned() };
         if !valid_id(id) {
@@ -401,62 +562,149 @@ impl LocalProvider {
         }
         let mut live = self.live.lock().await;
         if let Some(s) = live.get(id) {
-            return Ok(s.clone());
+            if s.core.init.alive() {
+                return Ok(s.clone());
+            }
+            // Its init died (killed from outside): tear down what is left, boot again.
+            let s = s.clone();
+            live.remove(id);
+            s.shutdown().await;
         }
         let dir = self.cfg.root.join(id);
         let record = read_record(&dir).await.ok_or_else(not_found)?;
-        let cgroup = self.cgroups.as_ref().and_then(|t| t.sandbox(id));
-        let sandbox = self.sandbox_from(record, &dir, cgroup)?;
+        if let Some(t) = &self.cgroups {
+            // What the previous init left, if anything, goes first.
+            let old = t.existing(id);
+            // A frozen process cannot die: thaw first.
+            old.freeze(false);
+            for pid in old.pids() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        let sandbox = self.boot(&record, &dir).await?;
         live.insert(id.to_owned(), sandbox.clone());
         Ok(sandbox)
     }
 
     async fn create_in(
         &self,
-        ctx: &CallCtx,
         spec: SandboxSpec,
         id: &str,
         dir: &Path,
+        from_snapshot: Option<PathBuf>,
     ) -> Result<Arc<LocalSandbox>> {
-        let workspace = dir.join("workspace");
-        let state = dir.join("state");
-        for d in [&workspace, &state] {
-            tokio::fs::create_dir_all(d)
-                .await
-                .map_err(|e| internal(format!("cannot create {}", d.display()), e))?;
+        if let Some(why) = self.host_problem() {
+            return Err(ProviderError::IsolationUnavailable {
+                requested: "full".into(),
+                why,
+            });
         }
-        let network = spec.network || self.cfg.default_network;
-        let cgroup = self.cgroups.as_ref().and_then(|t| t.sandbox(id));
-        let report = self
-            .probe(ctx, &workspace, &state, network, cgroup.as_ref())
-            .await?;
-        tracing::debug!(sandbox.id = %id, enforcement = report.enforcement.as_str(), problems = ?report.problems, "Probed isolation");
-        self.check_enforcement(&report)?;
-        // A cgroup the probe could not join is useless: track by process group.
-        let cgroup = match cgroup {
-            Some(cg) if report.cgroup => Some(cg),
-            Some(cg) => {
-                cg.remove();
-                None
-            }
-            None => None,
+        tokio::fs::create_dir_all(dir.join("state"))
+            .await
+            .map_err(|e| internal(format!("cannot create {}", dir.display()), e))?;
+        let limits = spec.limits.or(self.cfg.limits);
+        let disk = limits.disk_bytes.unwrap_or(rootfs_default_disk());
+        let rootfs_name = match &from_snapshot {
+            Some(snap) => read_snapshot(snap).await?.rootfs,
+            None => self.rootfs_name(spec.template.as_deref()),
         };
+        let (d, owner) = (dir.to_owned(), self.cfg.uid_base);
+        blocking(move || {
+            rootfs::create_store(&d, disk, owner)?;
+            if let Some(snap) = from_snapshot {
+                // Briefly mounted here to be filled; the sandbox mounts it for itself.
+                rootfs::mount_store(&d, owner)?;
+                let copied = copy_tree(&snap.join("upper"), &d.join("store").join("upper"));
+                rootfs::unmount(&d);
+                copied?;
+            }
+            Ok(())
+        })
+        .await?;
         let created_ms = now_ms();
         let record = SandboxRecord {
             id: id.to_owned(),
             template: spec.template,
+            rootfs: rootfs_name,
             workspace: self.cfg.workspace_str(),
-            enforcement: report.enforcement,
+            enforcement: Enforcement::None,
             created_ms,
             expires_ms: spec
                 .ttl
                 .map(|t| created_ms.saturating_add(t.as_millis() as i64)),
             metadata: spec.metadata,
             env: spec.env,
-            network,
+            network: spec.network || self.cfg.default_network,
+            limits,
         };
-        write_record(dir, &record).await?;
-        self.sandbox_from(record, dir, cgroup)
+        self.boot(&record, dir).await
+    }
+
+    async fn create_with(
+        &self,
+        ctx: &CallCtx,
+        spec: SandboxSpec,
+        from_snapshot: Option<PathBuf>,
+    ) -> Result<Arc<LocalSandbox>> {
+        ctx.check()?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let dir = self.cfg.root.join(&id);
+        match self.create_in(spec, &id, &dir, from_snapshot).await {
+            Ok(sandbox) => {
+                self.live.lock().await.insert(id.clone(), sandbox.clone());
+                tracing::info!(sandbox.id = %id, enforcement = sandbox.record.enforcement.as_str(), "Created a local sandbox");
+                Ok(sandbox)
+            }
+            Err(e) => {
+                rootfs::unmount(&dir);
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                if let Some(t) = &self.cgroups {
+                    t.existing(&id).remove();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn snapshot_dir(&self, snap: &str) -> Option<PathBuf> {
+        valid_id(snap).then(|| self.cfg.snapshots().join(snap))
+    }
+}
+
+fn rootfs_default_disk() -> u64 {
+    crate::config::DEFAULT_DISK_BYTES
+}
+
+async fn read_snapshot(dir: &Path) -> Result<SnapshotRecord> {
+    let bytes = tokio::fs::read(dir.join("snapshot.json"))
+        .await
+        .map_err(|_| ProviderError::SandboxNotFound {
+            id: format!("snapshot {}", dir.display()),
+        })?;
+    serde_json::from_slice(&bytes).map_err(|e| internal("cannot read snapshot.json", e))
+}
+
+/// Copy a directory tree with everything an overlay layer carries (owners, modes,
+/// extended attributes, whiteouts, hard links): `cp -a`, which does all of it.
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(to);
+    let out = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| internal("cannot run cp", e))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(internal(
+            "cannot copy a file-system layer",
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+        ))
     }
 }
 
@@ -468,7 +716,7 @@ impl Provider for LocalProvider {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            pause: false,
+            pause: self.cgroups.is_some(),
             watch: true,
             pty: true,
             reattach: true,
@@ -477,44 +725,31 @@ impl Provider for LocalProvider {
     }
 
     async fn healthcheck(&self, ctx: &CallCtx) -> Result<()> {
-        let dir = self
+        ctx.check()?;
+        if let Some(why) = self.host_problem() {
+            return Err(ProviderError::IsolationUnavailable {
+                requested: "full".into(),
+                why,
+            });
+        }
+        let probe = self
             .cfg
             .root
             .join(format!(".health-{}", uuid::Uuid::new_v4().simple()));
-        let workspace = dir.join("workspace");
-        tokio::fs::create_dir_all(&workspace)
-            .await
-            .map_err(|e| ProviderError::Unavailable {
-                message: format!(
-                    "the sandbox root {} is not writable",
-                    self.cfg.root.display()
-                ),
-                retry_after: None,
-                source: Some(Box::new(e)),
-            })?;
-        let report = self.probe(ctx, &workspace, &dir, false, None).await;
-        let _ = tokio::fs::remove_dir_all(&dir).await;
-        self.check_enforcement(&report?)
+        let r = tokio::fs::create_dir_all(&probe).await;
+        let _ = tokio::fs::remove_dir_all(&probe).await;
+        r.map_err(|e| ProviderError::Unavailable {
+            message: format!(
+                "the sandbox root {} is not writable",
+                self.cfg.root.display()
+            ),
+            retry_after: None,
+            source: Some(Box::new(e)),
+        })
     }
 
     async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
-        ctx.check()?;
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let dir = self.cfg.root.join(&id);
-        match self.create_in(ctx, spec, &id, &dir).await {
-            Ok(sandbox) => {
-                self.live.lock().await.insert(id.clone(), sandbox.clone());
-                tracing::info!(sandbox.id = %id, enforcement = sandbox.record.enforcement.as_str(), "Created a local sandbox");
-                Ok(sandbox)
-            }
-            Err(e) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                if let Some(cg) = self.cgroups.as_ref().and_then(|t| t.existing(&id)) {
-                    cg.remove();
-                }
-                Err(e)
-            }
-        }
+        Ok(self.create_with(ctx, spec, None).await?)
     }
 
     async fn connect(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
@@ -561,23 +796,31 @@ impl Provider for LocalProvider {
             return Ok(());
         }
         let sandbox = self.live.lock().await.remove(id);
+        let dir = self.cfg.root.join(id);
         match sandbox {
             Some(s) => s.shutdown().await,
             None => {
                 // Not live here (a daemon restart): processes it left may still be in
-                // its cgroup.
-                if let Some(cg) = self.cgroups.as_ref().and_then(|t| t.existing(id)) {
-                    cg.kill_all();
+                // its cgroups, and its file system mounted.
+                if let Some(t) = &self.cgroups {
+                    let cg = t.existing(id);
+                    cg.freeze(false);
+                    for pid in cg.pids() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
                     let limit = tokio::time::Instant::now()
                         + Duration::from_millis(self.cfg.kill_verify_ms);
-                    while cg.populated() && tokio::time::Instant::now() < limit {
+                    while !cg.pids().is_empty() && tokio::time::Instant::now() < limit {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                     cg.remove();
                 }
+                rootfs::unmount(&dir);
             }
         }
-        let dir = self.cfg.root.join(id);
         match tokio::fs::remove_dir_all(&dir).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -592,6 +835,122 @@ impl Provider for LocalProvider {
         let sandbox = self.connect_local(id).await?;
         let expires = now_ms().saturating_add(ttl.as_millis() as i64);
         sandbox.expires_ms.store(expires, Ordering::Release);
-        write_record(&self.cfg.root.join(id), &sandbox.current_record()).await
+        write_json(&self.cfg.root.join(id), RECORD, &sandbox.current_record()).await
+    }
+
+    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        let Some(cg) = sandbox.core.cgroup.clone() else {
+            return Err(ProviderError::Unsupported { op: "pause" });
+        };
+        if blocking(move || Ok(cg.freeze(true))).await? {
+            Ok(())
+        } else {
+            Err(ProviderError::Unsupported { op: "pause" })
+        }
+    }
+
+    async fn resume(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        match &sandbox.core.cgroup {
+            Some(cg) if cg.freeze(false) => Ok(sandbox),
+            _ => Err(ProviderError::Unsupported { op: "resume" }),
+        }
+    }
+
+    async fn snapshot(&self, ctx: &CallCtx, id: &str) -> Result<String> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        let snap = uuid::Uuid::new_v4().simple().to_string();
+        let Some(snap_dir) = self.snapshot_dir(&snap) else {
+            return Err(internal("bad snapshot id", std::io::Error::other(snap)));
+        };
+        tokio::fs::create_dir_all(&snap_dir)
+            .await
+            .map_err(|e| internal("cannot create the snapshot dir", e))?;
+        // Frozen while copied: the layer is consistent with itself.
+        let frozen = match sandbox.core.cgroup.clone() {
+            Some(cg) => blocking(move || Ok(cg.freeze(true))).await?,
+            None => false,
+        };
+        let Some(store) = sandbox.core.init.store.as_ref() else {
+            return Err(ProviderError::Unsupported { op: "snapshot" });
+        };
+        // The store is mounted in the sandbox's namespace only: reach it through the
+        // descriptor its init handed over.
+        let from = PathBuf::from(format!(
+            "/proc/{}/fd/{}/upper",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(store)
+        ));
+        let to = snap_dir.join("upper");
+        let copied = blocking(move || {
+            if let Ok(f) = std::fs::File::open(&from) {
+                let _ = rustix::fs::syncfs(&f);
+            }
+            copy_tree(&from, &to)
+        })
+        .await;
+        if frozen && let Some(cg) = &sandbox.core.cgroup {
+            cg.freeze(false);
+        }
+        if let Err(e) = copied {
+            let _ = tokio::fs::remove_dir_all(&snap_dir).await;
+            return Err(e);
+        }
+        let record = SnapshotRecord {
+            id: snap.clone(),
+            sandbox: id.to_owned(),
+            rootfs: sandbox.record.rootfs.clone(),
+            created_ms: now_ms(),
+        };
+        write_json(&snap_dir, "snapshot.json", &record).await?;
+        Ok(snap)
+    }
+
+    async fn create_from_snapshot(
+        &self,
+        ctx: &CallCtx,
+        snapshot: &str,
+        spec: SandboxSpec,
+    ) -> Result<Arc<dyn Sandbox>> {
+        let not_found = || ProviderError::SandboxNotFound {
+            id: format!("snapshot {snapshot}"),
+        };
+        let dir = self.snapshot_dir(snapshot).ok_or_else(not_found)?;
+        if !dir.join("snapshot.json").is_file() {
+            return Err(not_found());
+        }
+        Ok(self.create_with(ctx, spec, Some(dir)).await?)
+    }
+
+    async fn delete_snapshot(&self, ctx: &CallCtx, snapshot: &str) -> Result<()> {
+        ctx.check()?;
+        let Some(dir) = self.snapshot_dir(snapshot) else {
+            return Ok(());
+        };
+        match tokio::fs::remove_dir_all(&dir).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(internal("cannot remove the snapshot", e)),
+        }
+    }
+
+    async fn metrics(&self, ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        let mut m = SandboxMetrics::default();
+        if let Some(cg) = &sandbox.core.cgroup {
+            m.cpu_usage_us = cg.cpu_usage_us();
+            (m.memory_bytes, m.memory_limit_bytes) = cg.memory();
+            m.pids = cg.pids_current();
+        }
+        if let Some((used, total)) = rootfs::disk_usage(&sandbox.core.root_view()) {
+            m.disk_used_bytes = used;
+            m.disk_limit_bytes = Some(total);
+        }
+        Ok(m)
     }
 }

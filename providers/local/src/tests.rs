@@ -73,7 +73,13 @@ fn config_defaults_and_unknown_fields() {
     let cfg: LocalConfig =
         serde_json::from_str(r#"{"root": "/var/lib/tether/sandboxes"}"#).unwrap();
     assert_eq!(cfg.workspace_path, std::path::PathBuf::from("/home/user"));
-    assert!(!cfg.allow_weaker_isolation && !cfg.default_network && cfg.landlock && cfg.cgroups);
+    assert!(!cfg.allow_weaker_isolation && !cfg.default_network && cfg.cgroups);
+    assert_eq!(cfg.default_template, "host");
+    assert_eq!(cfg.limits.memory_bytes, Some(2 << 30));
+    assert_eq!(cfg.limits.pids, Some(1024));
+    assert_eq!(cfg.limits.disk_bytes, Some(4 << 30));
+    assert_eq!(cfg.limits.cpu_millis, None);
+    assert!(cfg.uid_base > 0, "root inside is never root outside");
     assert!(
         cfg.read_only_paths
             .iter()
@@ -121,6 +127,11 @@ fn config_validation_refuses_unsafe_layouts() {
         bad(|c| c.workspace_path = "/usr/work".into()),
         ErrorCode::InvalidRequest
     );
+    assert_eq!(
+        bad(|c| c.default_template = "ubuntu".into()),
+        ErrorCode::InvalidRequest
+    );
+    assert_eq!(bad(|c| c.uid_base = 0), ErrorCode::InvalidRequest);
     assert_eq!(
         workspace_components(std::path::Path::new("/srv/work/a")).unwrap(),
         ["srv", "work", "a"]

@@ -1,24 +1,23 @@
-//! Acceptance tests of the local provider's isolation, on this machine's kernel: what a
-//! confined command cannot read, write, reach or outlive.
+//! Acceptance tests of the local provider's isolation, on this machine's kernel: each
+//! sandbox is a machine of its own, and what it cannot read, reach, see or exhaust.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::fs::{ByteRange, WriteGuard};
+use tether_protocol::limits::{LimitKind, ResourceLimits};
 use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessSpec};
 use tether_provider::{
     CallCtx, Enforcement, ProcessHandle, Provider, Sandbox, SandboxSpec, StreamOffsets,
 };
-use tether_provider_local::{
-    CONFINE_FAILED_EXIT, CONFINE_FAILED_PREFIX, ConfineSpec, LocalConfig, LocalProvider,
-    ProbeReport,
-};
+use tether_provider_local::{DEFAULT_UID_BASE, LocalConfig, LocalProvider};
 
 const HELPER: &str = env!("CARGO_BIN_EXE_tether-confine");
 
@@ -27,46 +26,60 @@ struct Env {
     provider: Arc<LocalProvider>,
 }
 
-fn config(root: &Path) -> LocalConfig {
-    let mut cfg = LocalConfig::with_root(root.join("sandboxes"));
-    cfg.confine_helper = Some(HELPER.into());
-    cfg
-}
-
-fn env_with(f: impl FnOnce(&mut LocalConfig)) -> Env {
+fn env_with(f: impl FnOnce(&mut LocalConfig, &Path)) -> Env {
     let dir = tempfile::Builder::new()
         .prefix("tether-isolation-")
         .tempdir()
         .unwrap();
-    let mut cfg = config(dir.path());
-    f(&mut cfg);
+    let mut cfg = LocalConfig::with_root(dir.path().join("sandboxes"));
+    cfg.confine_helper = Some(HELPER.into());
+    f(&mut cfg, dir.path());
     Env {
         provider: Arc::new(LocalProvider::new(cfg).unwrap()),
         dir,
     }
 }
 
+fn env() -> Env {
+    env_with(|_, _| {})
+}
+
 fn ctx() -> CallCtx {
     CallCtx::new("isolation")
 }
 
+async fn sandbox_with(e: &Env, spec: SandboxSpec) -> Arc<dyn Sandbox> {
+    e.provider.create(&ctx(), spec).await.expect("create")
+}
+
 async fn sandbox(e: &Env, network: bool) -> Arc<dyn Sandbox> {
+    sandbox_with(
+        e,
+        SandboxSpec {
+            network,
+            ..SandboxSpec::default()
+        },
+    )
+    .await
+}
+
+async fn destroy(e: &Env, sb: &Arc<dyn Sandbox>) {
     e.provider
-        .create(
-            &ctx(),
-            SandboxSpec {
-                network,
-                ..SandboxSpec::default()
-            },
-        )
+        .destroy(&ctx(), &sb.info().id)
         .await
-        .expect("create")
+        .expect("destroy");
 }
 
 struct Out {
     stdout: String,
     stderr: String,
     status: ExitStatus,
+}
+
+impl Out {
+    fn ok(&self) -> bool {
+        self.status.success()
+    }
 }
 
 async fn collect(h: &dyn ProcessHandle) -> Out {
@@ -105,616 +118,596 @@ async fn sh(sb: &dyn Sandbox, cmd: &str) -> Out {
     collect(h.as_ref()).await
 }
 
-/// Whether a host pid is a live (non-zombie) process, seen from the host.
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => !matches!(
-            s.rsplit_once(')')
-                .and_then(|(_, r)| r.split_whitespace().next()),
-            Some("Z" | "X")
-        ),
-        Err(_) => false,
+async fn read_all(sb: &dyn Sandbox, path: &str) -> tether_provider::Result<Vec<u8>> {
+    let mut s = sb.fs().read(&ctx(), path, ByteRange::default()).await?;
+    let mut buf = Vec::new();
+    while let Some(c) = s.next().await {
+        buf.extend_from_slice(&c?);
     }
+    Ok(buf)
 }
 
-fn pgid_of(pid: i32) -> Option<i32> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    s.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(2)?
-        .parse()
-        .ok()
+/// Host pids of every process in the pid namespace of host pid `init`.
+fn pid_ns_members(init: u32) -> Vec<i32> {
+    let Ok(ns) = std::fs::read_link(format!("/proc/{init}/ns/pid")) else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/ns/pid")).is_ok_and(|l| l == ns))
+        .collect()
 }
 
-async fn until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let end = tokio::time::Instant::now() + limit;
-    while tokio::time::Instant::now() < end {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    f()
+fn mounted_under(dir: &Path) -> usize {
+    let d = dir.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&d)))
+        .count()
 }
 
-async fn read_pid(sb: &dyn Sandbox, path: &str) -> i32 {
-    for _ in 0..1000 {
-        if let Ok(mut s) = sb.fs().read(&ctx(), path, ByteRange::default()).await {
-            let mut buf = Vec::new();
-            while let Some(c) = s.next().await {
-                buf.extend_from_slice(&c.unwrap());
-            }
-            if buf.ends_with(b"\n") {
-                return String::from_utf8(buf).unwrap().trim().parse().unwrap();
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{path} never appeared");
-}
-
-// === what a confined command cannot reach ===
+// === a machine of its own ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_root_readable_secret_outside_the_workspace_stays_out_of_reach() {
-    let e = env_with(|_| {});
-    // /var/tmp stays visible inside (it is not hidden by a tmpfs): only Landlock keeps
-    // the secret out. Another one under /tmp is also hidden by the private /tmp.
-    let outside = tempfile::Builder::new()
-        .prefix("tether-secret-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let secret = outside.path().join("secret.txt");
-    std::fs::write(&secret, "TOP-SECRET-VALUE").unwrap();
-    let tmp_secret = e.dir.path().join("tmp-secret.txt");
-    std::fs::write(&tmp_secret, "TOP-SECRET-VALUE").unwrap();
+async fn enforcement_is_full_and_the_sandbox_is_its_own_machine() {
+    let e = env();
     let sb = sandbox(&e, false).await;
-
-    // Sanity check of the test itself: the daemon's user can read it.
-    assert_eq!(
-        std::fs::read_to_string(&secret).unwrap(),
-        "TOP-SECRET-VALUE"
-    );
-    for path in [&secret, &tmp_secret] {
-        let out = sh(sb.as_ref(), &format!("cat {}", path.display())).await;
-        assert_ne!(out.status.code, Some(0), "cat {} succeeded", path.display());
-        assert!(
-            !out.stdout.contains("TOP-SECRET"),
-            "the secret leaked: {}",
-            out.stdout
-        );
-    }
-    let out = sh(sb.as_ref(), &format!("ls {}", outside.path().display())).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "listing the secret's directory succeeded: {}",
+    assert_eq!(sb.info().enforcement, Enforcement::Full);
+    let out = sh(
+        sb.as_ref(),
+        "echo uid=$(id -u); echo pid1=$(tr '\\0' ' ' < /proc/1/cmdline); echo host=$(hostname); pwd; ls -d /home/*",
+    )
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    assert!(out.stdout.contains("uid=0"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.trim_end() == "pid1=/proc/self/exe __confine pid1"),
+        "{}",
         out.stdout
     );
-
-    // Through the Fs API, directly or via a symlink made inside: refused, never content.
-    let refused =
-        |c: ErrorCode| matches!(c, ErrorCode::FsPermissionDenied | ErrorCode::InvalidRequest);
-    let err = sb
-        .fs()
-        .read(&ctx(), secret.to_str().unwrap(), ByteRange::default())
-        .await
-        .err()
-        .expect("refused");
-    assert!(refused(err.code()), "{}", err.code());
-    let made = sh(
-        sb.as_ref(),
-        &format!("ln -s {} link && echo ok", secret.display()),
-    )
-    .await;
-    assert_eq!(made.stdout.trim(), "ok");
-    let err = sb
-        .fs()
-        .read(&ctx(), "link", ByteRange::default())
-        .await
-        .err()
-        .expect("refused");
-    assert!(refused(err.code()), "{}", err.code());
-
-    // Writes outside the workspace fail, and nothing appears on the host.
-    let targets = [
-        outside.path().join("pwned"),
-        PathBuf::from("/etc/tether-pwned"),
-        PathBuf::from("/root/tether-pwned"),
-    ];
-    for t in &targets {
-        let out = sh(sb.as_ref(), &format!("echo pwned > {}", t.display())).await;
-        assert_ne!(
-            out.status.code,
-            Some(0),
-            "writing {} succeeded",
-            t.display()
-        );
-        assert!(!t.exists(), "{} was created on the host", t.display());
-    }
-    let had_hostname = Path::new("/etc/hostname").exists();
-    let out = sh(
-        sb.as_ref(),
-        "rm -f /etc/hostname; touch /usr/tether-pwned; mkdir /var/tether-pwned",
-    )
-    .await;
-    assert_ne!(out.status.code, Some(0));
-    assert_eq!(
-        Path::new("/etc/hostname").exists(),
-        had_hostname,
-        "/etc/hostname was removed"
-    );
-    assert!(!Path::new("/usr/tether-pwned").exists() && !Path::new("/var/tether-pwned").exists());
-    // The workspace itself is writable, and it is the sandbox's host directory.
-    let out = sh(
-        sb.as_ref(),
-        "echo fine > /home/user/ok.txt && cat /home/user/ok.txt",
-    )
-    .await;
-    assert_eq!(out.stdout, "fine\n");
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_daemon_is_out_of_reach_and_its_environment_does_not_leak() {
-    let e = env_with(|_| {});
-    let sb = sandbox(&e, false).await;
-    let me = std::process::id();
-    // Signals and /proc/<pid>/environ of processes outside the sandbox's domain.
-    let out = sh(sb.as_ref(), &format!("kill -0 {me}")).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "a confined command could signal the daemon"
-    );
-    let out = sh(sb.as_ref(), &format!("cat /proc/{me}/environ")).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "a confined command could read the daemon's environment"
-    );
-    assert!(out.stdout.is_empty());
-
-    // The command's environment is the base one plus what was asked for; nothing of
-    // the daemon's (this test process has CARGO_* and more).
-    let mut spec = ProcessSpec::argv(["/usr/bin/env"]);
-    spec.env
-        .insert("EXPLICIT_TOKEN".into(), Some("given-on-purpose".into()));
-    let h = sb.process().spawn(&ctx(), spec).await.unwrap();
-    let out = collect(h.as_ref()).await;
-    let keys: Vec<&str> = out
-        .stdout
-        .lines()
-        .filter_map(|l| l.split_once('=').map(|(k, _)| k))
-        .collect();
-    assert!(keys.contains(&"EXPLICIT_TOKEN"));
-    let mut expected = vec!["EXPLICIT_TOKEN", "HOME", "LANG", "PATH"];
-    expected.sort_unstable();
-    let mut got = keys.clone();
-    got.sort_unstable();
-    assert_eq!(got, expected, "unexpected environment: {}", out.stdout);
-    assert!(
-        std::env::vars().any(|(k, _)| k.starts_with("CARGO")),
-        "the test runs under cargo"
-    );
-
-    // The host's /home is hidden; the workspace is where the sandbox's home is.
-    let out = sh(sb.as_ref(), "ls -A /home 2>&1; echo; cd && pwd").await;
+    assert!(out.stdout.contains("host=tether-"), "{}", out.stdout);
+    assert!(out.stdout.contains("\n/home/user\n"), "{}", out.stdout);
     assert!(
         out.stdout.trim_end().ends_with("/home/user"),
         "{}",
         out.stdout
     );
-    if let Ok(entries) = std::fs::read_dir("/home") {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let out = sh(
-                sb.as_ref(),
-                &format!("test -e '/home/{name}' && echo visible"),
-            )
-            .await;
-            assert_ne!(
-                out.stdout.trim(),
-                "visible",
-                "host /home/{name} shows through"
-            );
-        }
-    }
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_network_a_tcp_connect_to_a_loopback_listener_fails() {
-    let e = env_with(|_| {});
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let attempt = format!("exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected >&3 && echo ok");
-
-    let denied = sandbox(&e, false).await;
-    assert!(!denied.info().network);
-    let out = sh(denied.as_ref(), &attempt).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "connected without network: {}",
+    // Nothing of the host's layout shows in the init's command line.
+    assert!(
+        !out.stdout.contains(&*e.dir.path().to_string_lossy()),
+        "{}",
         out.stdout
     );
-    let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
-    assert!(
-        accepted.is_err(),
-        "the listener accepted a connection from a sandbox without network"
-    );
-
-    // Control: the same command from a sandbox with network reaches the listener, so
-    // the refusal above is the sandbox's doing.
-    let allowed = sandbox(&e, true).await;
-    let h = allowed
-        .process()
-        .spawn(&ctx(), ProcessSpec::shell(&attempt))
-        .await
-        .unwrap();
-    let (mut sock, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-        .await
-        .expect("no connection")
-        .unwrap();
-    let mut buf = String::new();
-    tokio::io::AsyncReadExt::read_to_string(&mut sock, &mut buf)
-        .await
-        .unwrap();
-    assert_eq!(buf, "connected\n");
-    assert_eq!(collect(h.as_ref()).await.status.code, Some(0));
-    for sb in [denied, allowed] {
-        e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-    }
+    destroy(&e, &sb).await;
 }
 
-// === what a confined command cannot outlive ===
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn terminate_kills_a_grandchild_that_ignores_sigterm_and_killing_the_leader_would_not() {
-    let e = env_with(|_| {});
+async fn proc_shows_only_the_sandbox_processes() {
+    let e = env();
     let sb = sandbox(&e, false).await;
-    // The grandchild writes its pid only once it ignores SIGTERM.
-    let cmd = "sh -c 'trap \"\" TERM; echo $$ > gc.pid; exec sleep 1000' & wait";
-
-    // First show what a naive kill of the direct child leaves behind.
-    let naive = sb
-        .process()
-        .spawn(&ctx(), ProcessSpec::shell(cmd))
-        .await
-        .unwrap();
-    let gc = read_pid(sb.as_ref(), "gc.pid").await;
-    assert!(alive(gc));
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(naive.pid() as i32),
-        nix::sys::signal::Signal::SIGKILL,
+    let out = sh(
+        sb.as_ref(),
+        "ls /proc | grep -cE '^[0-9]+$'; test -e /proc/$PPID/cmdline && echo parent-visible; ls /proc/1/root/ >/dev/null && echo ok",
     )
-    .unwrap();
-    naive.wait(&ctx()).await.unwrap();
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    let count: usize = out.stdout.lines().next().unwrap().trim().parse().unwrap();
+    // pid 1, the shell, ls, grep (a pipeline) — never the host's hundreds.
+    assert!(count <= 6, "the sandbox sees {count} processes");
+    let me = std::process::id();
+    let out = sh(
+        sb.as_ref(),
+        &format!("test -e /proc/{me}/cmdline && cat /proc/{me}/cmdline"),
+    )
+    .await;
     assert!(
-        alive(gc),
-        "the grandchild must survive a kill of the leader alone, or this test proves nothing"
+        !out.stdout.contains("isolation"),
+        "the test process is visible inside: {}",
+        out.stdout
     );
-    let report = naive.terminate(&ctx()).await.unwrap();
-    assert_eq!(report.survivors, 0);
+    // The host's mount table and listening sockets are not the sandbox's.
+    let mounts = sh(sb.as_ref(), "cat /proc/self/mountinfo").await;
     assert!(
-        until(Duration::from_secs(2), || !alive(gc)).await,
-        "terminate left the orphaned grandchild {gc}"
+        !mounts.stdout.contains("/sys/fs/cgroup"),
+        "{}",
+        mounts.stdout
     );
-
-    // Then the real thing, with SIGTERM ignored.
-    sb.fs().remove(&ctx(), "gc.pid", false).await.unwrap();
-    let mut spec = ProcessSpec::shell(cmd);
-    spec.grace_ms = 200;
-    let h = sb.process().spawn(&ctx(), spec).await.unwrap();
-    let gc = read_pid(sb.as_ref(), "gc.pid").await;
+    assert!(
+        !mounts.stdout.contains(&*e.dir.path().to_string_lossy()),
+        "{}",
+        mounts.stdout
+    );
+    let listening = sh(
+        sb.as_ref(),
+        "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | grep -c ' 0A '",
+    )
+    .await;
     assert_eq!(
-        pgid_of(gc),
-        Some(h.pid() as i32),
-        "the grandchild is in the command's group"
+        listening.stdout.trim(),
+        "0",
+        "host listeners visible: {}",
+        listening.stdout
     );
-    let report = h.terminate(&ctx()).await.unwrap();
-    assert!(report.term_sent && report.killed, "{report:?}");
-    assert_eq!(report.survivors, 0);
-    assert!(!alive(gc), "the grandchild {gc} survived terminate");
-    assert!(!alive(h.pid() as i32));
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
+    destroy(&e, &sb).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn terminate_reaches_a_process_that_left_the_group_with_setsid() {
-    let e = env_with(|_| {});
-    assert!(
-        e.provider.tracks_by_cgroup(),
-        "this machine has a writable cgroup v2 hierarchy"
-    );
-    let sb = sandbox(&e, false).await;
-    let mut spec = ProcessSpec::shell(
-        "setsid sh -c 'trap \"\" TERM; echo $$ > esc.pid; exec sleep 1000' & wait; sleep 1000",
-    );
-    spec.grace_ms = 200;
-    let h = sb.process().spawn(&ctx(), spec).await.unwrap();
-    let esc = read_pid(sb.as_ref(), "esc.pid").await;
-    assert_eq!(
-        pgid_of(esc),
-        Some(esc),
-        "the escapee leads its own group (it left the command's)"
-    );
-    assert_ne!(pgid_of(esc), Some(h.pid() as i32));
-    let report = h.terminate(&ctx()).await.unwrap();
-    assert_eq!(report.survivors, 0, "{report:?}");
-    assert!(!alive(esc), "the setsid escapee {esc} survived terminate");
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_cgroups_terminate_still_reaches_the_group() {
-    let e = env_with(|c| c.cgroups = false);
-    assert!(!e.provider.tracks_by_cgroup());
-    let sb = sandbox(&e, false).await;
-    let mut spec =
-        ProcessSpec::shell("sh -c 'trap \"\" TERM; echo $$ > gc.pid; exec sleep 1000' & wait");
-    spec.grace_ms = 200;
-    let h = sb.process().spawn(&ctx(), spec).await.unwrap();
-    let gc = read_pid(sb.as_ref(), "gc.pid").await;
-    let report = h.terminate(&ctx()).await.unwrap();
-    assert!(report.killed && report.survivors == 0, "{report:?}");
-    assert!(!alive(gc));
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_provider_reconnects_and_destroy_kills_what_the_old_one_left() {
-    let dir = tempfile::Builder::new()
-        .prefix("tether-restart-")
-        .tempdir()
+async fn another_sandboxs_argv_is_invisible() {
+    let e = env();
+    let a = sandbox(&e, false).await;
+    let b = sandbox(&e, false).await;
+    let token = format!("tether-token-{}", uuid::Uuid::new_v4().simple());
+    let h = a
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv(["bash", "-c", &format!("sleep 300; : {token}")]),
+        )
+        .await
         .unwrap();
-    let first = LocalProvider::new(config(dir.path())).unwrap();
-    let sb = first.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    let id = sb.info().id;
-    let cgroup = first.sandbox_cgroup(&id);
-    assert!(
-        cgroup.as_ref().is_some_and(|p| p.is_dir()),
-        "the sandbox has a cgroup: {cgroup:?}"
-    );
+    // The pattern comes from a file: the grep's own argv must not contain the token.
+    for s in [&a, &b] {
+        assert!(
+            sh(s.as_ref(), &format!("echo {token} | base64 > /tmp/pat.b64"))
+                .await
+                .ok()
+        );
+    }
+    let count = "base64 -d /tmp/pat.b64 > /tmp/pat; cat /proc/[0-9]*/cmdline | tr '\\0' '\\n' | grep -c -f /tmp/pat";
+    // Visible in its own sandbox...
+    let own = sh(a.as_ref(), count).await;
+    assert_eq!(own.stdout.trim(), "1", "{}", own.stderr);
+    // ...and nowhere in the other.
+    let other = sh(b.as_ref(), count).await;
+    assert_eq!(other.stdout.trim(), "0", "{}", other.stdout);
+    h.terminate(&ctx()).await.unwrap();
+    destroy(&e, &a).await;
+    destroy(&e, &b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_in_tmp_survive_between_commands_and_every_path_is_reachable_by_fs() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let out = sh(
+        sb.as_ref(),
+        "echo kept > /tmp/left && mkdir -p /data && echo d > /data/x",
+    )
+    .await;
+    assert!(out.ok(), "{}", out.stderr);
+    let out = sh(sb.as_ref(), "cat /tmp/left /data/x").await;
+    assert_eq!(out.stdout, "kept\nd\n", "{}", out.stderr);
+    // The file API sees the whole root: /tmp, /proc, new top-level directories.
+    assert_eq!(read_all(sb.as_ref(), "/tmp/left").await.unwrap(), b"kept\n");
+    assert_eq!(read_all(sb.as_ref(), "/data/x").await.unwrap(), b"d\n");
+    let cmdline = read_all(sb.as_ref(), "/proc/1/cmdline").await.unwrap();
+    assert!(String::from_utf8_lossy(&cmdline).contains("pid1"));
     sb.fs()
         .write(
             &ctx(),
-            "kept.txt",
-            tether_provider::util::once_bytes("kept"),
+            "/tmp/from-fs",
+            tether_provider::util::once_bytes(bytes::Bytes::from_static(b"hi")),
             WriteGuard::None,
         )
         .await
         .unwrap();
-    // A background server outlives the command that started it.
+    let out = sh(sb.as_ref(), "cat /tmp/from-fs; stat -c %u /tmp/from-fs").await;
+    assert_eq!(
+        out.stdout, "hi0\n",
+        "written by the file API as the sandbox's root"
+    );
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_inside_is_not_root_outside() {
+    let e = env_with(|cfg, dir| {
+        let shown = dir.join("shown");
+        std::fs::create_dir_all(&shown).unwrap();
+        std::fs::set_permissions(&shown, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(shown.join("secret"), "host-secret").unwrap();
+        std::fs::set_permissions(shown.join("secret"), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        std::fs::write(shown.join("public"), "public").unwrap();
+        std::fs::set_permissions(shown.join("public"), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        cfg.read_only_paths.push(shown);
+    });
+    let shown = e.dir.path().join("shown");
+    let sb = sandbox(&e, false).await;
+    let s = shown.to_string_lossy();
     let out = sh(
         sb.as_ref(),
-        "sleep 1000 > /dev/null 2>&1 & echo $! > bg.pid",
+        &format!("cat {s}/public; echo; cat {s}/secret; echo rc=$?; id -u; cat /etc/shadow; echo shadow=$?"),
     )
     .await;
-    assert_eq!(out.status.code, Some(0));
-    let bg = read_pid(sb.as_ref(), "bg.pid").await;
-    assert!(alive(bg), "a background process outlives its command");
-    drop(sb);
-    drop(first); // the daemon "restarts" without destroying anything
-
-    let second = LocalProvider::new(config(dir.path())).unwrap();
     assert!(
-        second
-            .list(&ctx())
-            .await
-            .unwrap()
-            .iter()
-            .any(|s| s.id == id)
-    );
-    let again = second.connect(&ctx(), &id).await.unwrap();
-    assert_eq!(again.info().enforcement, Enforcement::Full);
-    let out = sh(again.as_ref(), "cat kept.txt").await;
-    assert_eq!(out.stdout, "kept");
-    drop(again);
-    second.destroy(&ctx(), &id).await.unwrap();
-    assert!(
-        until(Duration::from_secs(2), || !alive(bg)).await,
-        "destroy left {bg} running"
-    );
-    assert!(
-        !dir.path().join("sandboxes").join(&id).exists(),
-        "the sandbox directory is gone"
-    );
-    assert!(!cgroup.unwrap().exists(), "the sandbox cgroup is gone");
-    assert_eq!(
-        second.connect(&ctx(), &id).await.err().map(|e| e.code()),
-        Some(ErrorCode::SandboxNotFound)
-    );
-}
-
-// === enforcement, probed and reported ===
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn enforcement_is_full_on_this_machine() {
-    let e = env_with(|_| {});
-    e.provider.healthcheck(&ctx()).await.expect("healthcheck");
-    let sb = sandbox(&e, false).await;
-    assert_eq!(sb.info().enforcement, Enforcement::Full);
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn weaker_isolation_is_refused_unless_allowed() {
-    // Landlock switched off: the probe reports partial enforcement.
-    let strict = env_with(|c| c.landlock = false);
-    let err = strict
-        .provider
-        .create(&ctx(), SandboxSpec::default())
-        .await
-        .expect_err("refused");
-    assert_eq!(err.code(), ErrorCode::IsolationUnavailable);
-    assert_eq!(
-        strict
-            .provider
-            .healthcheck(&ctx())
-            .await
-            .err()
-            .map(|e| e.code()),
-        Some(ErrorCode::IsolationUnavailable)
-    );
-    assert!(
-        strict.provider.list(&ctx()).await.unwrap().is_empty(),
-        "a refused sandbox leaves nothing behind"
-    );
-
-    let lenient = env_with(|c| {
-        c.landlock = false;
-        c.allow_weaker_isolation = true;
-    });
-    let sb = lenient
-        .provider
-        .create(&ctx(), SandboxSpec::default())
-        .await
-        .expect("allowed");
-    assert_eq!(
-        sb.info().enforcement,
-        Enforcement::Partial,
-        "reported honestly"
-    );
-    let out = sh(
-        sb.as_ref(),
-        "echo runs; cat /etc/hostname > /dev/null && echo landlock-off",
-    )
-    .await;
-    assert_eq!(out.stdout, "runs\nlandlock-off\n", "{}", out.stderr);
-    lenient
-        .provider
-        .destroy(&ctx(), &sb.info().id)
-        .await
-        .unwrap();
-}
-
-fn run_helper(verb: &str, spec: &ConfineSpec, dir: &Path) -> std::process::Output {
-    let path = dir.join(format!("{verb}.json"));
-    std::fs::write(&path, serde_json::to_vec(spec).unwrap()).unwrap();
-    std::process::Command::new(HELPER)
-        .args(["__confine", verb])
-        .arg(&path)
-        .env_clear()
-        .output()
-        .unwrap()
-}
-
-fn spec_for(dir: &Path, argv: &[&str]) -> ConfineSpec {
-    let workspace = dir.join("ws");
-    std::fs::create_dir_all(&workspace).unwrap();
-    let cfg = LocalConfig::default();
-    ConfineSpec {
-        workspace_host: workspace,
-        workspace_path: "/home/user".into(),
-        hidden: vec!["/home".into(), "/run".into()],
-        private_tmpfs: vec!["/tmp".into()],
-        read_only: cfg.read_only_paths,
-        devices: cfg.device_paths,
-        network: false,
-        landlock: true,
-        cgroup: None,
-        require: Enforcement::Full,
-        pty: false,
-        cwd: "/home/user".into(),
-        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
-        argv: argv.iter().map(|s| (*s).to_owned()).collect(),
-    }
-}
-
-#[test]
-fn the_trampoline_probes_and_fails_closed() {
-    let dir = tempfile::tempdir().unwrap();
-    let probe = run_helper("probe", &spec_for(dir.path(), &[]), dir.path());
-    let report: ProbeReport = serde_json::from_slice(&probe.stdout).expect("a probe report");
-    assert_eq!(report.enforcement, Enforcement::Full, "{report:?}");
-    assert!(
-        report.user_ns && report.mount_ns && report.net_ns,
-        "{report:?}"
-    );
-
-    // It runs the command when everything holds...
-    let ok = run_helper(
-        "run",
-        &spec_for(dir.path(), &["/bin/sh", "-c", "echo inside > marker"]),
-        dir.path(),
-    );
-    assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
-    assert!(dir.path().join("ws/marker").exists());
-
-    // ...and never when it cannot reach what the sandbox promised.
-    let mut weaker = spec_for(dir.path(), &["/bin/sh", "-c", "echo ran > unconfined"]);
-    weaker.landlock = false;
-    let out = run_helper("run", &weaker, dir.path());
-    assert_eq!(out.status.code(), Some(CONFINE_FAILED_EXIT));
-    assert!(String::from_utf8_lossy(&out.stderr).starts_with(CONFINE_FAILED_PREFIX));
-    assert!(
-        !dir.path().join("ws/unconfined").exists(),
-        "the command ran unconfined"
-    );
-
-    let mut broken = spec_for(
-        dir.path(),
-        &["/bin/sh", "-c", "echo ran > /tmp/tether-never"],
-    );
-    broken.workspace_host = dir.path().join("does-not-exist");
-    let out = run_helper("run", &broken, dir.path());
-    assert_eq!(out.status.code(), Some(CONFINE_FAILED_EXIT));
-    assert!(!Path::new("/tmp/tether-never").exists());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_command_cannot_open_terminals_other_than_its_own() {
-    let e = env_with(|_| {});
-    let sb = sandbox(&e, false).await;
-    // A terminal of someone else: the daemon holds its master, nobody uses the slave.
-    let mut spec = ProcessSpec::shell("tty; sleep 1000");
-    spec.pty = Some(tether_protocol::process::PtySize { rows: 24, cols: 80 });
-    let other = sb.process().spawn(&ctx(), spec).await.unwrap();
-    let mut events = other.events(StreamOffsets::default());
-    let mut name = String::new();
-    while !name.contains('\n') {
-        if let Some(Ok(ProcessEvent::Output { data, .. })) = events.next().await {
-            name.push_str(&String::from_utf8_lossy(&data));
-        }
-    }
-    let name = name.trim().to_owned();
-    assert!(name.starts_with("/dev/pts/"), "{name}");
-    let out = sh(sb.as_ref(), &format!("echo injected > {name}")).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "a command wrote to another command's terminal {name}"
-    );
-    let out = sh(sb.as_ref(), &format!("cat {name}")).await;
-    assert_ne!(
-        out.status.code,
-        Some(0),
-        "a command read another command's terminal {name}"
-    );
-    // Its own terminal stays usable, by name and as /dev/tty.
-    let mut own =
-        ProcessSpec::shell("echo by-name > $(tty) && echo via-dev-tty > /dev/tty && stty size");
-    own.pty = Some(tether_protocol::process::PtySize {
-        rows: 30,
-        cols: 100,
-    });
-    let h = sb.process().spawn(&ctx(), own).await.unwrap();
-    let out = collect(h.as_ref()).await;
-    assert_eq!(out.status.code, Some(0), "{}", out.stdout);
-    assert!(
-        out.stdout.contains("by-name")
-            && out.stdout.contains("via-dev-tty")
-            && out.stdout.contains("30 100"),
-        "{}",
+        out.stdout.starts_with("public\n"),
+        "the directory is shown: {}",
         out.stdout
     );
-    other.terminate(&ctx()).await.unwrap();
-    e.provider.destroy(&ctx(), &sb.info().id).await.unwrap();
+    assert!(!out.stdout.contains("host-secret"), "{}", out.stdout);
+    assert!(out.stdout.contains("rc=1"), "{}", out.stdout);
+    assert!(out.stderr.contains("Permission denied"), "{}", out.stderr);
+    // /etc/shadow is not part of the host template at all.
+    assert!(out.stdout.contains("shadow=1"), "{}", out.stdout);
+    // Nor through the file API, which runs as the sandbox's user.
+    let c = read_all(sb.as_ref(), &format!("{s}/secret"))
+        .await
+        .unwrap_err()
+        .code();
+    assert_eq!(c, ErrorCode::FsPermissionDenied);
+    // What root inside creates is owned by an unprivileged host uid.
+    let out = sh(sb.as_ref(), "touch /home/user/mine").await;
+    assert!(out.ok());
+    let local = e.provider.local(&sb.info().id).await.unwrap();
+    let meta =
+        std::fs::metadata(format!("/proc/{}/root/home/user/mine", local.init_pid())).unwrap();
+    assert_eq!(meta.uid(), DEFAULT_UID_BASE);
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destroy_kills_the_whole_pid_namespace() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let out = sh(
+        sb.as_ref(),
+        "setsid sleep 1000 < /dev/null > /dev/null 2>&1 & (sleep 1000 &) ; echo started",
+    )
+    .await;
+    assert!(out.stdout.contains("started"));
+    let init = e.provider.local(&sb.info().id).await.unwrap().init_pid();
+    let before = pid_ns_members(init);
+    assert!(before.len() >= 3, "init and two sleepers: {before:?}");
+    destroy(&e, &sb).await;
+    for pid in before {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.contains(") Z ")),
+            "{pid} survived destroy"
+        );
+    }
+}
+
+// === network ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_sandbox_cannot_connect_to_a_host_loopback_port() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let e = env();
+    for network in [true, false] {
+        let sb = sandbox(&e, network).await;
+        assert_eq!(sb.info().network, network);
+        let out = sh(
+            sb.as_ref(),
+            &format!(
+                "gw=$(awk '$2==\"00000000\" {{print $3}}' /proc/net/route | head -1); echo route=${{gw:-none}}; \
+                 for a in 127.0.0.1 localhost $(ip -4 route show default 2>/dev/null | awk '{{print $3}}'); do \
+                   timeout 3 bash -c \"echo x > /dev/tcp/$a/{port}\" 2>/dev/null && echo reached=$a; done; echo done"
+            ),
+        )
+        .await;
+        assert!(out.stdout.contains("done"), "{} {}", out.stdout, out.stderr);
+        assert!(
+            !out.stdout.contains("reached="),
+            "network={network}: {}",
+            out.stdout
+        );
+        if network {
+            assert!(
+                !out.stdout.contains("route=none"),
+                "egress is configured: {}",
+                out.stdout
+            );
+        } else {
+            assert!(
+                out.stdout.contains("route=none"),
+                "no network: {}",
+                out.stdout
+            );
+        }
+        destroy(&e, &sb).await;
+    }
+    assert!(
+        listener.accept().is_err(),
+        "a connection reached the host listener"
+    );
+}
+
+// === limits ===
+
+fn limits(memory: u64, pids: u64, disk: u64) -> SandboxSpec {
+    SandboxSpec {
+        limits: ResourceLimits {
+            memory_bytes: Some(memory),
+            pids: Some(pids),
+            cpu_millis: None,
+            disk_bytes: Some(disk),
+        },
+        ..SandboxSpec::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_hits_the_process_limit_while_another_sandbox_keeps_working() {
+    let e = env();
+    let bomb = sandbox(&e, false).await;
+    let other = sandbox(&e, false).await;
+    let h = bomb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv([
+                "python3",
+                "-c",
+                "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused after', n, e.errno)\n    raise SystemExit(11)\n",
+            ]),
+        )
+        .await
+        .unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), collect(h.as_ref()))
+        .await
+        .expect("the bomb is stopped by the limit");
+    assert_eq!(out.status.code, Some(11), "{} {}", out.stdout, out.stderr);
+    let n: u64 = out
+        .stdout
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n < 1024, "{n} processes");
+    assert_eq!(h.limit_hit(), Some(LimitKind::Pids));
+    let ok = sh(other.as_ref(), "echo alive").await;
+    assert_eq!(ok.stdout, "alive\n");
+    destroy(&e, &bomb).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_3_gib_allocation_is_killed_as_out_of_memory() {
+    let e = env();
+    let hog = sandbox(&e, false).await;
+    let other = sandbox(&e, false).await;
+    let h = hog
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::argv(["python3", "-c", "b = bytearray(3 << 30); print('survived')"]),
+        )
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert_eq!(out.status.signal, Some(9), "{} {}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("survived"));
+    assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
+    // A child killed for memory, its parent reporting failure: classified the same.
+    let h = hog
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("python3 -c 'b = bytearray(3 << 30)' || exit 3"),
+        )
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert_eq!(out.status.code, Some(3), "{}", out.stderr);
+    assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
+    let ok = sh(
+        other.as_ref(),
+        "python3 -c 'b = bytearray(64 << 20); print(len(b))'",
+    )
+    .await;
+    assert_eq!(ok.stdout.trim(), (64u64 << 20).to_string());
+    destroy(&e, &hog).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5_gib_file_hits_the_disk_limit_and_the_host_state_dir_stays_writable() {
+    let e = env();
+    // At the default limit (4 GiB), a 5 GiB file is refused at once.
+    let default = sandbox(&e, false).await;
+    let out = sh(
+        default.as_ref(),
+        "fallocate -l 5G /home/user/big; echo fallocate=$?; df -B1 --output=size / | tail -1",
+    )
+    .await;
+    assert!(
+        out.stdout.contains("fallocate=1"),
+        "{} {}",
+        out.stdout,
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("No space left on device"),
+        "{}",
+        out.stderr
+    );
+    let size: u64 = out.stdout.lines().last().unwrap().trim().parse().unwrap();
+    assert!(size <= 4 << 30, "a root of {size} bytes");
+    destroy(&e, &default).await;
+    // Writing one until the disk is full (a smaller disk: the image is sparse, and what
+    // the sandbox writes lands on the host's disk up to the limit).
+    let filler = sandbox_with(&e, limits(2 << 30, 1024, 256 << 20)).await;
+    let h = filler
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("head -c 5G /dev/zero > /tmp/big"),
+        )
+        .await
+        .unwrap();
+    let out = collect(h.as_ref()).await;
+    assert_eq!(out.status.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("No space left on device"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(h.limit_hit(), Some(LimitKind::Disk));
+    // The host's file system is not the one that filled: the state dir takes writes,
+    // new sandboxes start, the full one still runs commands.
+    std::fs::write(e.dir.path().join("log"), vec![b'x'; 1 << 20]).expect("state dir writable");
+    let other = sandbox(&e, false).await;
+    assert_eq!(sh(other.as_ref(), "echo fine").await.stdout, "fine\n");
+    let still = sh(filler.as_ref(), "rm /tmp/big && echo freed").await;
+    assert_eq!(still.stdout, "freed\n", "{}", still.stderr);
+    let m = e.provider.metrics(&ctx(), &filler.info().id).await.unwrap();
+    assert!(m.disk_limit_bytes.unwrap() <= 256 << 20, "{m:?}");
+    destroy(&e, &filler).await;
+    destroy(&e, &other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_are_per_sandbox_and_metrics_report_them() {
+    let e = env();
+    let sb = sandbox_with(&e, limits(256 << 20, 64, 64 << 20)).await;
+    let out = sh(sb.as_ref(), "df -B1 --output=size / | tail -1").await;
+    let size: u64 = out.stdout.trim().parse().unwrap();
+    assert!(size <= 64 << 20, "root of {size} bytes");
+    let m = e.provider.metrics(&ctx(), &sb.info().id).await.unwrap();
+    assert_eq!(m.memory_limit_bytes, Some(256 << 20));
+    assert!(m.memory_bytes > 0 && m.pids >= 1, "{m:?}");
+    let out = sh(
+        sb.as_ref(),
+        "for i in $(seq 100); do sleep 5 & done 2>&1 | head -1; echo rc",
+    )
+    .await;
+    assert!(out.stdout.contains("rc"), "{}", out.stdout);
+    destroy(&e, &sb).await;
+}
+
+// === lifecycle ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_freezes_and_resume_thaws() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell(
+                "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done",
+            ),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    e.provider.pause(&ctx(), &id).await.unwrap();
+    let local = e.provider.local(&id).await.unwrap();
+    assert!(local.paused());
+    let a = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    assert_eq!(a, b, "a paused sandbox does not run");
+    e.provider.resume(&ctx(), &id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
+    assert_ne!(b, c, "a resumed sandbox runs again");
+    h.terminate(&ctx()).await.unwrap();
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_forks_the_file_system() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    assert!(
+        sh(sb.as_ref(), "echo one > /home/user/f && echo t > /tmp/t")
+            .await
+            .ok()
+    );
+    let snap = e.provider.snapshot(&ctx(), &sb.info().id).await.unwrap();
+    assert!(sh(sb.as_ref(), "echo two > /home/user/f").await.ok());
+    let fork = e
+        .provider
+        .create_from_snapshot(&ctx(), &snap, SandboxSpec::default())
+        .await
+        .unwrap();
+    let out = sh(fork.as_ref(), "cat /home/user/f /tmp/t").await;
+    assert_eq!(out.stdout, "one\nt\n", "{}", out.stderr);
+    assert!(sh(fork.as_ref(), "echo three > /home/user/f").await.ok());
+    assert_eq!(sh(sb.as_ref(), "cat /home/user/f").await.stdout, "two\n");
+    e.provider.delete_snapshot(&ctx(), &snap).await.unwrap();
+    let gone = e
+        .provider
+        .create_from_snapshot(&ctx(), &snap, SandboxSpec::default())
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), ErrorCode::SandboxNotFound);
+    destroy(&e, &fork).await;
+    destroy(&e, &sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_provider_boots_the_sandbox_again_with_its_files() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    assert!(sh(sb.as_ref(), "echo kept > /tmp/kept").await.ok());
+    let old_init = e.provider.local(&id).await.unwrap().init_pid();
+    let cfg = e.provider.config().clone();
+    drop(sb);
+    // A second provider over the same root (the daemon after a restart).
+    let again = LocalProvider::new(cfg).unwrap();
+    // The first init is still alive here (its provider is): kill it as a crash would.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(old_init as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let sb = again.connect(&ctx(), &id).await.unwrap();
+    let out = sh(sb.as_ref(), "cat /tmp/kept").await;
+    assert_eq!(out.stdout, "kept\n", "{}", out.stderr);
+    again.destroy(&ctx(), &id).await.unwrap();
+    e.provider.destroy(&ctx(), &id).await.unwrap();
+    assert_eq!(mounted_under(e.dir.path()), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_ends_with_its_provider() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    let init = e.provider.local(&id).await.unwrap().init_pid();
+    e.provider.pause(&ctx(), &id).await.unwrap();
+    drop(sb);
+    let Env { dir, provider } = e;
+    drop(provider);
+    let mut gone = false;
+    for _ in 0..500 {
+        if pid_ns_members(init).is_empty() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "a paused sandbox outlived its provider");
+    assert!(
+        !Path::new("/sys/fs/cgroup/pids/tether").join(&id).exists()
+            && !Path::new("/sys/fs/cgroup/unified/tether")
+                .join(&id)
+                .exists(),
+        "its cgroups outlived it"
+    );
+    // What is left for a later provider is files, which destroy removes.
+    let again = LocalProvider::new(LocalConfig {
+        confine_helper: Some(HELPER.into()),
+        ..LocalConfig::with_root(dir.path().join("sandboxes"))
+    })
+    .unwrap();
+    again.destroy(&ctx(), &id).await.unwrap();
+    assert!(!dir.path().join("sandboxes").join(&id).exists());
 }

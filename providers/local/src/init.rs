@@ -1,0 +1,724 @@
+//! A sandbox's init: the process that holds the sandbox's namespaces and starts its
+//! commands.
+//!
+//! The provider starts the helper binary as `__confine holder`, with one end of a
+//! `SOCK_SEQPACKET` socket pair as its standard input, and talks to it in JSON
+//! messages ([`ToInit`], [`FromInit`]), passing file descriptors alongside:
+//!
+//! 1. The *holder* reads [`ToInit::Setup`]; in a mount namespace of its own (still
+//!    root on the host) it mounts the sandbox's ext4 image (loop device) and the overlay
+//!    over the template, so that nothing of the sandbox is mounted in the host's
+//!    namespace and everything goes with its last process. It changes into the root,
+//!    creates the user, mount, pid, UTS, IPC, network and cgroup namespaces with one
+//!    `unshare`, and says [`FromInit::Unshared`] (with a descriptor of the store). The provider
+//!    (root on the host) writes the new user namespace's uid and gid maps (root inside
+//!    is an unprivileged uid range outside) and answers [`ToInit::Mapped`].
+//! 2. The holder becomes root of the new user namespace and starts `__confine pid1`,
+//!    the first process of the new pid namespace, then waits for it. pid1 reads its own
+//!    copy of [`ToInit::Setup`] (a command line would be visible inside).
+//! 3. *pid1* builds the sandbox's view: its own `/proc`, a `/dev` with the host's
+//!    harmless device nodes, its own `/dev/pts`, a sized `/dev/shm`, `/sys`, `/run`,
+//!    the template's read-only binds, the loopback interface up; then `pivot_root`s
+//!    into the sandbox root and detaches the host's. It says [`FromInit::Ready`].
+//! 4. From then on pid1 starts commands ([`ToInit::Spawn`], with the command's stdio
+//!    descriptors) as its children in their own process groups, answers
+//!    [`FromInit::Spawned`] with a pidfd of the new process, reaps every process of the
+//!    sandbox, and reports the exit of each command it started ([`FromInit::Exited`]).
+//!
+//! When the provider's end of the socket closes, pid1 exits, and the kernel kills every
+//! process of the pid namespace: nothing of a sandbox outlives its init.
+//!
+//! pid1 is single-threaded: it waits on the socket and a `signalfd` for `SIGCHLD` with
+//! `poll`, so the standard library's own `waitpid` after a failed `exec` never races a
+//! reaper thread.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::signal::{SigSet, Signal as NixSignal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use serde::{Deserialize, Serialize};
+
+/// Largest message on the control socket.
+pub(crate) const MAX_MESSAGE: usize = 1 << 20;
+
+/// Most descriptors passed with one message.
+const MAX_FDS: usize = 3;
+
+/// What the init sets up (sent by the provider in [`ToInit::Setup`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitSpec {
+    /// The mount point of the sandbox's root on the host (an empty directory).
+    pub root: PathBuf,
+    /// The sandbox's file-system image (ext4).
+    pub image: PathBuf,
+    /// Where to mount the image (it holds the overlay's `upper` and `work`).
+    pub store: PathBuf,
+    /// The template: the overlay's lower layer.
+    pub lower: PathBuf,
+    /// Host uid (and gid) of root inside: owner of the upper layer's root.
+    pub owner: u32,
+    /// The `mount` program (it sets up the loop device).
+    pub mount: PathBuf,
+    /// Add the host name to `/etc/hosts` (templates whose `/etc` is the sandbox's own).
+    pub hosts_entry: bool,
+    /// Host paths to bind read-only at the same path inside.
+    pub binds: Vec<PathBuf>,
+    /// Host device nodes to bind into `/dev`.
+    pub devices: Vec<PathBuf>,
+    /// Size of `/dev/shm` in bytes.
+    pub shm_bytes: u64,
+    /// The sandbox's host name.
+    pub hostname: String,
+    /// The home directory to create (`/home/user`), and its owner inside.
+    pub home: PathBuf,
+    /// Owner (uid, gid inside) of the home directory.
+    pub home_owner: (u32, u32),
+    /// The host's `ip` program, used to bring the loopback interface up.
+    pub ip: Option<PathBuf>,
+}
+
+/// Provider to init.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case", deny_unknown_fields)]
+pub(crate) enum ToInit {
+    /// What to set up (to the holder).
+    Setup(InitSpec),
+    /// The uid and gid maps are written (to the holder).
+    Mapped,
+    /// Start a command; the message carries its stdin, stdout and stderr (or one pty
+    /// descriptor for all three).
+    Spawn {
+        req: u64,
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        cwd: PathBuf,
+        pty: bool,
+        uid: u32,
+        gid: u32,
+    },
+}
+
+/// Init to provider.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case", deny_unknown_fields)]
+pub(crate) enum FromInit {
+    /// The namespaces exist: map the ids (from the holder).
+    Unshared,
+    /// The sandbox is set up (from pid1).
+    Ready,
+    /// A step of the set-up failed.
+    Failed { message: String },
+    /// A command started; the message carries a pidfd of it.
+    Spawned { req: u64, pid: u32 },
+    /// A command could not be started.
+    SpawnFailed {
+        req: u64,
+        not_found: bool,
+        message: String,
+    },
+    /// A command's leader ended.
+    Exited {
+        pid: u32,
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+}
+
+/// Send one message with `fds`.
+pub(crate) fn send<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::other("too many descriptors"));
+    }
+    rustix::net::sendmsg(
+        sock,
+        &[IoSlice::new(&bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    Ok(())
+}
+
+/// Receive one message and its descriptors; `None` at end of file.
+pub(crate) fn recv<T: for<'de> Deserialize<'de>>(
+    sock: BorrowedFd<'_>,
+    flags: RecvFlags,
+) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    recv_with(sock, flags, &mut buf)
+}
+
+/// [`recv`] into a caller's buffer (pid1 keeps one for its whole life).
+pub(crate) fn recv_with<T: for<'de> Deserialize<'de>>(
+    sock: BorrowedFd<'_>,
+    flags: RecvFlags,
+    buf: &mut [u8],
+) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let r = rustix::net::recvmsg(
+        sock,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        flags | RecvFlags::CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(list) = m {
+            fds.extend(list);
+        }
+    }
+    if r.bytes == 0 {
+        return Ok(None);
+    }
+    let msg = serde_json::from_slice(&buf[..r.bytes]).map_err(std::io::Error::other)?;
+    Ok(Some((msg, fds)))
+}
+
+fn fail(step: &str, e: impl std::fmt::Display) -> ExitCode {
+    let message = format!("{step}: {e}");
+    eprintln!("tether-init: {message}");
+    let stdin = std::io::stdin();
+    let _ = send(stdin.as_fd(), &FromInit::Failed { message }, &[]);
+    ExitCode::from(crate::error::CONFINE_FAILED_EXIT as u8)
+}
+
+/// `__confine holder`: create the namespaces, wait for the id maps, start pid1.
+pub(crate) fn holder() -> ExitCode {
+    let stdin = std::io::stdin();
+    let sock = stdin.as_fd();
+    let spec = match recv::<ToInit>(sock, RecvFlags::empty()) {
+        Ok(Some((ToInit::Setup(spec), _))) => spec,
+        Ok(_) => return fail("setup", "no setup message"),
+        Err(e) => return fail("setup", e),
+    };
+    // Still host root, in a mount namespace of our own: the sandbox's file system is
+    // mounted here, never in the host's, and goes away with the sandbox's last process.
+    let store = match mount_rootfs(&spec) {
+        Ok(fd) => fd,
+        Err((step, e)) => return fail(&step, e),
+    };
+    if let Err(e) = std::env::set_current_dir(&spec.root) {
+        return fail("enter the sandbox root", e);
+    }
+    let flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWCGROUP;
+    if let Err(e) = unshare(flags) {
+        return fail("unshare", e);
+    }
+    // The provider keeps a handle on the store (snapshots copy its upper layer).
+    if let Err(e) = send(sock, &FromInit::Unshared, &[store.as_fd()]) {
+        return fail("report the namespaces", e);
+    }
+    match recv::<ToInit>(sock, RecvFlags::empty()) {
+        Ok(Some((ToInit::Mapped, _))) => {}
+        Ok(_) => return fail("id maps", "no maps"),
+        Err(e) => return fail("id maps", e),
+    }
+    // The overlay came from the host's mount namespace, so it is locked here; a bind
+    // of it made in this namespace is ours, and can become the root.
+    if let Err(e) = rustix::mount::mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    ) {
+        return fail("make / private", e);
+    }
+    if let Err(e) = rustix::mount::mount_bind_recursive(&spec.root, &spec.root) {
+        return fail("bind the sandbox root", e);
+    }
+    if let Err(e) = std::env::set_current_dir(&spec.root) {
+        return fail("enter the sandbox root", e);
+    }
+    let root = nix::unistd::Gid::from_raw(0);
+    if let Err(e) = nix::unistd::setgroups(&[root]) {
+        return fail("setgroups", e);
+    }
+    if let Err(e) = nix::unistd::setresgid(root, root, root) {
+        return fail("setresgid", e);
+    }
+    let uroot = nix::unistd::Uid::from_raw(0);
+    if let Err(e) = nix::unistd::setresuid(uroot, uroot, uroot) {
+        return fail("setresuid", e);
+    }
+    let child = std::process::Command::new("/proc/self/exe")
+        .arg(crate::confine::CONFINE_SUBCOMMAND)
+        .arg("pid1")
+        .env_clear()
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return fail("start pid1", e),
+    };
+    // The socket belongs to pid1 now.
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        let _ = rustix::stdio::dup2_stdin(&null);
+    }
+    match child.wait() {
+        Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(0, 255) as u8),
+        Err(_) => ExitCode::FAILURE,
+    }
+}
+
+/// Mount the image at `store` and the overlay at `root`, in the holder's own mount
+/// namespace; returns a descriptor of the store.
+fn mount_rootfs(spec: &InitSpec) -> Result<OwnedFd, (String, std::io::Error)> {
+    let step = |s: &str| {
+        let s = s.to_owned();
+        move |e: std::io::Error| (s, e)
+    };
+    unshare(CloneFlags::CLONE_NEWNS)
+        .map_err(|e| ("unshare the mount namespace".to_owned(), e.into()))?;
+    rustix::mount::mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| ("make / private".to_owned(), e.into()))?;
+    std::fs::create_dir_all(&spec.store).map_err(step("create the store mount point"))?;
+    let out = std::process::Command::new(&spec.mount)
+        .args(["-o", "loop,nodev,nosuid"])
+        .arg(&spec.image)
+        .arg(&spec.store)
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(step("run mount"))?;
+    if !out.status.success() {
+        return Err((
+            "mount the sandbox's image".to_owned(),
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+        ));
+    }
+    for d in ["upper", "work"] {
+        let p = spec.store.join(d);
+        if !p.exists() {
+            std::fs::create_dir(&p).map_err(step(&format!("create {d}")))?;
+            std::os::unix::fs::chown(&p, Some(spec.owner), Some(spec.owner))
+                .map_err(step(&format!("chown {d}")))?;
+        }
+    }
+    std::fs::create_dir_all(&spec.root).map_err(step("create the root mount point"))?;
+    // The layers by descriptor: the options are shown in the sandbox's mount table, and
+    // the host's paths have no business there.
+    let open = |p: &Path| {
+        rustix::fs::open(
+            p,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(|e| (format!("open {}", p.display()), std::io::Error::from(e)))
+    };
+    let (lower, upper, work) = (
+        open(&spec.lower)?,
+        open(&spec.store.join("upper"))?,
+        open(&spec.store.join("work"))?,
+    );
+    let fd = |f: &OwnedFd| format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(f));
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        fd(&lower),
+        fd(&upper),
+        fd(&work)
+    );
+    // Set-id programs of a template (`sudo` in `base`) must work: their owner is root
+    // inside, an unprivileged uid outside, so they grant nothing on the host.
+    mount_fs(
+        "overlay",
+        &spec.root.to_string_lossy(),
+        MountFlags::NODEV,
+        &data,
+    )
+    .map_err(step("mount the sandbox's overlay"))?;
+    let fd = rustix::fs::open(
+        &spec.store,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| ("open the store".to_owned(), e.into()))?;
+    Ok(fd)
+}
+
+fn mount_fs(fstype: &str, target: &str, flags: MountFlags, data: &str) -> std::io::Result<()> {
+    let data = std::ffi::CString::new(data).map_err(std::io::Error::other)?;
+    rustix::mount::mount(fstype, target, fstype, flags, Some(data.as_c_str()))?;
+    Ok(())
+}
+
+fn bind(source: &Path, target: &Path, read_only: bool) -> std::io::Result<()> {
+    rustix::mount::mount_bind_recursive(source, target)?;
+    if read_only {
+        rustix::mount::mount_remount(
+            target,
+            MountFlags::BIND | MountFlags::RDONLY | MountFlags::NOSUID,
+            "",
+        )?;
+    }
+    Ok(())
+}
+
+/// Make `rel` (relative to the sandbox root) a mount point of the same kind as `src`.
+fn mount_point(rel: &Path, src: &Path) -> std::io::Result<()> {
+    if src.is_dir() {
+        std::fs::create_dir_all(rel)?;
+    } else {
+        if let Some(p) = rel.parent() {
+            std::fs::create_dir_all(p)?;
+        }
+        if std::fs::symlink_metadata(rel).is_err() {
+            std::fs::write(rel, b"")?;
+        }
+    }
+    Ok(())
+}
+
+fn relative(p: &Path) -> PathBuf {
+    p.strip_prefix("/").unwrap_or(p).to_owned()
+}
+
+fn build_root(spec: &InitSpec) -> Result<(), (String, std::io::Error)> {
+    let step = |s: &str| {
+        let s = s.to_owned();
+        move |e: std::io::Error| (s, e)
+    };
+    rustix::mount::mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| ("make / private".to_owned(), e.into()))?;
+    // cwd is the sandbox root: every path below is relative to it.
+    for p in &spec.binds {
+        let Ok(meta) = std::fs::symlink_metadata(p) else {
+            continue;
+        };
+        let rel = relative(p);
+        if meta.file_type().is_symlink() {
+            continue;
+        }
+        mount_point(&rel, p).map_err(step(&format!("mount point {}", p.display())))?;
+        bind(p, &rel, true).map_err(step(&format!("bind {}", p.display())))?;
+    }
+    let nosuid = MountFlags::NOSUID | MountFlags::NODEV;
+    std::fs::create_dir_all("proc").map_err(step("mkdir /proc"))?;
+    mount_fs("proc", "proc", nosuid | MountFlags::NOEXEC, "").map_err(step("mount /proc"))?;
+    std::fs::create_dir_all("dev").map_err(step("mkdir /dev"))?;
+    mount_fs(
+        "tmpfs",
+        "dev",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "mode=0755,size=1m",
+    )
+    .map_err(step("mount /dev"))?;
+    for d in &spec.devices {
+        if !d.exists() {
+            continue;
+        }
+        let rel = relative(d);
+        mount_point(&rel, d).map_err(step(&format!("mount point {}", d.display())))?;
+        bind(d, &rel, false).map_err(step(&format!("bind {}", d.display())))?;
+    }
+    std::fs::create_dir_all("dev/pts").map_err(step("mkdir /dev/pts"))?;
+    mount_fs(
+        "devpts",
+        "dev/pts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )
+    .map_err(step("mount /dev/pts"))?;
+    let _ = std::os::unix::fs::symlink("pts/ptmx", "dev/ptmx");
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let _ = std::os::unix::fs::symlink(target, format!("dev/{name}"));
+    }
+    std::fs::create_dir_all("dev/shm").map_err(step("mkdir /dev/shm"))?;
+    mount_fs(
+        "tmpfs",
+        "dev/shm",
+        nosuid,
+        &format!("mode=1777,size={}", spec.shm_bytes.max(4096)),
+    )
+    .map_err(step("mount /dev/shm"))?;
+    std::fs::create_dir_all("sys").map_err(step("mkdir /sys"))?;
+    if mount_fs(
+        "sysfs",
+        "sys",
+        nosuid | MountFlags::NOEXEC | MountFlags::RDONLY,
+        "",
+    )
+    .is_err()
+    {
+        tracing::debug!("no sysfs in the sandbox");
+    }
+    std::fs::create_dir_all("run").map_err(step("mkdir /run"))?;
+    mount_fs("tmpfs", "run", nosuid, "mode=0755,size=16m").map_err(step("mount /run"))?;
+    std::fs::create_dir_all("tmp").map_err(step("mkdir /tmp"))?;
+    set_mode("tmp", 0o1777).map_err(step("chmod /tmp"))?;
+    let home = relative(&spec.home);
+    if !home.exists() {
+        std::fs::create_dir_all(&home).map_err(step("mkdir home"))?;
+        let (uid, gid) = spec.home_owner;
+        std::os::unix::fs::chown(&home, Some(uid), Some(gid)).map_err(step("chown home"))?;
+    }
+    if let Some(ip) = &spec.ip {
+        let _ = std::process::Command::new(ip)
+            .args(["link", "set", "lo", "up"])
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+    let _ = rustix::system::sethostname(spec.hostname.as_bytes());
+    if spec.hosts_entry {
+        // Programs that resolve their own host name (sudo) find it.
+        let line = format!("127.0.1.1\t{}\n", spec.hostname);
+        let current = std::fs::read_to_string("etc/hosts").unwrap_or_default();
+        if !current.contains(&line) {
+            let _ = std::fs::write("etc/hosts", format!("{current}{line}"));
+        }
+    }
+    rustix::process::pivot_root(".", ".").map_err(|e| ("pivot_root".to_owned(), e.into()))?;
+    rustix::mount::unmount(".", UnmountFlags::DETACH)
+        .map_err(|e| ("detach the host root".to_owned(), e.into()))?;
+    std::env::set_current_dir("/").map_err(step("chdir /"))?;
+    Ok(())
+}
+
+fn set_mode(p: &str, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+}
+
+/// `__confine pid1`: read the spec from the socket, build the sandbox's view, serve.
+pub(crate) fn pid1() -> ExitCode {
+    let spec = {
+        let stdin = std::io::stdin();
+        match recv::<ToInit>(stdin.as_fd(), RecvFlags::empty()) {
+            Ok(Some((ToInit::Setup(spec), _))) => spec,
+            Ok(_) => return fail("pid1 setup", "no setup message"),
+            Err(e) => return fail("pid1 setup", e),
+        }
+    };
+    if let Err((step, e)) = build_root(&spec) {
+        return fail(&step, e);
+    }
+    let mut mask = SigSet::empty();
+    mask.add(NixSignal::SIGCHLD);
+    if let Err(e) = mask.thread_block() {
+        return fail("block SIGCHLD", e);
+    }
+    let sfd = match SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC) {
+        Ok(s) => s,
+        Err(e) => return fail("signalfd", e),
+    };
+    let stdin = std::io::stdin();
+    let sock = stdin.as_fd();
+    if let Err(e) = send(sock, &FromInit::Ready, &[]) {
+        return fail("report ready", e);
+    }
+    serve(sock, &sfd);
+    ExitCode::SUCCESS
+}
+
+fn serve(sock: BorrowedFd<'_>, sfd: &SignalFd) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut commands: HashSet<i32> = HashSet::new();
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let (sock_ready, sig_ready) = {
+            let mut fds = [
+                PollFd::new(sock, PollFlags::POLLIN),
+                PollFd::new(sfd.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(_) => return,
+            }
+            let r = |f: &PollFd<'_>| f.revents().is_some_and(|e| !e.is_empty());
+            (r(&fds[0]), r(&fds[1]))
+        };
+        if sig_ready {
+            while let Ok(Some(_)) = sfd.read_signal() {}
+            reap(sock, &mut commands);
+        }
+        if sock_ready {
+            match recv_with::<ToInit>(sock, RecvFlags::DONTWAIT, &mut buf) {
+                Ok(Some((msg, fds))) => handle(sock, msg, fds, &mut commands),
+                Ok(None) => return,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
+        }
+    }
+}
+
+fn reap(sock: BorrowedFd<'_>, commands: &mut HashSet<i32>) {
+    loop {
+        let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
+            Ok(WaitStatus::StillAlive) | Err(_) => return,
+            Ok(_) => continue,
+        };
+        if commands.remove(&pid.as_raw()) {
+            let _ = send(
+                sock,
+                &FromInit::Exited {
+                    pid: pid.as_raw() as u32,
+                    code,
+                    signal,
+                },
+                &[],
+            );
+        }
+    }
+}
+
+fn handle(sock: BorrowedFd<'_>, msg: ToInit, mut fds: Vec<OwnedFd>, commands: &mut HashSet<i32>) {
+    let ToInit::Spawn {
+        req,
+        argv,
+        env,
+        cwd,
+        pty,
+        uid,
+        gid,
+    } = msg
+    else {
+        return;
+    };
+    let refuse = |not_found: bool, message: String| {
+        let _ = send(
+            sock,
+            &FromInit::SpawnFailed {
+                req,
+                not_found,
+                message,
+            },
+            &[],
+        );
+    };
+    let Some((program, args)) = argv.split_first() else {
+        return refuse(false, "empty command".into());
+    };
+    let expected = if pty { 1 } else { 3 };
+    if fds.len() != expected {
+        return refuse(
+            false,
+            format!("expected {expected} descriptors, got {}", fds.len()),
+        );
+    }
+    let mut cmd = if pty {
+        // setsid and the controlling terminal need code between fork and exec: a
+        // second pass through this binary does them, then execs the command.
+        let mut c = std::process::Command::new("/proc/self/exe");
+        c.arg(crate::confine::CONFINE_SUBCOMMAND)
+            .arg("ptyexec")
+            .arg(program)
+            .args(args);
+        c
+    } else {
+        let mut c = std::process::Command::new(program);
+        c.args(args).process_group(0);
+        c
+    };
+    let (stdin, stdout, stderr) = if pty {
+        let slave = fds.remove(0);
+        let (Ok(a), Ok(b)) = (slave.try_clone(), slave.try_clone()) else {
+            return refuse(false, "cannot duplicate the pty".into());
+        };
+        (slave, a, b)
+    } else {
+        let stderr = fds.remove(2);
+        let stdout = fds.remove(1);
+        (fds.remove(0), stdout, stderr)
+    };
+    cmd.env_clear()
+        .envs(
+            env.iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        )
+        .current_dir(&cwd)
+        .stdin(Stdio::from(stdin))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr));
+    if uid != 0 || gid != 0 {
+        cmd.uid(uid).gid(gid);
+    }
+    match cmd.spawn() {
+        Ok(child) => {
+            let pid = child.id();
+            commands.insert(pid as i32);
+            let pidfd = rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            });
+            let fds: Vec<BorrowedFd<'_>> = pidfd.iter().map(|f| f.as_fd()).collect();
+            let _ = send(sock, &FromInit::Spawned { req, pid }, &fds);
+            // The child is reaped by `reap`, never through `child`.
+            drop(child);
+        }
+        Err(e) => refuse(
+            e.kind() == std::io::ErrorKind::NotFound,
+            format!("cannot execute {program}: {e}"),
+        ),
+    }
+}
+
+/// `__confine ptyexec <argv...>`: become a session leader with stdin as controlling
+/// terminal, then exec.
+pub(crate) fn ptyexec(argv: &[OsString]) -> ExitCode {
+    let Some((program, args)) = argv.split_first() else {
+        eprintln!("tether-init: empty command");
+        return ExitCode::from(127);
+    };
+    if let Err(e) = nix::unistd::setsid() {
+        eprintln!("tether-init: setsid: {e}");
+        return ExitCode::from(126);
+    }
+    if let Err(e) = rustix::process::ioctl_tiocsctty(std::io::stdin().as_fd()) {
+        eprintln!("tether-init: cannot acquire the controlling terminal: {e}");
+        return ExitCode::from(126);
+    }
+    let err = std::process::Command::new(program).args(args).exec();
+    eprintln!(
+        "tether-init: cannot execute {}: {err}",
+        program.to_string_lossy()
+    );
+    ExitCode::from(if err.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    })
+}

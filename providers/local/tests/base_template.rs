@@ -1,0 +1,182 @@
+//! The `base` template (a Debian root from Debian's packages): built once per cache dir
+//! (`TETHER_TEMPLATE_DIR`, default `target/tether-templates`), then the conformance
+//! suite and what E2B programs expect of it (user `user`, passwordless sudo, python3,
+//! git, curl) run on it. Building takes minutes the first time; the tests skip, saying
+//! so, only when debootstrap cannot fetch Debian's packages.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use tether_protocol::ErrorCode;
+use tether_protocol::process::{ProcessEvent, ProcessSpec};
+use tether_provider::testkit::{ConformanceOptions, Outcome, run_conformance};
+use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec, StreamOffsets};
+use tether_provider_local::{
+    BuildProgress, DEFAULT_UID_BASE, LocalConfig, LocalProvider, build_base,
+};
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("TETHER_TEMPLATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/tether-templates")
+        })
+}
+
+/// Build the template once per process (the tests of this file share it); `None`,
+/// with the reason printed, when Debian's packages cannot be fetched.
+fn built() -> Option<PathBuf> {
+    static BUILT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = cache_dir();
+            let mut last = String::new();
+            let mut progress = |p: BuildProgress| {
+                if let BuildProgress::Line(l) = &p {
+                    last = l.clone();
+                }
+                eprintln!("base template: {p:?}");
+            };
+            match build_base(&dir, None, DEFAULT_UID_BASE, &mut progress) {
+                Ok(_) => Some(dir),
+                Err(e) if e.code() == ErrorCode::ProviderUnavailable => {
+                    eprintln!("SKIPPED: debootstrap cannot fetch Debian's packages ({e}; last line: {last})");
+                    None
+                }
+                Err(e) => panic!("building the base template failed: {e}"),
+            }
+        })
+        .clone()
+}
+
+fn provider(templates: PathBuf) -> (tempfile::TempDir, Arc<LocalProvider>) {
+    let dir = tempfile::Builder::new()
+        .prefix("tether-base-")
+        .tempdir()
+        .unwrap();
+    let mut cfg = LocalConfig::with_root(dir.path().join("sandboxes"));
+    cfg.confine_helper = Some(env!("CARGO_BIN_EXE_tether-confine").into());
+    cfg.templates_dir = Some(templates);
+    cfg.default_template = "base".into();
+    (dir, Arc::new(LocalProvider::new(cfg).unwrap()))
+}
+
+async fn sh(sb: &dyn Sandbox, cmd: &str, user: Option<&str>) -> (String, String, Option<i32>) {
+    let mut spec = ProcessSpec::shell(cmd);
+    spec.user = user.map(str::to_owned);
+    let h = sb
+        .process()
+        .spawn(&CallCtx::new("base"), spec)
+        .await
+        .unwrap();
+    let (mut out, mut err, mut code) = (String::new(), String::new(), None);
+    let mut ev = h.events(StreamOffsets::default());
+    while let Some(e) = ev.next().await {
+        match e.unwrap() {
+            ProcessEvent::Output {
+                stream: tether_protocol::process::StreamKind::Stderr,
+                data,
+                ..
+            } => err.push_str(&String::from_utf8_lossy(&data)),
+            ProcessEvent::Output { data, .. } => out.push_str(&String::from_utf8_lossy(&data)),
+            ProcessEvent::Exited { status, .. } => code = status.code,
+            ProcessEvent::Started { .. } => {}
+        }
+    }
+    (out, err, code)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_conformance_suite_passes_on_the_base_template() {
+    let Some(templates) = tokio::task::spawn_blocking(built).await.unwrap() else {
+        return;
+    };
+    let (_dir, p) = provider(templates);
+    let opts = ConformanceOptions {
+        spec: SandboxSpec {
+            template: Some("base".into()),
+            ..SandboxSpec::default()
+        },
+        fs_confined_to_workspace: false,
+        ..ConformanceOptions::default()
+    };
+    let report = run_conformance(p, opts).await;
+    for c in &report.cases {
+        eprintln!("{:<45} {:?} ({:?})", c.name, c.outcome, c.elapsed);
+    }
+    assert!(
+        report.passed(),
+        "failures: {:?}",
+        report.failures().collect::<Vec<_>>()
+    );
+    // Skipped only where the suite says so for a whole-machine file view (path escapes)
+    // and a provider with every optional capability (nothing to check as unsupported).
+    let skipped: Vec<&str> = report
+        .cases
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Skipped(_)))
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(
+        skipped,
+        ["unsupported_ops_fail_fast", "fs_path_escapes_are_refused"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn base_is_debian_with_user_sudo_python_git_curl() {
+    let Some(templates) = tokio::task::spawn_blocking(built).await.unwrap() else {
+        return;
+    };
+    let (_dir, p) = provider(templates);
+    let ctx = CallCtx::new("base");
+    let sb = p.create(&ctx, SandboxSpec::default()).await.unwrap();
+    let (out, err, code) = sh(
+        sb.as_ref(),
+        "id -un; echo $HOME; cat /etc/debian_version >/dev/null && echo debian; python3 -c 'print(6*7)'; git --version | cut -d' ' -f1; curl --version | head -1 | cut -d' ' -f1; sudo -n id -u; cat /etc/shadow >/dev/null 2>&1 || echo no-shadow; sudo -n cat /etc/shadow >/dev/null && echo sudo-shadow",
+        None,
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out} {err}");
+    assert!(!err.contains("unable to resolve host"), "{err}");
+    assert_eq!(
+        out, "user\n/home/user\ndebian\n42\ngit\ncurl\n0\nno-shadow\nsudo-shadow\n",
+        "{err}"
+    );
+    // As root too, and root inside owns the system.
+    let (out, _, _) = sh(
+        sb.as_ref(),
+        "id -u; touch /usr/local/bin/mine && echo wrote",
+        Some("root"),
+    )
+    .await;
+    assert_eq!(out, "0\nwrote\n");
+    // Files written through the file API belong to `user`.
+    sb.fs()
+        .write(
+            &ctx,
+            "note.txt",
+            tether_provider::util::once_bytes(bytes::Bytes::from_static(b"x")),
+            tether_protocol::fs::WriteGuard::None,
+        )
+        .await
+        .unwrap();
+    let (out, _, _) = sh(sb.as_ref(), "stat -c %U /home/user/note.txt", None).await;
+    assert_eq!(out, "user\n");
+    // As `user`, the command's stdio can be reopened by name.
+    let (out, err, code) = sh(
+        sb.as_ref(),
+        "echo via-fd > /dev/stdout; echo e > /dev/fd/2",
+        None,
+    )
+    .await;
+    assert_eq!(
+        (out.as_str(), err.as_str(), code),
+        ("via-fd\n", "e\n", Some(0))
+    );
+    p.destroy(&ctx, &sb.info().id).await.unwrap();
+}
