@@ -366,7 +366,8 @@ async fn list_processes(
                 ),
                 stdout_bytes: o.as_ref().map_or(0, |o| o.stdout_bytes),
                 stderr_bytes: o.as_ref().map_or(0, |o| o.stderr_bytes),
-                clock: o.and_then(|o| o.clock),
+                clock: o.as_ref().and_then(|o| o.clock),
+                limit: o.and_then(|o| o.limit),
             }
         })
         .collect();
@@ -502,6 +503,7 @@ async fn process_wait(
         stdout_bytes: o.stdout_bytes,
         stderr_bytes: o.stderr_bytes,
         clock: o.clock,
+        limit: o.limit,
     }))
 }
 

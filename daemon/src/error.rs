@@ -188,7 +188,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | C::FsEditNotFound
         | C::FsAborted => StatusCode::CONFLICT,
         C::FsVersionMismatch => StatusCode::PRECONDITION_FAILED,
-        C::FsNotText | C::SpawnFailed => StatusCode::UNPROCESSABLE_ENTITY,
+        C::FsNotText | C::SpawnFailed | C::LimitExceeded => StatusCode::UNPROCESSABLE_ENTITY,
         C::ToolTimeout
         | C::IdleTimeout
         | C::ConnectTimeout

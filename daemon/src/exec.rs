@@ -55,6 +55,8 @@ pub struct CommandOutcome {
     pub killed: Option<String>,
     /// The kill was the daemon's shutdown.
     pub by_shutdown: bool,
+    /// The sandbox limit the command ran into, when the provider can tell.
+    pub limit: Option<tether_protocol::limits::LimitKind>,
     /// Bytes of stdout (or pty) journaled.
     pub stdout_bytes: u64,
     /// Bytes of stderr journaled.
@@ -68,6 +70,12 @@ impl CommandOutcome {
     pub fn error_code(&self) -> Option<ErrorCode> {
         if let Some(c) = self.clock {
             return Some(c.code());
+        }
+        // A limit that ended the command (killed out of memory, a failed fork or write
+        // that made it fail): classified, whatever signal or code it ended with.
+        let failed = self.status.is_none_or(|s| s.code != Some(0));
+        if self.limit.is_some() && failed {
+            return Some(ErrorCode::LimitExceeded);
         }
         if self.killed.is_some() {
             // Ended by the daemon's shutdown: the session lives on after the next start,
@@ -120,6 +128,7 @@ impl RunningCommand {
                     timeout_ms: None,
                     killed: None,
                     by_shutdown: false,
+                    limit: None,
                     stdout_bytes: self.journal.len(StreamKind::Stdout),
                     stderr_bytes: self.journal.len(StreamKind::Stderr),
                     error: Some((ErrorCode::Internal, "the command's pump stopped".into())),
@@ -316,6 +325,7 @@ pub async fn start(
                     stdout_bytes: outcome.stdout_bytes,
                     stderr_bytes: outcome.stderr_bytes,
                     clock: outcome.clock,
+                    limit: outcome.limit,
                 })
                 .await;
             if let Err(e) = logged {
@@ -446,6 +456,7 @@ async fn pump(
         timeout_ms,
         killed,
         by_shutdown: matches!(fired, Some(CancelReason::Shutdown)),
+        limit: handle.limit_hit(),
         stdout_bytes: journal.len(StreamKind::Stdout) + pty,
         stderr_bytes: journal.len(StreamKind::Stderr),
         error,
@@ -472,6 +483,7 @@ fn pump_error(journal: &OutputJournal, code: ErrorCode, message: String) -> Comm
         timeout_ms: None,
         killed: None,
         by_shutdown: false,
+        limit: None,
         stdout_bytes: journal.len(StreamKind::Stdout),
         stderr_bytes: journal.len(StreamKind::Stderr),
         error: Some((code, message)),

@@ -213,6 +213,9 @@ pub struct WaitResponse {
     /// The clock that ended it, if one did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock: Option<crate::Clock>,
+    /// The sandbox limit it ran into, if it did (`memory`, `pids`, `disk`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<crate::limits::LimitKind>,
 }
 
 /// An injected context to post as a user message with a non-user source.

@@ -103,6 +103,9 @@ pub enum ErrorCode {
     /// The request reached the backend but its answer did not arrive: it may have taken
     /// effect. Never re-run it; re-attach (a command by its id) or look before retrying.
     OutcomeUnknown,
+    /// A command ran into one of its sandbox's resource limits (memory: killed out of
+    /// memory; processes; disk). The sandbox and every other one are unaffected.
+    LimitExceeded,
 }
 
 impl ErrorCode {
@@ -154,6 +157,7 @@ impl ErrorCode {
         Self::FsNoSpace,
         Self::StorageFull,
         Self::OutcomeUnknown,
+        Self::LimitExceeded,
     ];
 
     /// The wire spelling, e.g. `"FS_NOT_FOUND"`.
@@ -205,6 +209,7 @@ impl ErrorCode {
             Self::FsNoSpace => "FS_NO_SPACE",
             Self::StorageFull => "STORAGE_FULL",
             Self::OutcomeUnknown => "OUTCOME_UNKNOWN",
+            Self::LimitExceeded => "LIMIT_EXCEEDED",
         }
     }
 
@@ -393,6 +398,7 @@ mod tests {
             "FS_NO_SPACE",
             "STORAGE_FULL",
             "OUTCOME_UNKNOWN",
+            "LIMIT_EXCEEDED",
         ];
         assert_eq!(wire, expected);
         for c in ErrorCode::ALL {

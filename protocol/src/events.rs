@@ -257,6 +257,10 @@ pub enum EventBody {
         /// The clock that ended it, when one did.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         clock: Option<crate::Clock>,
+        /// The sandbox limit it ran into (an out-of-memory kill, a refused fork, a full
+        /// disk), when the provider can tell.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<crate::limits::LimitKind>,
     },
     /// A file operation done through an API other than a tool (E2B front, native files API).
     #[serde(rename = "fs/op")]

@@ -137,8 +137,37 @@ async fn run_suite(which: &str) {
 
     // What the suite did is in the session logs.
     let state = &d.daemon.as_ref().expect("daemon").state;
-    let sessions = state.sessions.list(tether_daemon::sessions::Scope::Any);
-    let e2b: Vec<_> = sessions.iter().filter(|s| s.owner.is_some()).collect();
+    // The suites kill what they create; a kill is synchronous, expiry takes a second.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let live: Vec<String> = state
+            .sessions
+            .list(tether_daemon::sessions::Scope::Any)
+            .iter()
+            .filter(|s| s.owner.is_some())
+            .map(|s| s.id.clone())
+            .collect();
+        if live.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sandboxes left running: {live:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Closed sessions are read back from their logs on disk.
+    let mut e2b = Vec::new();
+    for info in state.sessions.infos(tether_daemon::sessions::Scope::Any) {
+        let s = state
+            .sessions
+            .lookup(&info.id, tether_daemon::sessions::Scope::Any)
+            .await
+            .expect("a listed session opens");
+        if s.owner.is_some() {
+            e2b.push(s);
+        }
+    }
     assert!(
         e2b.len() >= 5,
         "only {} E2B sandboxes were created",
@@ -151,16 +180,7 @@ async fn run_suite(which: &str) {
     );
     let (mut processes, mut writes) = (0, 0);
     for s in &e2b {
-        // The suites kill what they create; a kill is synchronous, expiry takes a second.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while s.state() != tether_daemon::sessions::SessionState::Closed || !s.log.is_closed() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "sandbox {} was left running",
-                s.id
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        assert_eq!(s.state(), tether_daemon::sessions::SessionState::Closed);
         let events: Vec<EventBody> = s
             .log
             .events_after(None)

@@ -324,7 +324,7 @@ async fn a_call_cut_by_shutdown_is_retryable_and_the_session_lives_on() {
 async fn a_full_state_dir_is_storage_full() {
     let mnt = tempfile::tempdir().unwrap();
     let ok = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
         .arg(mnt.path())
         .status()
         .map(|s| s.success())
@@ -661,5 +661,44 @@ async fn closed_sessions_are_read_on_demand_and_removed_past_their_retention() {
     assert!(!d.dir.path().join("sessions").join(&sid).exists());
     let (st, body) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!((st, code(&body)), (404, "SESSION_NOT_FOUND"), "{body}");
+    d.stop().await;
+}
+
+/// Per-session limits reach the sandbox; a command killed out of memory is reported as
+/// such in its tool result and its `process/exited` event, and the session works on.
+#[tokio::test]
+async fn an_out_of_memory_kill_is_classified_in_the_tool_result_and_the_log() {
+    let d = TestDaemon::start().await;
+    let (st, body) = d
+        .post(
+            "/v1/sessions",
+            json!({"limits": {"memory_bytes": 96 * 1024 * 1024}}),
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let r = bash(
+        &d,
+        &sid,
+        "python3 -c 'b = bytearray(512 * 1024 * 1024); print(len(b))'",
+    )
+    .await;
+    assert_eq!(r["is_error"], true, "{r}");
+    assert_eq!(r["error"]["code"], "LIMIT_EXCEEDED", "{r}");
+    assert!(
+        r["content"].as_str().unwrap().contains("out of memory"),
+        "{r}"
+    );
+    let (_, events) = read_log(d.dir.path(), &sid);
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "process/exited" && e["data"]["limit"] == "memory"),
+        "the log records the limit"
+    );
+    let (header, _) = read_log(d.dir.path(), &sid);
+    assert_eq!(header["params"]["limits"]["memory_bytes"], 96 * 1024 * 1024);
+    let r = bash(&d, &sid, "echo still here").await;
+    assert_eq!(r["is_error"], false, "{r}");
     d.stop().await;
 }

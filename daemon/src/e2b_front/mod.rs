@@ -466,9 +466,12 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         | C::FsNotFound
         | C::FsEditNotFound => K::NotFound,
         C::MethodNotAllowed | C::Unsupported => K::Unimplemented,
-        C::PayloadTooLarge | C::FsTooLarge | C::RateLimited | C::FsNoSpace | C::StorageFull => {
-            K::ResourceExhausted
-        }
+        C::PayloadTooLarge
+        | C::FsTooLarge
+        | C::RateLimited
+        | C::FsNoSpace
+        | C::StorageFull
+        | C::LimitExceeded => K::ResourceExhausted,
         C::Conflict | C::FsAlreadyExists => K::AlreadyExists,
         C::FsVersionMismatch | C::FsNotEmpty | C::FsAmbiguousEdit | C::IsolationUnavailable => {
             K::FailedPrecondition

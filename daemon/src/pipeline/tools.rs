@@ -524,6 +524,24 @@ async fn bash_output(cmd: &RunningCommand, outcome: &CommandOutcome, max: u64) -
             ),
         )
         .with_clock(clock, ms),
+        (Some(ErrorCode::LimitExceeded), None, _) => {
+            let what = match outcome.limit {
+                Some(tether_protocol::limits::LimitKind::Memory) => {
+                    "it was killed out of memory (the sandbox's memory limit)"
+                }
+                Some(tether_protocol::limits::LimitKind::Pids) => {
+                    "it could not start a process (the sandbox's process limit)"
+                }
+                Some(tether_protocol::limits::LimitKind::Disk) => {
+                    "it ran out of disk space (the sandbox's disk limit)"
+                }
+                None => "it ran into a limit of the sandbox",
+            };
+            ToolOutput::error(
+                ErrorCode::LimitExceeded,
+                format!("the command failed: {what}"),
+            )
+        }
         (Some(ErrorCode::Cancelled), None, _) => ToolOutput::error(
             ErrorCode::Cancelled,
             "the command was cancelled; it was terminated",
