@@ -492,10 +492,21 @@ impl Config {
                 s.listen
             )));
         }
-        if s.auth_tokens.iter().any(|t| t.len() < 16) {
-            return Err(ConfigError::Invalid(
-                "server.auth_tokens: every token must be at least 16 characters".into(),
-            ));
+        let min = crate::auth::MIN_CREDENTIAL_LEN;
+        if s.auth_tokens.iter().any(|t| t.chars().count() < min) {
+            return Err(ConfigError::Invalid(format!(
+                "server.auth_tokens: every token must be at least {min} characters"
+            )));
+        }
+        if self
+            .e2b_front
+            .api_keys
+            .iter()
+            .any(|k| k.key.chars().count() < min)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "e2b_front.api_keys: every key must be at least {min} characters"
+            )));
         }
         if self.e2b_front.enabled
             && !s.listen.ip().is_loopback()
@@ -599,7 +610,7 @@ mod tests {
         let e = Config::from_toml_str("[server]\nlisten = \"0.0.0.0:7420\"").unwrap_err();
         assert!(matches!(e, ConfigError::Invalid(_)));
         let ok = Config::from_toml_str(
-            "[server]\nlisten = \"0.0.0.0:7420\"\nauth_tokens = [\"0123456789abcdef\"]\n[e2b_front]\napi_keys = [{key = \"k\"}]",
+            "[server]\nlisten = \"0.0.0.0:7420\"\nauth_tokens = [\"0123456789abcdef\"]\n[e2b_front]\napi_keys = [{key = \"0123456789abcdef-key\"}]",
         );
         assert!(ok.is_ok(), "{ok:?}");
     }

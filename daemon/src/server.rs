@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::auth::Principal;
 use crate::config::{Config, ShutdownPolicy};
 use crate::error::{DaemonError, Result};
 use crate::invariants::Invariants;
@@ -203,38 +204,42 @@ async fn request_layer(
     resp
 }
 
-async fn auth_layer(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let tokens = &state.config.server.auth_tokens;
-    if !tokens.is_empty()
-        && req.uri().path().starts_with("/v1/")
-        && req.uri().path() != "/v1/health"
-    {
-        let given = req
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        // Compare every token fully so the time taken does not reveal a matching prefix.
-        let ok = tokens.iter().fold(false, |acc, t| {
-            acc | constant_time_eq(t.as_bytes(), given.as_bytes())
-        });
-        if !ok {
-            return REQUEST_ID
-                .scope(current_request_id().unwrap_or_default(), async {
-                    DaemonError::Unauthorized.into_response()
-                })
-                .await;
+/// Resolves the caller's [`Principal`] for the native API. As soon as any credential is
+/// configured, every `/v1/*` route but `/v1/health` needs a valid token or API key
+/// (401 `UNAUTHORIZED` otherwise). The E2B front authenticates itself (API keys on the
+/// control plane, access tokens on envd), with the same credentials.
+async fn auth_layer(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if path.starts_with("/v1/") && path != "/v1/health" {
+        match crate::auth::resolve(&state.config, req.headers()) {
+            Ok(p) => {
+                req.extensions_mut().insert(p);
+            }
+            Err(()) => {
+                return REQUEST_ID
+                    .scope(current_request_id().unwrap_or_default(), async {
+                        DaemonError::Unauthorized.into_response()
+                    })
+                    .await;
+            }
         }
     }
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Principal {
+    type Rejection = DaemonError;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Principal>()
+            .cloned()
+            .ok_or(DaemonError::Unauthorized)
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn not_found() -> DaemonError {
@@ -351,6 +356,12 @@ impl Daemon {
             invariants,
             e2b,
         });
+        if crate::auth::is_development(&config) {
+            tracing::warn!(
+                listen = %addr,
+                "Development mode: no auth token or API key is configured, so every caller on this loopback listener is trusted"
+            );
+        }
         spawn_housekeeping(&state);
         let stop = shutdown.clone();
         let metrics_addr = scrape.map(|s| s.spawn(&tasks, async move { stop.cancelled().await }));
