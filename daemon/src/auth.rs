@@ -101,21 +101,20 @@ pub fn tenant_of_key(config: &Config, given: &str) -> Option<String> {
     found
 }
 
-/// The principal of a request: `Ok(Development)` when nothing is configured, else the
-/// principal of a valid presented credential, else `Err(())` (401).
-pub fn resolve(config: &Config, headers: &HeaderMap) -> Result<Principal, ()> {
+/// The principal of a request: `Development` when nothing is configured, else the
+/// principal of a valid presented credential, else `None` (401).
+pub fn resolve(config: &Config, headers: &HeaderMap) -> Option<Principal> {
     if is_development(config) {
-        return Ok(Principal::Development);
+        return Some(Principal::Development);
     }
-    let given = presented(headers).ok_or(())?;
+    let given = presented(headers)?;
     let admin = config.server.auth_tokens.iter().fold(false, |acc, t| {
         acc | constant_time_eq(t.as_bytes(), given.as_bytes())
     });
     let tenant = tenant_of_key(config, given);
     match (admin, tenant) {
-        (true, _) => Ok(Principal::Admin),
-        (false, Some(t)) => Ok(Principal::Tenant(t)),
-        (false, None) => Err(()),
+        (true, _) => Some(Principal::Admin),
+        (false, t) => t.map(Principal::Tenant),
     }
 }
 
@@ -167,24 +166,21 @@ mod tests {
         );
         assert_eq!(
             resolve(&c, &hdr("authorization", "Bearer admin-token-0123456789")),
-            Ok(Principal::Admin)
+            Some(Principal::Admin)
         );
         assert_eq!(
             resolve(&c, &hdr("x-api-key", "tenant-a-key-0123456789")),
-            Ok(Principal::Tenant("a".into()))
+            Some(Principal::Tenant("a".into()))
         );
         assert_eq!(
             resolve(&c, &hdr("authorization", "Bearer tenant-a-key-0123456789")),
-            Ok(Principal::Tenant("a".into()))
+            Some(Principal::Tenant("a".into()))
         );
-        assert_eq!(
-            resolve(&c, &hdr("x-api-key", "nope-nope-nope-nope")),
-            Err(())
-        );
-        assert_eq!(resolve(&c, &HeaderMap::new()), Err(()));
+        assert_eq!(resolve(&c, &hdr("x-api-key", "nope-nope-nope-nope")), None);
+        assert_eq!(resolve(&c, &HeaderMap::new()), None);
         assert_eq!(
             resolve(&cfg(&[], &[]), &HeaderMap::new()),
-            Ok(Principal::Development)
+            Some(Principal::Development)
         );
     }
 }

@@ -103,6 +103,8 @@ pub enum ErrorCode {
     /// The request reached the backend but its answer did not arrive: it may have taken
     /// effect. Never re-run it; re-attach (a command by its id) or look before retrying.
     OutcomeUnknown,
+    /// The daemon is at its limit of concurrent requests; retry later.
+    Overloaded,
 }
 
 impl ErrorCode {
@@ -154,6 +156,7 @@ impl ErrorCode {
         Self::FsNoSpace,
         Self::StorageFull,
         Self::OutcomeUnknown,
+        Self::Overloaded,
     ];
 
     /// The wire spelling, e.g. `"FS_NOT_FOUND"`.
@@ -205,6 +208,7 @@ impl ErrorCode {
             Self::FsNoSpace => "FS_NO_SPACE",
             Self::StorageFull => "STORAGE_FULL",
             Self::OutcomeUnknown => "OUTCOME_UNKNOWN",
+            Self::Overloaded => "OVERLOADED",
         }
     }
 
@@ -222,6 +226,7 @@ impl ErrorCode {
                 | Self::ConnectTimeout
                 | Self::TransportIdleTimeout
                 | Self::ShuttingDown
+                | Self::Overloaded
         )
     }
 
@@ -393,6 +398,7 @@ mod tests {
             "FS_NO_SPACE",
             "STORAGE_FULL",
             "OUTCOME_UNKNOWN",
+            "OVERLOADED",
         ];
         assert_eq!(wire, expected);
         for c in ErrorCode::ALL {
