@@ -110,7 +110,8 @@ pub struct ServerConfig {
     /// State directory. Default `/var/lib/tether`.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
-    /// Bearer tokens accepted by the native API. Required when `listen` is not loopback.
+    /// Admin bearer tokens of the native API (see `crate::auth`), at least 16 characters.
+    /// Required when `listen` is not loopback.
     #[serde(default)]
     pub auth_tokens: Vec<String>,
     /// Largest JSON request body, bytes. Default 8 MiB.
@@ -410,8 +411,10 @@ pub struct E2bFrontConfig {
     /// Serve it. Default true.
     #[serde(default = "d_true")]
     pub enabled: bool,
-    /// Accepted API keys. Empty on a loopback listener: any key is accepted
-    /// (development mode, said at start-up). Empty on another listener: refused to start.
+    /// Accepted API keys (at least 16 characters), each naming a tenant on the E2B front
+    /// and on the native API. Empty, with no `server.auth_tokens` either, on a loopback
+    /// listener: any key is accepted (development mode, said at start-up). Empty with
+    /// tokens: no key is accepted. Empty on another listener: refused to start.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
     /// The provider E2B sandboxes run on. Default: `default_provider`.

@@ -209,7 +209,7 @@ async fn requests_over_the_concurrency_cap_get_overloaded() {
     let sid = d.new_session().await;
     let base = format!("/v1/sessions/{sid}/processes");
     let (st, b) = d
-        .post(&base, json!({"cmd": "sleep 2", "command_id": "slow"}))
+        .post(&base, json!({"cmd": "sleep 3", "command_id": "slow"}))
         .await;
     assert_eq!(st, 201, "{b}");
     // Two waits hold both slots.
@@ -217,7 +217,7 @@ async fn requests_over_the_concurrency_cap_get_overloaded() {
     let w1 = d.post(&wait, json!({}));
     let w2 = d.post(&wait, json!({}));
     let probe = async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
         d.get("/v1/sessions").await
     };
     let ((s1, _), (s2, _), (st, body)) = tokio::join!(w1, w2, probe);
