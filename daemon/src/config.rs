@@ -135,7 +135,8 @@ pub struct ServerConfig {
     #[serde(default)]
     pub closed_retention_s: u64,
     /// Time a client has to send a request's complete headers, ms; a slower one is
-    /// disconnected. Default 10 000.
+    /// disconnected. An HTTP/1.1 connection waiting for its next request is bound by it
+    /// too. Default 10 000.
     #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout_ms: u64,
     /// Time a connection with no request in flight stays open, ms. Default 120 000.

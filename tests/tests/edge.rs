@@ -246,3 +246,25 @@ async fn oversized_headers_are_refused() {
     assert_eq!(d.get("/v1/health").await.0, 200);
     d.stop().await;
 }
+
+/// hyper starts the header-read clock as soon as an HTTP/1.1 connection waits for a head,
+/// so a kept-alive connection waiting for its next request is bound by it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_connection_waits_at_most_the_header_read_timeout() {
+    const HEADER_READ_TIMEOUT_MS: u64 = 1_000;
+    let d = TestDaemon::start_with(|c| {
+        c.server.idle_timeout_ms = 60_000;
+        c.server.header_read_timeout_ms = HEADER_READ_TIMEOUT_MS;
+    })
+    .await;
+    let mut s = TcpStream::connect(addr(&d)).await.unwrap();
+    assert_eq!(get_keepalive(&mut s, "/v1/health").await, Some(200));
+    let took = closed_within(
+        &mut s,
+        Duration::from_millis(HEADER_READ_TIMEOUT_MS + 2_000),
+    )
+    .await
+    .expect("a kept-alive connection outlived the header-read timeout");
+    println!("kept-alive connection closed after {} ms", took.as_millis());
+    d.stop().await;
+}
