@@ -23,11 +23,12 @@ use tether_provider::clock::clamp_timeout;
 use tether_provider::{CallCtx, Signal, StreamOffsets};
 use tracing::Instrument;
 
+use crate::auth::Principal;
 use crate::error::{DaemonError, Result};
 use crate::exec::{self, ExecLimits};
 use crate::ops::{self, FsOp, Surface};
 use crate::server::{ApiJson, RequestCtx};
-use crate::sessions::{NewSession, Scope, Session};
+use crate::sessions::{NewSession, Session};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
 use tether_provider::Clock;
@@ -76,8 +77,8 @@ pub fn router() -> Router<Arc<AppState>> {
 
 /// A session for an operation: a closed one is found (its calls then fail with
 /// `SANDBOX_NOT_FOUND`), an unknown one is `SESSION_NOT_FOUND`.
-async fn session(state: &AppState, id: &str) -> Result<Arc<Session>> {
-    let s = state.sessions.lookup(id, Scope::Any).await?;
+async fn session(state: &AppState, id: &str, who: &Principal) -> Result<Arc<Session>> {
+    let s = state.sessions.lookup(id, who.scope()).await?;
     s.touch();
     Ok(s)
 }
@@ -93,6 +94,7 @@ async fn health(State(state): St) -> ApiJson<HealthResponse> {
 
 async fn create_session(
     State(state): St,
+    who: Principal,
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<CreateSessionRequest>,
 ) -> Result<Response> {
@@ -107,7 +109,9 @@ async fn create_session(
         metadata: req.metadata,
         network: req.network.unwrap_or(false),
         limits: req.limits,
-        owner: None,
+        // A tenant's session is its own (and, like one made through the E2B front, an
+        // E2B sandbox of that tenant); an admin's has no owner.
+        owner: who.owner(),
         expiry: Expiry::Idle {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
         },
@@ -117,26 +121,34 @@ async fn create_session(
     Ok((StatusCode::CREATED, ApiJson(session.info())).into_response())
 }
 
-async fn list_sessions(State(state): St) -> ApiJson<ListSessionsResponse> {
+async fn list_sessions(State(state): St, who: Principal) -> ApiJson<ListSessionsResponse> {
     ApiJson(ListSessionsResponse {
-        sessions: state.sessions.infos(Scope::Any),
+        sessions: state.sessions.infos(who.scope()),
     })
 }
 
-async fn get_session(State(state): St, Path(id): Path<String>) -> Result<ApiJson<SessionInfo>> {
+async fn get_session(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+) -> Result<ApiJson<SessionInfo>> {
     Ok(ApiJson(
-        state.sessions.lookup(&id, Scope::Any).await?.info(),
+        state.sessions.lookup(&id, who.scope()).await?.info(),
     ))
 }
 
-async fn delete_session(State(state): St, Path(id): Path<String>) -> Result<StatusCode> {
+async fn delete_session(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+) -> Result<StatusCode> {
     let s2 = Arc::clone(&state);
     state
         .tasks
         .spawn(
             async move {
                 s2.sessions
-                    .close(&id, Scope::Any, "closed by the client")
+                    .close(&id, who.scope(), "closed by the client")
                     .await
             }
             .in_current_span(),
@@ -148,11 +160,12 @@ async fn delete_session(State(state): St, Path(id): Path<String>) -> Result<Stat
 
 async fn tool_calls(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<ToolCallsRequest>,
 ) -> Result<ApiJson<ToolCallsResponse>> {
-    let session = session(&state, &id).await?;
+    let session = session(&state, &id, &who).await?;
     // A closed or detached session has no sandbox: refuse before anything is logged.
     session.sandbox()?;
     // The batch runs in a tracked task: a client that disconnects cancels it (cooperatively:
@@ -195,11 +208,12 @@ where
 
 async fn events(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.lookup(&id, Scope::Any).await?;
+    let s = state.sessions.lookup(&id, who.scope()).await?;
     if q.follow {
         Ok(ndjson(s.log.follow(q.after)))
     } else {
@@ -211,10 +225,11 @@ async fn events(
 
 async fn post_message(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<PostMessageRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let body = match req.role.as_str() {
         "user" => EventBody::UserMessage {
             content: req.content,
@@ -244,9 +259,10 @@ async fn post_message(
 
 async fn get_messages(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
 ) -> Result<ApiJson<MessagesResponse>> {
-    let s = state.sessions.lookup(&id, Scope::Any).await?;
+    let s = state.sessions.lookup(&id, who.scope()).await?;
     Ok(ApiJson(MessagesResponse {
         messages: s.log.derive_messages(),
     }))
@@ -254,6 +270,7 @@ async fn get_messages(
 
 async fn fork(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     body: Bytes,
@@ -268,7 +285,7 @@ async fn fork(
     let child = state
         .tasks
         .spawn(
-            async move { s2.sessions.fork(&ctx, &id, req.at_seq, Scope::Any).await }
+            async move { s2.sessions.fork(&ctx, &id, req.at_seq, who.scope()).await }
                 .in_current_span(),
         )
         .await
@@ -278,11 +295,12 @@ async fn fork(
 
 async fn start_process(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StartProcessRequest>,
 ) -> Result<Response> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let command = match (req.cmd, req.argv) {
         (Some(c), None) => Command::Shell(c),
         (None, Some(a)) if !a.is_empty() => Command::Argv(a),
@@ -348,9 +366,10 @@ async fn start_process(
 
 async fn list_processes(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
 ) -> Result<ApiJson<Vec<WaitResponse>>> {
-    let s = state.sessions.lookup(&id, Scope::Any).await?;
+    let s = state.sessions.lookup(&id, who.scope()).await?;
     let mut v: Vec<WaitResponse> = s
         .commands()
         .iter()
@@ -388,11 +407,12 @@ struct OutputQuery {
 
 async fn process_output(
     State(state): St,
+    who: Principal,
     Path((id, cid)): Path<(String, String)>,
     q: Result<Query<OutputQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
-    let s = state.sessions.lookup(&id, Scope::Any).await?;
+    let s = state.sessions.lookup(&id, who.scope()).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -442,11 +462,12 @@ async fn process_output(
 
 async fn process_stdin(
     State(state): St,
+    who: Principal,
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StdinRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -461,11 +482,12 @@ async fn process_stdin(
 
 async fn process_signal(
     State(state): St,
+    who: Principal,
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -481,10 +503,11 @@ async fn process_signal(
 
 async fn process_wait(
     State(state): St,
+    who: Principal,
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<WaitResponse>> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let cmd = s
         .command(&cid)
         .ok_or(DaemonError::CommandNotFound { id: cid })?;
@@ -595,11 +618,12 @@ fn etag(v: &tether_protocol::fs::Version) -> String {
 
 async fn head_file(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let st = stat(&s, &ctx, &q.path).await?;
     regular_file(&st, &q.path)?;
     Ok((
@@ -614,12 +638,13 @@ async fn head_file(
 
 async fn get_file(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let sandbox = s.sandbox()?;
     let st = stat(&s, &ctx, &q.path).await?;
     regular_file(&st, &q.path)?;
@@ -694,13 +719,14 @@ fn bounded(
 
 async fn put_file(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
     FsQuery(q): FsQuery,
     body: Body,
 ) -> Result<Response> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let guard = match (
         headers.get(header::IF_MATCH),
         headers.get(header::IF_NONE_MATCH),
@@ -766,11 +792,12 @@ async fn put_file(
 
 async fn delete_file(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let sandbox = s.sandbox()?;
     let path = q.path.as_str();
     ops::fs(
@@ -790,6 +817,7 @@ async fn delete_file(
 
 async fn list_dir(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
@@ -798,7 +826,7 @@ async fn list_dir(
     if depth == 0 || depth > 64 {
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
     }
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let sandbox = s.sandbox()?;
     let path = q.path.as_str();
     let entries = ops::fs(
@@ -818,11 +846,12 @@ async fn list_dir(
 
 async fn make_dir(
     State(state): St,
+    who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
-    let s = session(&state, &id).await?;
+    let s = session(&state, &id, &who).await?;
     let sandbox = s.sandbox()?;
     let path = q.path.as_str();
     let st = ops::fs(

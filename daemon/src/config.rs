@@ -21,6 +21,20 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 8 * 1024 * 1024;
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
 /// Default grace period of a graceful shutdown.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// Default time a client has to send a request's headers, ms.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default time a connection with no request in flight stays open, ms.
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 120_000;
+/// Default cap on open connections (kept under the usual 1 024 descriptor limit).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 768;
+/// Default cap on open connections from one client address.
+pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: usize = 256;
+/// Default cap on requests being handled at once.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 512;
+/// Default limit of a request's headers, bytes (HTTP/1.1 read buffer, HTTP/2 header list).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// The smallest `max_header_bytes` accepted (hyper's smallest HTTP/1.1 read buffer).
+pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
 
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -96,7 +110,8 @@ pub struct ServerConfig {
     /// State directory. Default `/var/lib/tether`.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
-    /// Bearer tokens accepted by the native API. Required when `listen` is not loopback.
+    /// Admin bearer tokens of the native API (see `crate::auth`), at least 16 characters.
+    /// Required when `listen` is not loopback.
     #[serde(default)]
     pub auth_tokens: Vec<String>,
     /// Largest JSON request body, bytes. Default 8 MiB.
@@ -119,6 +134,30 @@ pub struct ServerConfig {
     /// and hourly. 0 keeps them forever. Default 0.
     #[serde(default)]
     pub closed_retention_s: u64,
+    /// Time a client has to send a request's complete headers, ms; a slower one is
+    /// disconnected. An HTTP/1.1 connection waiting for its next request is bound by it
+    /// too. Default 10 000.
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout_ms: u64,
+    /// Time a connection with no request in flight stays open, ms. Default 120 000.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout_ms: u64,
+    /// Open connections in all; one more is closed as soon as it is accepted.
+    /// Default 768.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Open connections from one client IP address; one more is closed as soon as it is
+    /// accepted. Default 256.
+    #[serde(default = "default_max_connections_per_client")]
+    pub max_connections_per_client: usize,
+    /// Requests being handled at once; one more is answered 503 `OVERLOADED`.
+    /// Default 512.
+    #[serde(default = "default_max_concurrent_requests")]
+    pub max_concurrent_requests: usize,
+    /// Largest request head (request line and headers), bytes; at least 8 192.
+    /// Default 65 536.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: usize,
 }
 
 impl ServerConfig {
@@ -148,6 +187,24 @@ fn default_max_request_timeout() -> u64 {
 fn default_grace() -> u64 {
     DEFAULT_SHUTDOWN_GRACE_MS
 }
+fn default_header_read_timeout() -> u64 {
+    DEFAULT_HEADER_READ_TIMEOUT_MS
+}
+fn default_idle_timeout() -> u64 {
+    DEFAULT_IDLE_TIMEOUT_MS
+}
+fn default_max_connections() -> usize {
+    DEFAULT_MAX_CONNECTIONS
+}
+fn default_max_connections_per_client() -> usize {
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+}
+fn default_max_concurrent_requests() -> usize {
+    DEFAULT_MAX_CONCURRENT_REQUESTS
+}
+fn default_max_header_bytes() -> usize {
+    DEFAULT_MAX_HEADER_BYTES
+}
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -161,6 +218,12 @@ impl Default for ServerConfig {
             on_shutdown: ShutdownPolicy::Keep,
             closed_retention_s: 0,
             max_request_timeout_ms: default_max_request_timeout(),
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_client: DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+            max_concurrent_requests: DEFAULT_MAX_CONCURRENT_REQUESTS,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         }
     }
 }
@@ -351,8 +414,10 @@ pub struct E2bFrontConfig {
     /// Serve it. Default true.
     #[serde(default = "d_true")]
     pub enabled: bool,
-    /// Accepted API keys. Empty on a loopback listener: any key is accepted
-    /// (development mode, said at start-up). Empty on another listener: refused to start.
+    /// Accepted API keys (at least 16 characters), each naming a tenant on the E2B front
+    /// and on the native API. Empty, with no `server.auth_tokens` either, on a loopback
+    /// listener: any key is accepted (development mode, said at start-up). Empty with
+    /// tokens: no key is accepted. Empty on another listener: refused to start.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
     /// The provider E2B sandboxes run on. Default: `default_provider`.
@@ -494,10 +559,21 @@ impl Config {
                 s.listen
             )));
         }
-        if s.auth_tokens.iter().any(|t| t.len() < 16) {
-            return Err(ConfigError::Invalid(
-                "server.auth_tokens: every token must be at least 16 characters".into(),
-            ));
+        let min = crate::auth::MIN_CREDENTIAL_LEN;
+        if s.auth_tokens.iter().any(|t| t.chars().count() < min) {
+            return Err(ConfigError::Invalid(format!(
+                "server.auth_tokens: every token must be at least {min} characters"
+            )));
+        }
+        if self
+            .e2b_front
+            .api_keys
+            .iter()
+            .any(|k| k.key.chars().count() < min)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "e2b_front.api_keys: every key must be at least {min} characters"
+            )));
         }
         if self.e2b_front.enabled
             && !s.listen.ip().is_loopback()
@@ -506,6 +582,21 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "e2b_front is enabled on a non-loopback listener: e2b_front.api_keys must not be empty".into(),
             ));
+        }
+        if s.header_read_timeout_ms == 0
+            || s.idle_timeout_ms == 0
+            || s.max_connections == 0
+            || s.max_connections_per_client == 0
+            || s.max_concurrent_requests == 0
+        {
+            return Err(ConfigError::Invalid(
+                "server: header_read_timeout_ms, idle_timeout_ms, max_connections, max_connections_per_client and max_concurrent_requests must be positive".into(),
+            ));
+        }
+        if s.max_header_bytes < MIN_MAX_HEADER_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "server.max_header_bytes must be at least {MIN_MAX_HEADER_BYTES}"
+            )));
         }
         if s.max_body_bytes == 0 || s.max_file_bytes == 0 {
             return Err(ConfigError::Invalid(
@@ -601,7 +692,7 @@ mod tests {
         let e = Config::from_toml_str("[server]\nlisten = \"0.0.0.0:7420\"").unwrap_err();
         assert!(matches!(e, ConfigError::Invalid(_)));
         let ok = Config::from_toml_str(
-            "[server]\nlisten = \"0.0.0.0:7420\"\nauth_tokens = [\"0123456789abcdef\"]\n[e2b_front]\napi_keys = [{key = \"k\"}]",
+            "[server]\nlisten = \"0.0.0.0:7420\"\nauth_tokens = [\"0123456789abcdef\"]\n[e2b_front]\napi_keys = [{key = \"0123456789abcdef-key\"}]",
         );
         assert!(ok.is_ok(), "{ok:?}");
     }

@@ -82,6 +82,9 @@ pub enum DaemonError {
     /// The daemon is shutting down.
     #[error("the daemon is shutting down")]
     ShuttingDown,
+    /// The daemon is at `[server] max_concurrent_requests`.
+    #[error("too many requests in flight; retry later")]
+    Overloaded,
     /// An internal error.
     #[error("internal error: {message}")]
     Internal {
@@ -122,6 +125,7 @@ impl DaemonError {
             Self::Log(e) => e.code(),
             Self::Invariant { .. } => ErrorCode::Invariant,
             Self::ShuttingDown => ErrorCode::ShuttingDown,
+            Self::Overloaded => ErrorCode::Overloaded,
             Self::Internal { .. } => ErrorCode::Internal,
         }
     }
@@ -196,7 +200,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | C::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         // 499: the de-facto status of a request its client abandoned.
         C::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown => {
+        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown | C::Overloaded => {
             StatusCode::SERVICE_UNAVAILABLE
         }
         C::ProviderError => StatusCode::BAD_GATEWAY,

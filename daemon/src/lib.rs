@@ -13,6 +13,7 @@ pub use tether_session_log::invariants;
 pub use tether_telemetry as telemetry;
 
 pub mod api;
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod e2b_front;

@@ -1,9 +1,12 @@
 //! The HTTP server: one listener for HTTP/1.1 and h2c, the native API and the E2B front,
 //! request ids, auth, trace-context continuation, and graceful shutdown.
 //!
+//! The edge, before any layer ([`edge`]): connection caps (in all and per client address;
+//! an extra connection is closed as soon as it is accepted), a header-read timeout, an idle
+//! timeout, header size limits, and a cap on requests in flight (503 `OVERLOADED`).
 //! Layers, outermost first: request id + span (continuing an inbound `traceparent`) ->
-//! auth (bearer token on `/v1/*` when configured) -> route -> handler. Every error leaves
-//! through [`DaemonError`]'s one mapping to status and code.
+//! auth (the caller's [`Principal`] on `/v1/*`, see [`crate::auth`]) -> route -> handler.
+//! Every error leaves through [`DaemonError`]'s one mapping to status and code.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,6 +25,7 @@ use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::auth::Principal;
 use crate::config::{Config, ShutdownPolicy};
 use crate::error::{DaemonError, Result};
 use crate::invariants::Invariants;
@@ -203,38 +207,42 @@ async fn request_layer(
     resp
 }
 
-async fn auth_layer(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let tokens = &state.config.server.auth_tokens;
-    if !tokens.is_empty()
-        && req.uri().path().starts_with("/v1/")
-        && req.uri().path() != "/v1/health"
-    {
-        let given = req
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        // Compare every token fully so the time taken does not reveal a matching prefix.
-        let ok = tokens.iter().fold(false, |acc, t| {
-            acc | constant_time_eq(t.as_bytes(), given.as_bytes())
-        });
-        if !ok {
-            return REQUEST_ID
-                .scope(current_request_id().unwrap_or_default(), async {
-                    DaemonError::Unauthorized.into_response()
-                })
-                .await;
+/// Resolves the caller's [`Principal`] for the native API. As soon as any credential is
+/// configured, every `/v1/*` route but `/v1/health` needs a valid token or API key
+/// (401 `UNAUTHORIZED` otherwise). The E2B front authenticates itself (API keys on the
+/// control plane, access tokens on envd), with the same credentials.
+async fn auth_layer(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if path.starts_with("/v1/") && path != "/v1/health" {
+        match crate::auth::resolve(&state.config, req.headers()) {
+            Some(p) => {
+                req.extensions_mut().insert(p);
+            }
+            None => {
+                return REQUEST_ID
+                    .scope(current_request_id().unwrap_or_default(), async {
+                        DaemonError::Unauthorized.into_response()
+                    })
+                    .await;
+            }
         }
     }
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Principal {
+    type Rejection = DaemonError;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Principal>()
+            .cloned()
+            .ok_or(DaemonError::Unauthorized)
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn not_found() -> DaemonError {
@@ -351,25 +359,22 @@ impl Daemon {
             invariants,
             e2b,
         });
+        if crate::auth::is_development(&config) {
+            tracing::warn!(
+                listen = %addr,
+                "Development mode: no auth token or API key is configured, so every caller on this loopback listener is trusted"
+            );
+        }
         spawn_housekeeping(&state);
         let stop = shutdown.clone();
         let metrics_addr = scrape.map(|s| s.spawn(&tasks, async move { stop.cancelled().await }));
         let app = router(Arc::clone(&state));
-        let stop = shutdown.clone();
-        let server = tokio::spawn(async move {
-            // Streams (NDJSON, Connect server-streaming) write small frames: without
-            // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold each one ~40 ms.
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "Cannot set TCP_NODELAY");
-                }
-            });
-            let serve = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "The server stopped with an error");
-            }
-        });
+        let server = tokio::spawn(edge::serve(
+            listener,
+            app,
+            edge::EdgeLimits::of(&config.server),
+            shutdown.clone(),
+        ));
         Ok(RunningDaemon {
             addr,
             state,
@@ -451,5 +456,334 @@ impl RunningDaemon {
     /// Wait until the server stops (it stops after shutdown is requested).
     pub async fn wait_for_shutdown_signal(&self) {
         self.state.shutdown.cancelled().await
+    }
+}
+
+/// The listener's accept loop and its limits: hand-rolled over hyper-util's auto builder
+/// (HTTP/1.1 and h2c on one port) because `axum::serve` has no header-read timeout, no
+/// connection caps and no per-connection idle timeout.
+mod edge {
+    use std::collections::HashMap;
+    use std::convert::Infallible;
+    use std::net::IpAddr;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use axum::Router;
+    use axum::body::Body;
+    use axum::response::IntoResponse;
+    use hyper::body::Incoming;
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use tether_provider::clock::CancelToken;
+    use tokio::net::TcpListener;
+    use tokio::sync::{Semaphore, mpsc};
+    use tokio::time::Instant;
+    use tokio_util::sync::CancellationToken;
+    use tokio_util::task::TaskTracker;
+    use tower::Service as _;
+
+    use crate::config::ServerConfig;
+    use crate::error::DaemonError;
+
+    /// Pause after a failed accept (e.g. out of descriptors) before trying again, ms.
+    const ACCEPT_ERROR_BACKOFF_MS: u64 = 50;
+    /// How often a connection checks its idle time, as a fraction of the idle timeout.
+    const IDLE_CHECKS_PER_TIMEOUT: u32 = 4;
+
+    /// The limits of the edge, from `[server]`.
+    #[derive(Debug, Clone)]
+    pub(super) struct EdgeLimits {
+        header_read_timeout: Duration,
+        idle_timeout: Duration,
+        max_connections: usize,
+        max_connections_per_client: usize,
+        max_concurrent_requests: usize,
+        max_header_bytes: usize,
+        grace: Duration,
+    }
+
+    impl EdgeLimits {
+        pub(super) fn of(s: &ServerConfig) -> Self {
+            Self {
+                header_read_timeout: Duration::from_millis(s.header_read_timeout_ms),
+                idle_timeout: Duration::from_millis(s.idle_timeout_ms),
+                max_connections: s.max_connections,
+                max_connections_per_client: s.max_connections_per_client,
+                max_concurrent_requests: s.max_concurrent_requests,
+                max_header_bytes: s.max_header_bytes,
+                grace: Duration::from_millis(s.shutdown_grace_ms),
+            }
+        }
+    }
+
+    /// Open connections, in all and per client address. Owned by the accept loop; a
+    /// connection's [`Slot`] gives its place back through `freed` when it ends.
+    struct Open {
+        total: usize,
+        by_client: HashMap<IpAddr, usize>,
+        freed_tx: mpsc::UnboundedSender<IpAddr>,
+        freed: mpsc::UnboundedReceiver<IpAddr>,
+    }
+
+    /// A connection's place in [`Open`], given back when dropped.
+    struct Slot {
+        freed: mpsc::UnboundedSender<IpAddr>,
+        ip: IpAddr,
+    }
+
+    impl Drop for Slot {
+        fn drop(&mut self) {
+            // The accept loop may be gone (shutdown): nothing to give back to then.
+            let _ = self.freed.send(self.ip);
+        }
+    }
+
+    impl Open {
+        fn new() -> Self {
+            let (freed_tx, freed) = mpsc::unbounded_channel();
+            Self {
+                total: 0,
+                by_client: HashMap::new(),
+                freed_tx,
+                freed,
+            }
+        }
+
+        fn admit(&mut self, ip: IpAddr, limits: &EdgeLimits) -> Option<Slot> {
+            while let Ok(gone) = self.freed.try_recv() {
+                self.total = self.total.saturating_sub(1);
+                if let Some(n) = self.by_client.get_mut(&gone) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.by_client.remove(&gone);
+                    }
+                }
+            }
+            let mine = self.by_client.get(&ip).copied().unwrap_or(0);
+            if self.total >= limits.max_connections || mine >= limits.max_connections_per_client {
+                return None;
+            }
+            self.total += 1;
+            *self.by_client.entry(ip).or_insert(0) += 1;
+            Some(Slot {
+                freed: self.freed_tx.clone(),
+                ip,
+            })
+        }
+    }
+
+    /// Whether a connection has requests in flight, and since when it has had none.
+    struct Activity {
+        start: Instant,
+        in_flight: AtomicUsize,
+        idle_since_ms: AtomicU64,
+    }
+
+    impl Activity {
+        fn new() -> Self {
+            Self {
+                start: Instant::now(),
+                in_flight: AtomicUsize::new(0),
+                idle_since_ms: AtomicU64::new(0),
+            }
+        }
+
+        fn now_ms(&self) -> u64 {
+            u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+        }
+
+        fn idle_for(&self) -> Option<Duration> {
+            (self.in_flight.load(Ordering::Acquire) == 0).then(|| {
+                Duration::from_millis(
+                    self.now_ms()
+                        .saturating_sub(self.idle_since_ms.load(Ordering::Acquire)),
+                )
+            })
+        }
+    }
+
+    /// A request in flight on its connection: from its head until its response body ends.
+    struct InFlight(Arc<Activity>);
+
+    impl InFlight {
+        fn new(a: &Arc<Activity>) -> Self {
+            a.in_flight.fetch_add(1, Ordering::AcqRel);
+            Self(Arc::clone(a))
+        }
+    }
+
+    impl Drop for InFlight {
+        fn drop(&mut self) {
+            self.0
+                .idle_since_ms
+                .store(self.0.now_ms(), Ordering::Release);
+            self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// A response body that keeps its request counted in flight until it ends.
+    struct Tracked {
+        inner: Body,
+        _in_flight: InFlight,
+    }
+
+    impl http_body::Body for Tracked {
+        type Data = bytes::Bytes;
+        type Error = axum::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            Pin::new(&mut self.inner).poll_frame(cx)
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.inner.is_end_stream()
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.inner.size_hint()
+        }
+    }
+
+    fn builder(limits: &EdgeLimits) -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
+        let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        b.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(limits.max_header_bytes);
+        b.http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+        b
+    }
+
+    /// Accept and serve until `stop`, then drain open connections within the grace period
+    /// and close what is left.
+    pub(super) async fn serve(
+        listener: TcpListener,
+        app: Router,
+        limits: EdgeLimits,
+        stop: CancelToken,
+    ) {
+        let mut open = Open::new();
+        let requests = Arc::new(Semaphore::new(limits.max_concurrent_requests));
+        let builder = Arc::new(builder(&limits));
+        let conns = TaskTracker::new();
+        let hard_stop = CancellationToken::new();
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = stop.cancelled() => break,
+                r = listener.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Cannot accept a connection");
+                        tokio::time::sleep(Duration::from_millis(ACCEPT_ERROR_BACKOFF_MS)).await;
+                        continue;
+                    }
+                },
+            };
+            let Some(slot) = open.admit(peer.ip(), &limits) else {
+                // Over a cap: closed at once, before a byte is read.
+                tracing::debug!(client = %peer, "Connection refused: connection cap reached");
+                drop(tcp);
+                continue;
+            };
+            // Streams (NDJSON, Connect server-streaming) write small frames: without
+            // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold each one ~40 ms.
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "Cannot set TCP_NODELAY");
+            }
+            conns.spawn(connection(
+                tcp,
+                slot,
+                app.clone(),
+                Arc::clone(&builder),
+                Arc::clone(&requests),
+                limits.idle_timeout,
+                stop.clone(),
+                hard_stop.clone(),
+            ));
+        }
+        drop(listener);
+        conns.close();
+        if tokio::time::timeout(limits.grace, conns.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                open = conns.len(),
+                "Connections still open after the shutdown grace period are closed"
+            );
+            hard_stop.cancel();
+            conns.wait().await;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn connection(
+        tcp: tokio::net::TcpStream,
+        _slot: Slot,
+        app: Router,
+        builder: Arc<hyper_util::server::conn::auto::Builder<TokioExecutor>>,
+        requests: Arc<Semaphore>,
+        idle_timeout: Duration,
+        stop: CancelToken,
+        hard_stop: CancellationToken,
+    ) {
+        let activity = Arc::new(Activity::new());
+        let act = Arc::clone(&activity);
+        let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+            let in_flight = InFlight::new(&act);
+            let permit = Arc::clone(&requests).try_acquire_owned();
+            let mut app = app.clone();
+            async move {
+                let Ok(_permit) = permit else {
+                    let resp = DaemonError::Overloaded.into_response();
+                    return Ok::<_, Infallible>(resp.map(|inner| Tracked {
+                        inner,
+                        _in_flight: in_flight,
+                    }));
+                };
+                let resp = match app.call(req.map(Body::new)).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                };
+                Ok(resp.map(|inner| Tracked {
+                    inner,
+                    _in_flight: in_flight,
+                }))
+            }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), svc);
+        tokio::pin!(conn);
+        let mut tick = tokio::time::interval(idle_timeout / IDLE_CHECKS_PER_TIMEOUT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut draining = false;
+        loop {
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "Connection ended with an error");
+                    }
+                    break;
+                }
+                () = hard_stop.cancelled() => break,
+                () = stop.cancelled(), if !draining => {
+                    conn.as_mut().graceful_shutdown();
+                    draining = true;
+                }
+                _ = tick.tick(), if !draining => {
+                    if activity.idle_for().is_some_and(|d| d >= idle_timeout) {
+                        conn.as_mut().graceful_shutdown();
+                        draining = true;
+                    }
+                }
+            }
+        }
     }
 }

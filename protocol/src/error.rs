@@ -106,6 +106,8 @@ pub enum ErrorCode {
     /// A command ran into one of its sandbox's resource limits (memory: killed out of
     /// memory; processes; disk). The sandbox and every other one are unaffected.
     LimitExceeded,
+    /// The daemon is at its limit of concurrent requests; retry later.
+    Overloaded,
 }
 
 impl ErrorCode {
@@ -158,6 +160,7 @@ impl ErrorCode {
         Self::StorageFull,
         Self::OutcomeUnknown,
         Self::LimitExceeded,
+        Self::Overloaded,
     ];
 
     /// The wire spelling, e.g. `"FS_NOT_FOUND"`.
@@ -210,6 +213,7 @@ impl ErrorCode {
             Self::StorageFull => "STORAGE_FULL",
             Self::OutcomeUnknown => "OUTCOME_UNKNOWN",
             Self::LimitExceeded => "LIMIT_EXCEEDED",
+            Self::Overloaded => "OVERLOADED",
         }
     }
 
@@ -227,6 +231,7 @@ impl ErrorCode {
                 | Self::ConnectTimeout
                 | Self::TransportIdleTimeout
                 | Self::ShuttingDown
+                | Self::Overloaded
         )
     }
 
@@ -399,6 +404,7 @@ mod tests {
             "STORAGE_FULL",
             "OUTCOME_UNKNOWN",
             "LIMIT_EXCEEDED",
+            "OVERLOADED",
         ];
         assert_eq!(wire, expected);
         for c in ErrorCode::ALL {

@@ -747,6 +747,7 @@ async fn fork_copies_the_journals_the_prefix_refers_to() {
                 stdout_bytes: 5,
                 stderr_bytes: 4,
                 clock: None,
+                limit: None,
             },
         ])
         .await

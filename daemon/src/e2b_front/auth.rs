@@ -1,9 +1,10 @@
 //! Who is calling the E2B front.
 //!
 //! - Control plane: an API key (`X-API-Key`, or `Authorization: Bearer`) names a tenant;
-//!   a tenant sees only its own sandboxes. With no key configured (allowed only on a
-//!   loopback listener, checked at config load) any non-empty key is accepted and each
-//!   distinct key is its own tenant: development mode.
+//!   a tenant sees only its own sandboxes (see [`crate::auth`]). With no credential
+//!   configured at all (no key and no `[server] auth_tokens`; allowed only on a loopback
+//!   listener, checked at config load) any non-empty key is accepted and each distinct
+//!   key is its own tenant: development mode. With tokens but no keys, no key is accepted.
 //! - envd: the access token handed out by create/connect, in `X-Access-Token`, or a
 //!   signed `/files` URL. Tokens are derived from a per-run secret and the sandbox id, so
 //!   the front stores none and a token opens exactly one sandbox.
@@ -16,6 +17,8 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
 use super::RestError;
+pub(super) use crate::auth::constant_time_eq;
+use crate::auth::{key_tenant, presented, short_hash};
 use crate::config::ApiKey;
 
 /// A tenant of the E2B front: owner of the sessions its keys create.
@@ -31,14 +34,7 @@ impl KeyRing {
     pub(super) fn new(keys: &[ApiKey]) -> Self {
         let keys = keys
             .iter()
-            .map(|k| {
-                (
-                    k.key.clone(),
-                    k.tenant
-                        .clone()
-                        .unwrap_or_else(|| format!("key-{}", short_hash(&k.key))),
-                )
-            })
+            .map(|k| (k.key.clone(), key_tenant(&k.key, k.tenant.as_deref())))
             .collect();
         Self { keys }
     }
@@ -47,25 +43,28 @@ impl KeyRing {
         self.keys.len()
     }
 
-    /// No key configured: any key is accepted.
+    /// No key configured.
     pub(super) fn is_dev(&self) -> bool {
         self.keys.is_empty()
     }
 
     /// The tenant of a request, or the 401 the SDKs map to `AuthenticationException`.
-    pub(super) fn tenant(&self, headers: &HeaderMap) -> Result<Tenant, RestError> {
-        let Some(key) = api_key_of(headers) else {
+    /// `dev`: no credential at all is configured (neither keys nor `[server]
+    /// auth_tokens`), so any key is accepted as its own tenant. With tokens configured
+    /// and no keys, no key is accepted.
+    pub(super) fn tenant(&self, headers: &HeaderMap, dev: bool) -> Result<Tenant, RestError> {
+        let Some(key) = presented(headers) else {
             return Err(RestError::unauthorized(
                 "missing API key: set the X-API-Key header",
             ));
         };
-        if self.is_dev() {
+        if dev && self.is_dev() {
             return Ok(Tenant(format!("dev-{}", short_hash(key))));
         }
         // Compare against every key fully so the time taken does not reveal a prefix.
         let mut found = None;
         for (k, tenant) in &self.keys {
-            if constant_time_eq(k.as_bytes(), key.as_bytes()) {
+            if constant_time_eq(k.as_bytes(), key.as_bytes()) && found.is_none() {
                 found = Some(tenant.clone());
             }
         }
@@ -73,35 +72,6 @@ impl KeyRing {
             .map(Tenant)
             .ok_or_else(|| RestError::unauthorized("invalid API key"))
     }
-}
-
-fn api_key_of(headers: &HeaderMap) -> Option<&str> {
-    let from_header = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim);
-    let from_bearer = || {
-        headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim)
-    };
-    from_header.or_else(from_bearer).filter(|k| !k.is_empty())
-}
-
-fn short_hash(s: &str) -> String {
-    hex::encode(&Sha256::digest(s.as_bytes())[..8])
-}
-
-pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The envd access token of a sandbox.

@@ -54,7 +54,10 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
 // === helpers ===
 
 fn tenant(state: &AppState, headers: &HeaderMap) -> Result<Tenant, RestError> {
-    state.e2b.keys.tenant(headers)
+    state
+        .e2b
+        .keys
+        .tenant(headers, crate::auth::is_development(&state.config))
 }
 
 /// The tenant's live sandbox `id`, or 404 (also for another tenant's id).

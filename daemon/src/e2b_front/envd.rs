@@ -4,7 +4,8 @@
 //! set), else a `<port>-<id>.<domain>` host. A sandbox that does not exist (or is closed,
 //! or belongs to no E2B tenant) gets the edge proxy's 502 answer, which the SDKs turn into
 //! `SandboxNotRunningException`. Authentication: `X-Access-Token` must be the sandbox's
-//! token; `/files` also takes a signed URL instead; `/health` takes nothing.
+//! token; `/files` also takes a signed URL instead; `/health` answers 204 only with the
+//! token, and without it exactly as for a sandbox that does not exist.
 //!
 //! Endpoints: `GET /health` (204), `POST /init` (sandbox-wide env and default user),
 //! `GET /envs`, and `GET|POST /files`: streaming downloads (optionally gzip-encoded, with
@@ -264,14 +265,17 @@ pub(super) async fn log_fs_op(
 
 async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     match addressed(&headers) {
-        // envd's health: 204 while the sandbox lives.
-        Some(_) => match locate(&state, &headers) {
+        // envd's health: 204 while the sandbox lives, to a caller holding its access
+        // token. Without it (or with another sandbox's) the answer is exactly the one for
+        // a sandbox that does not exist, so an unauthenticated probe learns nothing.
+        Some((id, _)) => match authorize(&state, &headers) {
             Ok(_) => (
                 StatusCode::NO_CONTENT,
                 [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
             )
                 .into_response(),
-            Err(r) => r.into_response(),
+            Err(Reject::NoSandbox) => Reject::NoSandbox.into_response(),
+            Err(_) => Reject::NotFound(id).into_response(),
         },
         // The control plane's health.
         None => (StatusCode::OK, "Health check successful").into_response(),

@@ -483,7 +483,7 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         | C::TransportIdleTimeout
         | C::DeadlineExceeded => K::DeadlineExceeded,
         C::Cancelled => K::Canceled,
-        C::ProviderUnavailable | C::ShuttingDown => K::Unavailable,
+        C::ProviderUnavailable | C::ShuttingDown | C::Overloaded => K::Unavailable,
         C::ToolNotStarted | C::ToolOutcomeUnknown | C::OutcomeUnknown | C::ProviderError => {
             K::Unknown
         }

@@ -649,13 +649,20 @@ async fn envd_routing_and_access_token() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    // envd health: 204 for a live sandbox; the control plane's health without routing.
+    // envd health: 204 for a live sandbox to its token holder, without the token what a
+    // missing sandbox gets; the control plane's health without routing.
+    let r = f
+        .envd(reqwest::Method::GET, "/health", &id, &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
     let r = f
         .envd(reqwest::Method::GET, "/health", &id, "")
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status().as_u16(), 204);
+    assert_eq!(r.status().as_u16(), 502);
     let r = f.http.get(f.url("/health")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     f.stop().await;
