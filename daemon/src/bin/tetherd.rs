@@ -159,7 +159,11 @@ async fn serve(cfg: Config) -> ExitCode {
     if e2b_cfg.enabled {
         println!(
             "{}",
-            tether_daemon::e2b_front::recipe(daemon.addr, &e2b_cfg)
+            tether_daemon::e2b_front::recipe(
+                daemon.addr,
+                &e2b_cfg,
+                !daemon.state.config.server.auth_tokens.is_empty()
+            )
         );
     }
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

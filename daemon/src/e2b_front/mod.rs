@@ -312,7 +312,7 @@ pub fn router() -> Router<Arc<AppState>> {
 
 /// The lines `tetherd serve` prints at start-up: the environment that points the official
 /// E2B SDKs at this daemon.
-pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig) -> String {
+pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig, tokens_configured: bool) -> String {
     let host = match listen.ip() {
         ip if ip.is_unspecified() => "127.0.0.1".to_owned(),
         std::net::IpAddr::V6(v6) => format!("[{v6}]"),
@@ -320,7 +320,11 @@ pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig) -> String {
     };
     let url = format!("http://{host}:{}", listen.port());
     let mut out = String::from("E2B SDKs (E2B front):\n");
-    if cfg.api_keys.is_empty() {
+    if cfg.api_keys.is_empty() && tokens_configured {
+        out.push_str(
+            "  no API key is accepted: bearer tokens are configured and [e2b_front] api_keys is empty\n",
+        );
+    } else if cfg.api_keys.is_empty() {
         out.push_str("  development mode: any API key is accepted, each key is its own tenant\n");
     }
     out.push_str(&format!("  export E2B_API_URL={url}\n"));

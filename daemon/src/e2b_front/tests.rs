@@ -1596,7 +1596,7 @@ async fn filesystem_rpcs_and_watchers() {
 #[test]
 fn recipe_names_the_sdk_variables() {
     let mut cfg = crate::config::E2bFrontConfig::default();
-    let r = super::recipe("127.0.0.1:7420".parse().unwrap(), &cfg);
+    let r = super::recipe("127.0.0.1:7420".parse().unwrap(), &cfg, false);
     for want in [
         "E2B_API_URL=http://127.0.0.1:7420",
         "E2B_SANDBOX_URL=http://127.0.0.1:7420",
@@ -1612,9 +1612,14 @@ fn recipe_names_the_sdk_variables() {
         key: "k".into(),
         tenant: None,
     });
-    let r = super::recipe("0.0.0.0:9000".parse().unwrap(), &cfg);
+    let r = super::recipe("0.0.0.0:9000".parse().unwrap(), &cfg, false);
     assert!(r.contains("E2B_API_URL=http://127.0.0.1:9000"));
     assert!(!r.contains("development mode"));
+    // Tokens and no keys: the front accepts no key, and says so.
+    cfg.api_keys.clear();
+    let r = super::recipe("127.0.0.1:7420".parse().unwrap(), &cfg, true);
+    assert!(!r.contains("development mode"), "{r}");
+    assert!(r.contains("no API key is accepted"), "{r}");
 }
 
 #[test]
