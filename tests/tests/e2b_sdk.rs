@@ -158,7 +158,10 @@ async fn run_suite(which: &str) {
     }
     // Closed sessions are read back from their logs on disk.
     let mut e2b = Vec::new();
-    for info in state.sessions.infos(tether_daemon::session_manager::Scope::Any) {
+    for info in state
+        .sessions
+        .infos(tether_daemon::session_manager::Scope::Any)
+    {
         let s = state
             .sessions
             .lookup(&info.id, tether_daemon::session_manager::Scope::Any)
@@ -180,7 +183,10 @@ async fn run_suite(which: &str) {
     );
     let (mut processes, mut writes) = (0, 0);
     for s in &e2b {
-        assert_eq!(s.state(), tether_daemon::session_manager::SessionState::Closed);
+        assert_eq!(
+            s.state(),
+            tether_daemon::session_manager::SessionState::Closed
+        );
         let events: Vec<EventBody> = s
             .log
             .events_after(None)
