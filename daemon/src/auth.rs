@@ -24,7 +24,7 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
 use crate::config::Config;
-use crate::sessions::Scope;
+use crate::session_manager::Scope;
 
 /// The shortest accepted token or API key, characters.
 pub const MIN_CREDENTIAL_LEN: usize = 16;

@@ -5,7 +5,7 @@ use http::StatusCode;
 use tether_protocol::{ErrorBody, ErrorCode, ErrorDetail};
 use tether_provider::ProviderError;
 
-use crate::session::LogError;
+use crate::session_log::LogError;
 
 /// Result alias of the daemon.
 pub type Result<T, E = DaemonError> = std::result::Result<T, E>;

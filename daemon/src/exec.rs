@@ -29,8 +29,8 @@ use tokio::sync::watch;
 use tracing::Instrument;
 
 use crate::error::{DaemonError, Result};
-use crate::session::OutputJournal;
-use crate::sessions::Session;
+use crate::session_log::OutputJournal;
+use crate::session_manager::Session;
 use tether_provider::Clock;
 
 /// Limits of one command.
@@ -206,7 +206,7 @@ pub async fn start(
     if let Some(id) = &spec.command_id {
         // Everything that can refuse the command is checked before it runs: a command
         // that was spawned always has a pump, a journal and a deadline.
-        crate::session::validate_id("command id", id)?;
+        crate::session_log::validate_id("command id", id)?;
         if session.command(id).is_some() {
             return Err(DaemonError::Conflict {
                 message: format!("command id {id} is already in use"),

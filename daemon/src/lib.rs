@@ -8,7 +8,7 @@
 
 // The session log and telemetry are crates of their own; these names keep their paths
 // short here.
-pub use tether_session_log as session;
+pub use tether_session_log as session_log;
 pub use tether_session_log::invariants;
 pub use tether_telemetry as telemetry;
 
@@ -19,12 +19,13 @@ pub mod config;
 pub mod e2b_front;
 pub mod error;
 pub mod exec;
+pub mod http;
 pub mod leases;
 pub mod ops;
 pub mod pipeline;
 pub mod providers;
 pub mod server;
-pub mod sessions;
+pub mod session_manager;
 pub mod state;
 #[cfg(test)]
 pub(crate) mod testutil;

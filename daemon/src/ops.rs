@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use crate::sessions::Session;
+use crate::session_manager::Session;
 use tether_provider::Clock;
 
 /// A file operation: names its span and metric and says whether it changes the sandbox.

@@ -8,7 +8,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::invariants::Invariants;
 use crate::pipeline::Pipeline;
-use crate::sessions::SessionManager;
+use crate::session_manager::SessionManager;
 use crate::telemetry::Metrics;
 
 /// Everything a handler needs.

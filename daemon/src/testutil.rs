@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, ProviderConfig};
 use crate::invariants::Invariants;
 use crate::providers::ProviderRegistry;
-use crate::sessions::{NewSession, Session, SessionManager};
+use crate::session_manager::{NewSession, Session, SessionManager};
 use crate::telemetry::Metrics;
 
 /// A session leased from a local provider rooted in a fresh temp dir. Keep the

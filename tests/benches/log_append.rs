@@ -14,7 +14,7 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use tether_daemon::session::{LogConfig, LogError, SessionLog};
+use tether_daemon::session_log::{LogConfig, LogError, SessionLog};
 use tether_protocol::events::EventBody;
 use tokio::time::Instant;
 

@@ -467,8 +467,30 @@ fn systemd_unit_validates_its_config_before_starting() {
         "ExecStartPre must validate {served}, validates {validated:?}"
     );
 
+    // The local provider's sandboxes are made of these namespaces: the unit must allow
+    // every one of them.
+    let namespaces: Vec<&str> = unit_values(&unit, "RestrictNamespaces")
+        .iter()
+        .flat_map(|v| v.split_whitespace())
+        .collect();
+    for ns in ["user", "mnt", "pid", "uts", "ipc", "net", "cgroup"] {
+        assert!(
+            namespaces.contains(&ns),
+            "RestrictNamespaces lacks {ns}: {namespaces:?}"
+        );
+    }
+    // ...and it needs loop devices and a fresh /proc in a sandbox (no over-mounted /proc).
+    for (key, forbidden) in [
+        ("PrivateDevices", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectProc", "invisible"),
+    ] {
+        assert!(
+            !unit_values(&unit, key).contains(&forbidden),
+            "{key}={forbidden}"
+        );
+    }
     for (key, want) in [
-        ("NoNewPrivileges", "yes"),
         ("ProtectSystem", "strict"),
         ("PrivateTmp", "yes"),
         ("RestartPreventExitStatus", "64"),

@@ -142,7 +142,7 @@ async fn run_suite(which: &str) {
     loop {
         let live: Vec<String> = state
             .sessions
-            .list(tether_daemon::sessions::Scope::Any)
+            .list(tether_daemon::session_manager::Scope::Any)
             .iter()
             .filter(|s| s.owner.is_some())
             .map(|s| s.id.clone())
@@ -158,10 +158,13 @@ async fn run_suite(which: &str) {
     }
     // Closed sessions are read back from their logs on disk.
     let mut e2b = Vec::new();
-    for info in state.sessions.infos(tether_daemon::sessions::Scope::Any) {
+    for info in state
+        .sessions
+        .infos(tether_daemon::session_manager::Scope::Any)
+    {
         let s = state
             .sessions
-            .lookup(&info.id, tether_daemon::sessions::Scope::Any)
+            .lookup(&info.id, tether_daemon::session_manager::Scope::Any)
             .await
             .expect("a listed session opens");
         if s.owner.is_some() {
@@ -180,7 +183,10 @@ async fn run_suite(which: &str) {
     );
     let (mut processes, mut writes) = (0, 0);
     for s in &e2b {
-        assert_eq!(s.state(), tether_daemon::sessions::SessionState::Closed);
+        assert_eq!(
+            s.state(),
+            tether_daemon::session_manager::SessionState::Closed
+        );
         let events: Vec<EventBody> = s
             .log
             .events_after(None)

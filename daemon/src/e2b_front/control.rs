@@ -27,8 +27,8 @@ use tracing::Instrument;
 
 use super::auth::Tenant;
 use super::{CLIENT_ID, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339};
-use crate::server::RequestCtx;
-use crate::sessions::{NewSession, Scope, Session, SessionState};
+use crate::http::RequestCtx;
+use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
 use tether_provider::Clock;

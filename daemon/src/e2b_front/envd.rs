@@ -38,8 +38,8 @@ use tracing::Instrument;
 use super::multipart::{Multipart, boundary_of};
 use super::{RestError, SandboxExtra, auth, query_param, resolve_path};
 use crate::error::DaemonError;
-use crate::server::RequestCtx;
-use crate::sessions::{Scope, Session, SessionState};
+use crate::http::RequestCtx;
+use crate::session_manager::{Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_provider::Clock;
 

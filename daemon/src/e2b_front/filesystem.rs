@@ -33,7 +33,7 @@ use tracing::Instrument;
 use super::connect::{self, CallOpts, RpcError, StreamOpts};
 use super::envd::{self, Target, log_fs_op};
 use super::{SandboxExtra, resolve_path};
-use crate::server::RequestCtx;
+use crate::http::RequestCtx;
 use crate::state::AppState;
 use tether_provider::Clock;
 

@@ -5,7 +5,7 @@
 //! Each E2B sandbox is a tether session (owned by the API key's tenant), so everything an
 //! SDK does is logged in the session log, bounded by tether's clocks and traced. The
 //! control plane ([`control`]) maps sandbox create / list / get / kill / timeout /
-//! connect onto the [`SessionManager`](crate::sessions::SessionManager); envd's REST
+//! connect onto the [`SessionManager`](crate::session_manager::SessionManager); envd's REST
 //! endpoints ([`envd`]) and its Connect services ([`process`], [`filesystem`], over the
 //! codec in [`connect`]) map onto the session's sandbox through the provider seam. envd
 //! requests are routed by the `E2b-Sandbox-Id` header (the `E2B_SANDBOX_URL` recipe) or

@@ -41,7 +41,7 @@ use super::connect::{self, CallOpts, RpcError, StreamOpts};
 use super::envd::{self, Target};
 use super::resolve_path;
 use crate::exec::{self, ExecLimits, RunningCommand};
-use crate::server::RequestCtx;
+use crate::http::RequestCtx;
 use crate::state::AppState;
 use tether_provider::Clock;
 

@@ -11,7 +11,7 @@ use tether_protocol::events::EventBody;
 
 use crate::config::{ApiKey, Config};
 use crate::server::{Daemon, RunningDaemon};
-use crate::sessions::Scope;
+use crate::session_manager::Scope;
 use tether_provider::Clock;
 
 const KEY_A: &str = "e2b_key_tenant_a";

@@ -40,8 +40,8 @@ use tracing::{Instrument, Span};
 use super::guards::{ExecNext, Guard, Invocation, PostDecision, PostNext, PreDecision};
 use super::tools::{ToolOutput, ToolRegistry};
 use crate::error::{DaemonError, Result};
-use crate::session::{not_started_result, outcome_unknown_result};
-use crate::sessions::Session;
+use crate::session_log::{not_started_result, outcome_unknown_result};
+use crate::session_manager::Session;
 use crate::telemetry::Metrics;
 
 /// The text of a call that never started because the batch was cancelled.

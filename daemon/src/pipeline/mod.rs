@@ -38,7 +38,7 @@ pub use tools::{Access, PathAccess, Tool, ToolOutput, ToolRegistry};
 
 use crate::config::LimitsConfig;
 use crate::error::DaemonError;
-use crate::sessions::Session;
+use crate::session_manager::Session;
 use crate::telemetry::Metrics;
 use batch::{Batch, CallBooks};
 use guards::permission::{PathPolicy, PermissionPolicy};

@@ -25,7 +25,7 @@ use super::batch::{ABORTED, ABORTED_BEFORE_DISPATCH};
 use super::guards::repeat_reminder::GENTLE_REMINDER;
 use super::*;
 use crate::config::{Config, LimitsConfig};
-use crate::sessions::Session;
+use crate::session_manager::Session;
 use crate::testutil::test_session;
 use tether_provider::Clock;
 
@@ -787,7 +787,7 @@ async fn reminder_chains_are_per_session() {
     let b = manager
         .create(
             &CallCtx::new("test"),
-            crate::sessions::NewSession::default(),
+            crate::session_manager::NewSession::default(),
         )
         .await
         .unwrap();

@@ -37,7 +37,7 @@ use crate::config::LimitsConfig;
 use crate::error::DaemonError;
 use crate::exec::{self, CommandOutcome, ExecLimits, RunningCommand};
 use crate::ops::{self, FsOp, Surface};
-use crate::sessions::Session;
+use crate::session_manager::Session;
 
 /// The default budget of the file tools' timeout policy, ms.
 pub const DEFAULT_FS_TOOL_TIMEOUT_MS: u64 = 120_000;

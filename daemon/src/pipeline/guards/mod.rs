@@ -30,7 +30,7 @@ use serde_json::Value;
 use tether_protocol::events::AdditionalContext;
 use tether_provider::CallCtx;
 
-use crate::sessions::Session;
+use crate::session_manager::Session;
 
 use super::tools::{Tool, ToolOutput};
 

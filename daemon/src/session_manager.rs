@@ -30,7 +30,7 @@ use crate::exec::RunningCommand;
 use crate::invariants::Invariants;
 use crate::leases::{META_DAEMON, META_SESSION, now_ms};
 use crate::providers::ProviderRegistry;
-use crate::session::{LogConfig, SessionLog};
+use crate::session_log::{LogConfig, SessionLog};
 use crate::telemetry::Metrics;
 use tether_provider::Clock;
 
@@ -796,10 +796,10 @@ impl SessionManager {
     pub async fn recover(&self, retention: Option<Duration>) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
         let sessions_dir = self.state_dir.join("sessions");
-        let ids = crate::session::list_sessions(&sessions_dir).await?;
+        let ids = crate::session_log::list_sessions(&sessions_dir).await?;
         for id in ids {
             let dir = self.session_dir(&id);
-            match crate::session::closed_summary(&dir).await {
+            match crate::session_log::closed_summary(&dir).await {
                 Ok(Some(c)) => {
                     if retention.is_some_and(|r| expired_for(c.closed_ms, r)) {
                         remove_session_dir(&dir, &id).await;
