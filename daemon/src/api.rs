@@ -575,21 +575,40 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for FsQuery {
     }
 }
 
-/// Stat through the operation layer.
-async fn stat(s: &Session, ctx: &CallCtx, path: &str) -> Result<tether_protocol::fs::FileStat> {
+/// One file operation of the native API through the operation layer: the file-operation
+/// deadline, its span and metric, its `fs/op` event for a change.
+async fn api_fs<'a, T, F, Fut>(
+    s: &'a Session,
+    ctx: &CallCtx,
+    op: FsOp,
+    path: &'a str,
+    f: F,
+) -> Result<T>
+where
+    F: FnOnce(Arc<dyn tether_provider::Sandbox>, CallCtx, &'a str) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, tether_provider::ProviderError>>,
+{
     let sandbox = s.sandbox()?;
     Ok(ops::fs(
         s,
         ctx,
-        FsOp::Stat,
+        op,
         path,
         Surface::Api,
         s.deadlines.fs_op,
-        FsOp::Stat.span(s, path),
+        op.span(s, path),
         ops::no_bytes,
-        |c| async move { sandbox.fs().stat(&c, path).await },
+        |c| f(sandbox, c, path),
     )
     .await?)
+}
+
+/// Stat through the operation layer.
+async fn stat(s: &Session, ctx: &CallCtx, path: &str) -> Result<tether_protocol::fs::FileStat> {
+    api_fs(s, ctx, FsOp::Stat, path, |sb, c, p| async move {
+        sb.fs().stat(&c, p).await
+    })
+    .await
 }
 
 /// A download describes one object: its stat (size, version) and its bytes. Only a regular
@@ -645,7 +664,6 @@ async fn get_file(
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
     let s = session(&state, &id, &who).await?;
-    let sandbox = s.sandbox()?;
     let st = stat(&s, &ctx, &q.path).await?;
     regular_file(&st, &q.path)?;
     let tag = etag(&st.version);
@@ -664,18 +682,9 @@ async fn get_file(
     // transfer deadline, not the request's (which ends with the handler).
     let tctx = CallCtx::with_cancel(ctx.request_id.clone(), state.shutdown.child())
         .with_timeout(s.deadlines.transfer, Clock::Total);
-    let path = q.path.as_str();
-    let stream = ops::fs(
-        &s,
-        &tctx,
-        FsOp::Read,
-        &q.path,
-        Surface::Api,
-        s.deadlines.fs_op,
-        FsOp::Read.span(&s, &q.path),
-        ops::no_bytes,
-        |c| async move { sandbox.fs().read(&c, path, range).await },
-    )
+    let stream = api_fs(&s, &tctx, FsOp::Read, &q.path, |sb, c, p| async move {
+        sb.fs().read(&c, p, range).await
+    })
     .await?;
     let stream = bounded(stream, tctx);
     let len = st
@@ -798,19 +807,10 @@ async fn delete_file(
     FsQuery(q): FsQuery,
 ) -> Result<StatusCode> {
     let s = session(&state, &id, &who).await?;
-    let sandbox = s.sandbox()?;
-    let path = q.path.as_str();
-    ops::fs(
-        &s,
-        &ctx,
-        FsOp::Remove,
-        &q.path,
-        Surface::Api,
-        s.deadlines.fs_op,
-        FsOp::Remove.span(&s, &q.path),
-        ops::no_bytes,
-        |c| async move { sandbox.fs().remove(&c, path, q.recursive).await },
-    )
+    let recursive = q.recursive;
+    api_fs(&s, &ctx, FsOp::Remove, &q.path, |sb, c, p| async move {
+        sb.fs().remove(&c, p, recursive).await
+    })
     .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -827,19 +827,9 @@ async fn list_dir(
         return Err(DaemonError::invalid("depth must be between 1 and 64"));
     }
     let s = session(&state, &id, &who).await?;
-    let sandbox = s.sandbox()?;
-    let path = q.path.as_str();
-    let entries = ops::fs(
-        &s,
-        &ctx,
-        FsOp::List,
-        &q.path,
-        Surface::Api,
-        s.deadlines.fs_op,
-        FsOp::List.span(&s, &q.path),
-        ops::no_bytes,
-        |c| async move { sandbox.fs().list(&c, path, depth).await },
-    )
+    let entries = api_fs(&s, &ctx, FsOp::List, &q.path, |sb, c, p| async move {
+        sb.fs().list(&c, p, depth).await
+    })
     .await?;
     Ok(ApiJson(entries).into_response())
 }
@@ -852,19 +842,9 @@ async fn make_dir(
     FsQuery(q): FsQuery,
 ) -> Result<Response> {
     let s = session(&state, &id, &who).await?;
-    let sandbox = s.sandbox()?;
-    let path = q.path.as_str();
-    let st = ops::fs(
-        &s,
-        &ctx,
-        FsOp::Mkdir,
-        &q.path,
-        Surface::Api,
-        s.deadlines.fs_op,
-        FsOp::Mkdir.span(&s, &q.path),
-        ops::no_bytes,
-        |c| async move { sandbox.fs().mkdir(&c, path, true).await },
-    )
+    let st = api_fs(&s, &ctx, FsOp::Mkdir, &q.path, |sb, c, p| async move {
+        sb.fs().mkdir(&c, p, true).await
+    })
     .await?;
     Ok((StatusCode::CREATED, ApiJson(st)).into_response())
 }

@@ -189,3 +189,46 @@ pub fn latency_ms(mut samples: Vec<Duration>) -> (f64, f64, f64) {
         mean,
     )
 }
+
+/// A `tetherd serve` child process listening on 127.0.0.1:`port` over `state` (the
+/// binary as a user runs it, for kill -9 tests); killed and reaped on drop.
+#[derive(Debug)]
+pub struct TetherdChild(pub std::process::Child);
+
+impl TetherdChild {
+    /// Start it; its output is discarded.
+    pub fn spawn(state: &std::path::Path, port: u16) -> Self {
+        let child = std::process::Command::new(workspace_bin("tetherd"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--state-dir",
+            ])
+            .arg(state)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn tetherd");
+        Self(child)
+    }
+}
+
+impl Drop for TetherdChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Wait (at most 30 s) until the daemon at `base` answers `/v1/health`.
+pub async fn wait_healthy(http: &reqwest::Client, base: &str) {
+    wait_until("tetherd health", Duration::from_secs(30), || async {
+        http.get(format!("{base}/v1/health"))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .unwrap_or(false)
+    })
+    .await;
+}

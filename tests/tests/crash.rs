@@ -7,50 +7,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tether_tests::{free_port, wait_until, workspace_bin};
+use tether_tests::{TetherdChild, free_port, wait_healthy, wait_until};
 
 const SESSIONS: usize = 20;
 const CALLS_PER_SESSION: usize = 10;
-
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_tetherd(bin: &std::path::Path, state: &std::path::Path, port: u16) -> Child {
-    let child = std::process::Command::new(bin)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--state-dir",
-        ])
-        .arg(state)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn tetherd");
-    Child(child)
-}
-
-async fn wait_healthy(http: &reqwest::Client, base: &str) {
-    wait_until("tetherd health", Duration::from_secs(30), || async {
-        http.get(format!("{base}/v1/health"))
-            .send()
-            .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false)
-    })
-    .await;
-}
 
 fn count_results(state: &std::path::Path, ids: &[String]) -> usize {
     ids.iter()
@@ -64,7 +27,6 @@ fn count_results(state: &std::path::Path, ids: &[String]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_flight_loses_nothing_acknowledged() {
-    let bin = workspace_bin("tetherd");
     let state = tempfile::tempdir().unwrap();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
@@ -72,7 +34,7 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap();
-    let mut child = spawn_tetherd(&bin, state.path(), port);
+    let mut child = TetherdChild::spawn(state.path(), port);
     wait_healthy(&http, &base).await;
 
     let mut ids = Vec::new();
@@ -145,7 +107,7 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     // Restart on the same state dir.
     let port2 = free_port();
     let base2 = format!("http://127.0.0.1:{port2}");
-    let _child2 = spawn_tetherd(&bin, state.path(), port2);
+    let _child2 = TetherdChild::spawn(state.path(), port2);
     wait_healthy(&http, &base2).await;
 
     let mut results_by_call: BTreeMap<String, Vec<Value>> = BTreeMap::new();

@@ -9,7 +9,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tether_tests::{TestDaemon, code, free_port, wait_until, workspace_bin};
+use tether_tests::{TestDaemon, TetherdChild, code, free_port, wait_healthy, wait_until};
 
 /// The header and events of a session's log, read from disk.
 fn read_log(state: &std::path::Path, id: &str) -> (Value, Vec<Value>) {
@@ -366,43 +366,6 @@ async fn a_full_state_dir_is_storage_full() {
 
 // === kill -9 and restart ===
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_tetherd(state: &std::path::Path, port: u16) -> Child {
-    Child(
-        std::process::Command::new(workspace_bin("tetherd"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--state-dir",
-            ])
-            .arg(state)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn tetherd"),
-    )
-}
-
-async fn healthy(http: &reqwest::Client, base: &str) {
-    wait_until("tetherd health", Duration::from_secs(30), || async {
-        http.get(format!("{base}/v1/health"))
-            .send()
-            .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false)
-    })
-    .await;
-}
-
 async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
     let r = http.post(url).json(&body).send().await.unwrap();
     let st = r.status().as_u16();
@@ -433,8 +396,8 @@ async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap();
-    let mut child = spawn_tetherd(state.path(), port);
-    healthy(&http, &base).await;
+    let mut child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
 
     let (st, a) = post(
         &http,
@@ -474,8 +437,8 @@ async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
     lines.insert(1, "{not json at all}");
     std::fs::write(&log, lines.join("\n") + "\n").unwrap();
 
-    let _child = spawn_tetherd(state.path(), port);
-    healthy(&http, &base).await;
+    let _child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
     assert_eq!(session_state(&http, &base, &kept).await, "active");
     let (_, fork_header) = (0, read_log(state.path(), &fork).0);
     assert_eq!(fork_header["params"]["network"], true);
