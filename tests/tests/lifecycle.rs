@@ -42,6 +42,35 @@ async fn bash(d: &TestDaemon, sid: &str, command: &str) -> Value {
     body["results"][0].clone()
 }
 
+/// `pasta` processes started by a local provider whose target sandbox pid is gone.
+fn orphaned_nats() -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let ours = args.first().is_some_and(|p| p.ends_with("/pasta"))
+            && args.iter().any(|a| a == "--no-map-gw")
+            && args.iter().any(|a| a == "--runas");
+        let target_gone = args
+            .last()
+            .and_then(|t| t.parse::<u32>().ok())
+            .is_some_and(|t| !std::path::Path::new(&format!("/proc/{t}")).exists());
+        if ours && target_gone {
+            found.push(pid);
+        }
+    }
+    found
+}
+
 /// Processes on this host whose command line contains `marker`.
 fn processes_with(marker: &str) -> Vec<u32> {
     let mut found = Vec::new();
@@ -451,6 +480,13 @@ async fn kill_9_restart_recovers_params_expiry_and_never_fails_open() {
         })
         .await;
     }
+    // The killed daemon's network helpers (its two network sandboxes had one each) are
+    // gone: nothing is left that no sandbox owns.
+    assert_eq!(
+        orphaned_nats(),
+        Vec::<u32>::new(),
+        "network helpers outlived their daemon"
+    );
     // The unreadable session's sandbox is still there after a reconcile.
     let sandbox_dir = state
         .path()

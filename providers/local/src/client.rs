@@ -467,30 +467,15 @@ impl Network {
     /// namespace has a default route.
     pub(crate) async fn start(helper: &Path, pid1: u32, limit: Duration) -> Result<Self> {
         let mut cmd = Command::new(helper);
-        cmd.args([
-            "--config-net",
-            "--foreground",
-            "--quiet",
-            "--no-map-gw",
-            // As root pasta would switch to `nobody`, which cannot join the sandbox's
-            // user namespace (owned by root); it drops its capabilities itself.
-            "--runas",
-            "0",
-            "-t",
-            "none",
-            "-u",
-            "none",
-            "-T",
-            "none",
-            "-U",
-            "none",
-        ])
-        .arg(pid1.to_string())
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true);
+        // `--runas 0`: as root pasta would switch to `nobody`, which cannot join the
+        // sandbox's user namespace (owned by root); it drops its capabilities itself.
+        cmd.args(NAT_SIGNATURE)
+            .arg(pid1.to_string())
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
         let mut child = cmd
             .spawn()
             .map_err(|e| spawn_failed(format!("cannot start {}", helper.display()), Some(e)))?;
@@ -527,6 +512,66 @@ impl Network {
         let _ = self.child.start_kill();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
     }
+}
+
+/// The arguments every NAT helper of this provider is started with, before the target pid
+/// (see [`Network::start`]): how a leftover one is recognised.
+const NAT_SIGNATURE: &[&str] = &[
+    "--config-net",
+    "--foreground",
+    "--quiet",
+    "--no-map-gw",
+    "--runas",
+    "0",
+    "-t",
+    "none",
+    "-u",
+    "none",
+    "-T",
+    "none",
+    "-U",
+    "none",
+];
+
+/// Kill the NAT helpers left by a daemon that died without stopping them (kill -9): a
+/// helper started by this provider (`helper` with exactly [`NAT_SIGNATURE`]) whose target
+/// sandbox pid no longer exists serves no sandbox. Returns how many were killed.
+pub(crate) fn sweep_orphaned_nats(helper: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut killed = 0;
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = raw.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
+        let Some((program, rest)) = args.split_first() else {
+            continue;
+        };
+        if *program != helper.as_os_str().as_encoded_bytes()
+            || rest.len() != NAT_SIGNATURE.len() + 1
+        {
+            continue;
+        }
+        let signed = rest
+            .iter()
+            .zip(NAT_SIGNATURE)
+            .all(|(a, want)| *a == want.as_bytes());
+        let target = std::str::from_utf8(rest[NAT_SIGNATURE.len()])
+            .ok()
+            .and_then(|t| t.parse::<u32>().ok());
+        if let (true, Some(target)) = (signed, target)
+            && !Path::new(&format!("/proc/{target}")).exists()
+            && nix::sys::signal::kill(Pid::from_raw(pid), NixSignal::SIGKILL).is_ok()
+        {
+            killed += 1;
+        }
+    }
+    killed
 }
 
 // === process scans ===

@@ -311,6 +311,15 @@ impl LocalProvider {
             t.sweep();
         }
         let net_helper = network_helper(&cfg);
+        if let Some(h) = &net_helper {
+            let n = crate::client::sweep_orphaned_nats(h);
+            if n > 0 {
+                tracing::info!(
+                    count = n,
+                    "Killed network helpers left by a daemon that died"
+                );
+            }
+        }
         Ok(Self {
             cfg: Arc::new(cfg),
             home,
