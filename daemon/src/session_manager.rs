@@ -282,6 +282,9 @@ pub struct SessionManager {
     /// Sessions whose log could not be opened at start: their sandboxes are never
     /// treated as orphans (an unreadable record must not destroy what it may own).
     unreadable: RwLock<std::collections::BTreeSet<String>>,
+    /// Opening a closed log takes its writer lock for a moment: one at a time, so two
+    /// readers of the same closed session never meet as two writers.
+    closed_opens: tokio::sync::Mutex<()>,
     shutdown: CancelToken,
     tasks: TaskTracker,
     metrics: Metrics,
@@ -336,6 +339,7 @@ impl SessionManager {
             sessions: RwLock::new(HashMap::new()),
             closed: RwLock::new(BTreeMap::new()),
             unreadable: RwLock::new(Default::default()),
+            closed_opens: tokio::sync::Mutex::new(()),
             shutdown,
             tasks,
             metrics,
@@ -654,8 +658,12 @@ impl SessionManager {
     }
 
     async fn open_closed(&self, id: &str) -> Result<Arc<Session>> {
-        let (log, _) = SessionLog::open(&self.session_dir(id), self.log_config.clone()).await?;
-        log.close().await;
+        let log = {
+            let _one = self.closed_opens.lock().await;
+            let (log, _) = SessionLog::open(&self.session_dir(id), self.log_config.clone()).await?;
+            log.close().await;
+            log
+        };
         let provider_name = log.header().params.provider.clone();
         let provider = self.providers.get(&provider_name).ok_or_else(|| {
             DaemonError::internal(format!(

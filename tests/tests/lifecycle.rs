@@ -701,3 +701,28 @@ async fn an_out_of_memory_kill_is_classified_in_the_tool_result_and_the_log() {
     assert_eq!(r["is_error"], false, "{r}");
     d.stop().await;
 }
+
+/// Many readers of one closed session at once all get its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_readers_of_a_closed_session_all_succeed() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let r = d
+        .http
+        .delete(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let mut readers = Vec::new();
+    for _ in 0..16 {
+        let (http, url) = (d.http.clone(), d.url(&format!("/v1/sessions/{sid}/events")));
+        readers.push(tokio::spawn(async move {
+            http.get(url).send().await.unwrap().status().as_u16()
+        }));
+    }
+    for r in readers {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    d.stop().await;
+}
