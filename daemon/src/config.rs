@@ -277,6 +277,11 @@ pub struct LimitsConfig {
     /// ms. Default 600 000.
     #[serde(default = "d_transfer")]
     pub transfer_timeout_ms: u64,
+    /// Command output one session may journal in all, bytes: a command that would pass it
+    /// is ended with `LIMIT_EXCEEDED`, and so is every later one. 0 = no cap. Default
+    /// 4 GiB.
+    #[serde(default = "d_session_output")]
+    pub session_output_max_bytes: u64,
 }
 
 /// The deadlines of the daemon's own calls, as durations, from [`LimitsConfig`]: the one
@@ -299,6 +304,8 @@ pub struct Deadlines {
     pub fs_op: Duration,
     /// One streamed file transfer.
     pub transfer: Duration,
+    /// Command output one session may journal, bytes (0 = no cap).
+    pub session_output_max_bytes: u64,
 }
 
 impl LimitsConfig {
@@ -313,6 +320,7 @@ impl LimitsConfig {
             command_drain: Duration::from_millis(self.command_drain_ms),
             fs_op: Duration::from_millis(self.fs_op_timeout_ms),
             transfer: Duration::from_millis(self.transfer_timeout_ms),
+            session_output_max_bytes: self.session_output_max_bytes,
         }
     }
 }
@@ -340,6 +348,9 @@ fn d_command_drain() -> u64 {
 }
 fn d_transfer() -> u64 {
     600_000
+}
+fn d_session_output() -> u64 {
+    4 << 30
 }
 
 fn d_cmd_timeout() -> u64 {
@@ -380,6 +391,7 @@ impl Default for LimitsConfig {
             drain_after_terminate_ms: d_drain_after_terminate(),
             command_drain_ms: d_command_drain(),
             transfer_timeout_ms: d_transfer(),
+            session_output_max_bytes: d_session_output(),
         }
     }
 }

@@ -373,6 +373,7 @@ async fn pump(
     let mut status = None;
     let mut error = None;
     let mut fired: Option<CancelReason> = None;
+    let mut capped = false;
     loop {
         let demand = async {
             tokio::select! {
@@ -391,11 +392,30 @@ async fn pump(
                 offset,
                 data,
             }))) => {
+                if capped {
+                    continue;
+                }
+                if !session.output_allowed() {
+                    // The session's output cap: nothing more is stored, the command ends.
+                    capped = true;
+                    error = Some((
+                        ErrorCode::LimitExceeded,
+                        format!(
+                            "the command was ended: the session's output cap of {} bytes is reached",
+                            session.deadlines.session_output_max_bytes
+                        ),
+                    ));
+                    fired.get_or_insert(CancelReason::Caller("session output cap"));
+                    terminate(session, &handle).await;
+                    continue;
+                }
+                let before = journal.len(stream);
                 if let Err(e) = journal.append(stream, offset, &data).await {
                     error = Some((e.code(), e.to_string()));
                     fired.get_or_insert(CancelReason::Caller("journal failure"));
                     terminate(session, &handle).await;
                 }
+                session.add_output(journal.len(stream).saturating_sub(before));
             }
             Some(Some(Ok(ProcessEvent::Exited { status: s, .. }))) => {
                 status = Some(s);
@@ -442,13 +462,17 @@ async fn pump(
             }
         }
     }
-    let (clock, timeout_ms, killed) = match &fired {
+    let (clock, timeout_ms, mut killed) = match &fired {
         Some(r) => match timeout_of(r, None) {
             Some(t) => (Some(t.clock), Some(t.timeout_ms), None),
             None => (None, None, Some(r.to_string())),
         },
         None => (None, None, None),
     };
+    if capped {
+        // Ended by the session's output cap: classified as that limit, not as a kill.
+        killed = None;
+    }
     let pty = journal.len(StreamKind::Pty);
     CommandOutcome {
         status,
@@ -456,7 +480,11 @@ async fn pump(
         timeout_ms,
         killed,
         by_shutdown: matches!(fired, Some(CancelReason::Shutdown)),
-        limit: handle.limit_hit(),
+        limit: if capped {
+            Some(tether_protocol::limits::LimitKind::Disk)
+        } else {
+            handle.limit_hit()
+        },
         stdout_bytes: journal.len(StreamKind::Stdout) + pty,
         stderr_bytes: journal.len(StreamKind::Stderr),
         error,

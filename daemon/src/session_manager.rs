@@ -104,6 +104,8 @@ pub struct Session {
     tasks: TaskTracker,
     metrics: Metrics,
     last_activity_ms: AtomicI64,
+    /// Command output journaled by this session so far, bytes.
+    output_bytes: std::sync::atomic::AtomicU64,
     expires_ms: AtomicI64,
     idle_ttl_ms: AtomicI64,
     closed: AtomicBool,
@@ -211,6 +213,26 @@ impl Session {
     /// Expiry time, ms since the epoch (0 = none).
     pub fn expires_ms(&self) -> i64 {
         self.expires_ms.load(Ordering::Relaxed)
+    }
+
+    /// Count `n` more journaled output bytes; `false` once the session's output cap
+    /// (`limits.session_output_max_bytes`) is passed.
+    pub fn add_output(&self, n: u64) -> bool {
+        let total = self
+            .output_bytes
+            .fetch_add(n, Ordering::Relaxed)
+            .saturating_add(n);
+        self.output_within_cap(total)
+    }
+
+    /// Whether the session may still journal output.
+    pub fn output_allowed(&self) -> bool {
+        self.output_within_cap(self.output_bytes.load(Ordering::Relaxed))
+    }
+
+    fn output_within_cap(&self, total: u64) -> bool {
+        let cap = self.deadlines.session_output_max_bytes;
+        cap == 0 || total <= cap
     }
 
     /// Tracked tasks of the session.
@@ -431,8 +453,19 @@ impl SessionManager {
         last_activity_ms: i64,
     ) -> Arc<Session> {
         let params = log.header().params.clone();
-        let expiry = log
-            .events_after(None)
+        let events = log.events_after(None);
+        let journaled = events
+            .iter()
+            .map(|e| match e.body {
+                EventBody::ProcessExited {
+                    stdout_bytes,
+                    stderr_bytes,
+                    ..
+                } => stdout_bytes.saturating_add(stderr_bytes),
+                _ => 0,
+            })
+            .sum();
+        let expiry = events
             .iter()
             .rev()
             .find_map(|e| match e.body {
@@ -458,6 +491,7 @@ impl SessionManager {
             tasks: self.tasks.clone(),
             metrics: self.metrics.clone(),
             last_activity_ms: AtomicI64::new(last_activity_ms),
+            output_bytes: std::sync::atomic::AtomicU64::new(journaled),
             expires_ms: AtomicI64::new(0),
             idle_ttl_ms: AtomicI64::new(0),
             closed: AtomicBool::new(false),

@@ -726,3 +726,44 @@ async fn concurrent_readers_of_a_closed_session_all_succeed() {
     }
     d.stop().await;
 }
+
+/// A session's output is capped: the command that passes the cap is ended with
+/// LIMIT_EXCEEDED, what is stored stays near the cap, and later output is refused too.
+#[tokio::test]
+async fn a_session_output_cap_ends_the_command_that_passes_it() {
+    const CAP: u64 = 256 * 1024;
+    let d = TestDaemon::start_with(|c| c.limits.session_output_max_bytes = CAP).await;
+    let sid = d.new_session().await;
+    let r = bash(&d, &sid, "head -c 20000000 /dev/zero | tr '\\0' x; echo").await;
+    assert_eq!(
+        r["is_error"],
+        true,
+        "{}",
+        &r.to_string()[..300.min(r.to_string().len())]
+    );
+    assert_eq!(r["error"]["code"], "LIMIT_EXCEEDED");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("output cap")
+    );
+    let stored: u64 = std::fs::read_dir(d.dir.path().join("sessions").join(&sid).join("output"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(
+        stored <= 2 * CAP,
+        "{stored} bytes stored for a cap of {CAP}"
+    );
+    let (_, events) = read_log(d.dir.path(), &sid);
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "process/exited" && e["data"]["limit"] == "disk")
+    );
+    let r = bash(&d, &sid, "echo more").await;
+    assert_eq!(r["error"]["code"], "LIMIT_EXCEEDED", "{r}");
+    d.stop().await;
+}

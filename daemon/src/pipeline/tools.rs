@@ -524,6 +524,10 @@ async fn bash_output(cmd: &RunningCommand, outcome: &CommandOutcome, max: u64) -
             ),
         )
         .with_clock(clock, ms),
+        (Some(ErrorCode::LimitExceeded), None, _) if outcome.error.is_some() => {
+            let why = outcome.error.as_ref().map_or("", |(_, m)| m.as_str());
+            ToolOutput::error(ErrorCode::LimitExceeded, why.to_owned())
+        }
         (Some(ErrorCode::LimitExceeded), None, _) => {
             let what = match outcome.limit {
                 Some(tether_protocol::limits::LimitKind::Memory) => {
