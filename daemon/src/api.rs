@@ -75,6 +75,19 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/v1/sessions/{id}/dirs", get(list_dir).post(make_dir))
 }
 
+/// A running (or ended) command of a session, for an operation on it.
+async fn command(
+    state: &AppState,
+    id: &str,
+    cid: String,
+    who: &Principal,
+) -> Result<Arc<crate::exec::RunningCommand>> {
+    session(state, id, who)
+        .await?
+        .command(&cid)
+        .ok_or(DaemonError::CommandNotFound { id: cid })
+}
+
 /// A session for an operation: a closed one is found (its calls then fail with
 /// `SANDBOX_NOT_FOUND`), an unknown one is `SESSION_NOT_FOUND`.
 async fn session(state: &AppState, id: &str, who: &Principal) -> Result<Arc<Session>> {
@@ -467,10 +480,7 @@ async fn process_stdin(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<StdinRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id, &who).await?;
-    let cmd = s
-        .command(&cid)
-        .ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = command(&state, &id, cid, &who).await?;
     if !req.data.is_empty() {
         cmd.handle.write_stdin(&ctx, Bytes::from(req.data)).await?;
     }
@@ -487,10 +497,7 @@ async fn process_signal(
     RequestCtx(ctx): RequestCtx,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> Result<StatusCode> {
-    let s = session(&state, &id, &who).await?;
-    let cmd = s
-        .command(&cid)
-        .ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = command(&state, &id, cid, &who).await?;
     if req.signal.eq_ignore_ascii_case("terminate") {
         cmd.kill("terminate requested");
         return Ok(StatusCode::ACCEPTED);
@@ -507,10 +514,7 @@ async fn process_wait(
     Path((id, cid)): Path<(String, String)>,
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<WaitResponse>> {
-    let s = session(&state, &id, &who).await?;
-    let cmd = s
-        .command(&cid)
-        .ok_or(DaemonError::CommandNotFound { id: cid })?;
+    let cmd = command(&state, &id, cid, &who).await?;
     let o = tokio::select! {
         o = cmd.wait() => o,
         _ = ctx.cancel.cancelled() => return Err(tether_provider::ProviderError::from_reason(

@@ -31,6 +31,16 @@ async fn state_of(d: &TestDaemon, id: &str) -> String {
     info["state"].as_str().unwrap().to_owned()
 }
 
+/// Wait until session `id` reads as closed.
+async fn wait_closed(d: &TestDaemon, id: &str, what: &str, within: Duration) {
+    wait_until(
+        what,
+        within,
+        || async move { state_of(d, id).await == "closed" },
+    )
+    .await;
+}
+
 async fn bash(d: &TestDaemon, sid: &str, command: &str) -> Value {
     let (st, body) = d
         .post(
@@ -100,14 +110,11 @@ async fn idle_expiry_survives_a_restart() {
     let d = TestDaemon::start_in(dir, |_| {}).await;
     assert_eq!(state_of(&d, &sid).await, "active");
     // The expiry counts from the last activity before the restart, as without one.
-    wait_until(
+    wait_closed(
+        &d,
+        &sid,
         "the session expires after the restart",
         Duration::from_secs(8),
-        || {
-            let d = &d;
-            let sid = sid.clone();
-            async move { state_of(d, &sid).await == "closed" }
-        },
     )
     .await;
     // "closed" shows as soon as closing starts; the log's last line follows.
@@ -162,14 +169,11 @@ async fn an_e2b_timeout_survives_a_restart() {
     assert_eq!(r.status().as_u16(), 204);
     let dir = d.stop().await;
     let d = TestDaemon::start_in(dir, |_| {}).await;
-    wait_until(
+    wait_closed(
+        &d,
+        &sid,
         "the E2B sandbox expires after the restart",
         Duration::from_secs(8),
-        || {
-            let d = &d;
-            let sid = sid.clone();
-            async move { state_of(d, &sid).await == "closed" }
-        },
     )
     .await;
     let (_, events) = read_log(d.dir.path(), &sid);
@@ -210,12 +214,7 @@ async fn a_fork_keeps_network_and_expiry() {
         "a network sandbox has more than loopback: {child_out}"
     );
     // And the child expires as the parent does.
-    wait_until("the fork expires", Duration::from_secs(10), || {
-        let d = &d;
-        let child = child.clone();
-        async move { state_of(d, &child).await == "closed" }
-    })
-    .await;
+    wait_closed(&d, &child, "the fork expires", Duration::from_secs(10)).await;
     let (header, _) = read_log(d.dir.path(), &child);
     assert_eq!(header["params"]["network"], true);
     assert_eq!(header["params"]["env"]["FORK_ENV"], "kept");
