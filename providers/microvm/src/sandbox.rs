@@ -1,0 +1,1070 @@
+//! The provider and its sandboxes: one qemu microVM per sandbox, restored from a saved,
+//! booted template VM, with a VM table on disk so that VMs are found again after a
+//! restart and VMs of a daemon that died are stopped.
+//!
+//! State layout under `root`:
+//!
+//! - `image/<key>/`: the guest image ([`crate::image`]);
+//! - `templates/<image key>-m<MiB>-c<vCPUs>-<accel>/`: a booted template VM saved once:
+//!   `state` (its RAM and devices, `migrate` to `exec:cat > state`), `disk.qcow2` (its
+//!   overlay at that moment), `template.json` (what it was booted with);
+//! - `vms/<id>/`: one sandbox VM: `vm.json` (the stamp: [`VmStamp`], with the owner's
+//!   pid and instance id, the ports and the access token; mode 0600), `qemu.pid`,
+//!   `qmp.sock`, `console.log`, `qemu.log`, `disk.qcow2` (its own overlay);
+//! - `snapshots/<id>/`: `state`, `disk.qcow2` and `snapshot.json`.
+//!
+//! Create restores the template with `-incoming` over a new overlay, waits for the agent's
+//! `/health` with short probes, then calls `/init` with a fresh access token, the host's
+//! time and entropy (all clones start from the same RAM). Destroy is QMP `quit`, then
+//! SIGKILL after the grace, then the directory goes. Pause and resume are QMP `stop` and
+//! `cont`; a snapshot is a state save plus a copy of the overlay, and a fork restores it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use backon::{ConstantBuilder, Retryable};
+use serde::{Deserialize, Serialize};
+use tether_provider::{
+    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
+    SandboxInfo, SandboxMetrics, SandboxSpec,
+};
+
+use crate::client::{
+    self, Cgroup, Empty, InitBody, QemuProcess, StatusInfo, VmLaunch, create_overlay, qmp_call,
+};
+use crate::config::MicrovmConfig;
+use crate::error::{internal, unavailable};
+use crate::fs::VmFs;
+use crate::image::{GuestImage, GuestProgress, GuestSpec};
+use crate::process::VmProcess;
+
+/// The provider kind.
+pub const KIND: &str = "microvm";
+/// The stamp's format marker.
+pub const STAMP: &str = "tether-microvm-sandbox/1";
+/// The template's format marker.
+const TEMPLATE: &str = "tether-microvm-template/1";
+/// The snapshot's format marker.
+const SNAPSHOT: &str = "tether-microvm-snapshot/1";
+/// The workspace of every sandbox (E2B's).
+pub const WORKSPACE: &str = "/home/user";
+/// The cgroup file-system root.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// How often a state save is polled.
+const SAVE_POLL: Duration = Duration::from_millis(50);
+/// Attempts at starting a VM when the picked host port was taken meanwhile.
+const PORT_ATTEMPTS: usize = 3;
+
+/// What the VM table keeps about a sandbox VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmStamp {
+    /// [`STAMP`].
+    pub stamp: String,
+    /// The sandbox id.
+    pub id: String,
+    /// The provider instance that started it.
+    pub owner: String,
+    /// The pid of the process that started it.
+    pub owner_pid: u32,
+    /// Creation time, ms since the epoch.
+    pub created_ms: i64,
+    /// Expiry unless renewed, ms since the epoch.
+    pub expires_ms: Option<i64>,
+    /// The template asked for.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Metadata.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Environment of every command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Guest network egress.
+    #[serde(default)]
+    pub network: bool,
+    /// The host port forwarded to the agent.
+    pub port: u16,
+    /// Memory, MiB.
+    pub memory_mib: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// The agent's access token.
+    pub token: String,
+    /// The guest image it runs.
+    pub image: GuestImage,
+    /// The kernel command line it was booted with.
+    pub cmdline: String,
+    /// The qemu process runs in a cgroup with a memory limit.
+    #[serde(default)]
+    pub cgroup: bool,
+    /// Paused (QMP `stop`).
+    #[serde(default)]
+    pub paused: bool,
+}
+
+/// A saved template VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SavedTemplate {
+    format: String,
+    image: GuestImage,
+    cmdline: String,
+    memory_mib: u64,
+    vcpus: u32,
+    /// Seconds the boot took until the agent answered.
+    boot_seconds: f64,
+    #[serde(skip)]
+    dir: PathBuf,
+}
+
+/// A snapshot of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct SnapshotMeta {
+    format: String,
+    id: String,
+    source: String,
+    image: GuestImage,
+    cmdline: String,
+    memory_mib: u64,
+    vcpus: u32,
+    /// The source's token: the agent keeps the first token it was given.
+    token: String,
+    env: BTreeMap<String, String>,
+    network: bool,
+}
+
+/// A failed start of qemu; `clash`: the host port was taken meanwhile.
+struct StartFail {
+    error: ProviderError,
+    clash: bool,
+}
+
+/// Where a new VM starts from.
+struct Origin {
+    state: PathBuf,
+    disk: PathBuf,
+    /// Copy `disk` (a snapshot's, so the clone outlives it) instead of an overlay on it.
+    copy_disk: bool,
+    image: GuestImage,
+    cmdline: String,
+    memory_mib: u64,
+    vcpus: u32,
+    token: Option<String>,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn write_json<T: Serialize>(path: &Path, v: &T) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let bytes = serde_json::to_vec_pretty(v).map_err(|e| internal("cannot encode a stamp", e))?;
+    let tmp = path.with_extension("json.new");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| internal("cannot write a stamp", e))?;
+    f.write_all(&bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| internal("cannot write a stamp", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| internal("cannot write a stamp", e))
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// An exclusive `flock` on `path`, held until the guard drops.
+async fn lock_file(path: PathBuf) -> Result<nix::fcntl::Flock<std::fs::File>> {
+    tokio::task::spawn_blocking(move || {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| internal("cannot open the template lock", e))?;
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| internal("cannot lock the templates", e))
+    })
+    .await
+    .map_err(|e| internal("the lock task panicked", e))?
+}
+
+fn random_token() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| internal("cannot read /dev/urandom", e))?;
+    Ok(hex::encode(b))
+}
+
+fn rfc3339_now() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+// === VmCore ===
+
+/// What a sandbox's parts share: its stamp, directory and qemu process.
+pub struct VmCore {
+    /// The VM's directory in the table.
+    pub dir: PathBuf,
+    stamp: RwLock<VmStamp>,
+    qemu: tokio::sync::Mutex<QemuProcess>,
+    /// Serialises the VM's QMP operations (qemu serves one QMP client at a time).
+    op: tokio::sync::Mutex<()>,
+    cgroup: Option<Cgroup>,
+}
+
+impl std::fmt::Debug for VmCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmCore")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VmCore {
+    /// The stamp now.
+    pub fn stamp(&self) -> VmStamp {
+        self.stamp.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut VmStamp)) -> Result<()> {
+        let s = {
+            let mut g = self.stamp.write().unwrap_or_else(|e| e.into_inner());
+            f(&mut g);
+            g.clone()
+        };
+        write_json(&self.dir.join("vm.json"), &s)
+    }
+
+    fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+
+    fn info(&self) -> SandboxInfo {
+        let s = self.stamp();
+        SandboxInfo {
+            id: s.id,
+            provider: KIND.into(),
+            template: s.template,
+            workspace: WORKSPACE.into(),
+            // The VM is the boundary; the host-side memory limit of qemu itself is the
+            // part that may be missing.
+            enforcement: if s.cgroup {
+                Enforcement::Full
+            } else {
+                Enforcement::Partial
+            },
+            created_ms: s.created_ms,
+            expires_ms: s.expires_ms,
+            metadata: s.metadata,
+            network: s.network,
+        }
+    }
+
+    /// The host port of the agent.
+    pub fn port(&self) -> u16 {
+        self.stamp().port
+    }
+
+    /// The qemu pid.
+    pub async fn pid(&self) -> u32 {
+        self.qemu.lock().await.pid
+    }
+}
+
+/// A microVM sandbox.
+#[derive(Debug)]
+pub struct MicrovmSandbox {
+    core: Arc<VmCore>,
+    fs: VmFs,
+    process: VmProcess,
+}
+
+impl MicrovmSandbox {
+    /// The VM behind it.
+    pub fn vm(&self) -> &Arc<VmCore> {
+        &self.core
+    }
+}
+
+impl Sandbox for MicrovmSandbox {
+    fn info(&self) -> SandboxInfo {
+        self.core.info()
+    }
+    fn fs(&self) -> &dyn Fs {
+        &self.fs
+    }
+    fn process(&self) -> &dyn Process {
+        &self.process
+    }
+}
+
+// === MicrovmProvider ===
+
+/// The microVM provider.
+pub struct MicrovmProvider {
+    cfg: Arc<MicrovmConfig>,
+    /// This instance's id (in every stamp it writes).
+    owner: String,
+    http: reqwest::Client,
+    templates: tokio::sync::Mutex<HashMap<String, SavedTemplate>>,
+    live: RwLock<HashMap<String, Arc<VmCore>>>,
+    creating: RwLock<HashSet<String>>,
+}
+
+impl std::fmt::Debug for MicrovmProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MicrovmProvider")
+            .field("root", &self.cfg.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MicrovmProvider {
+    fn drop(&mut self) {
+        // No qemu outlives the provider that started it (a daemon killed with -9 runs no
+        // destructor: its VMs are found in the table by the next one).
+        let live = std::mem::take(&mut *self.live.write().unwrap_or_else(|e| e.into_inner()));
+        for (_, core) in live {
+            if let Ok(q) = core.qemu.try_lock() {
+                client::kill_pid(q.pid);
+            }
+            if let Some(cg) = &core.cgroup {
+                cg.remove();
+            }
+            let _ = std::fs::remove_dir_all(&core.dir);
+        }
+    }
+}
+
+impl MicrovmProvider {
+    /// A provider over `cfg` (validated here). Template VMs whose boot a dead process left
+    /// behind are killed and VM directories whose qemu is gone are removed.
+    pub fn new(cfg: MicrovmConfig) -> Result<Self> {
+        cfg.validate()?;
+        for d in ["vms", "templates", "snapshots"] {
+            std::fs::create_dir_all(cfg.root.join(d))
+                .map_err(|e| internal("cannot create the state directory", e))?;
+        }
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .build()
+            .map_err(|e| internal("cannot build the HTTP client", e))?;
+        let p = Self {
+            cfg: Arc::new(cfg),
+            owner: uuid::Uuid::new_v4().simple().to_string(),
+            http,
+            templates: tokio::sync::Mutex::new(HashMap::new()),
+            live: RwLock::new(HashMap::new()),
+            creating: RwLock::new(HashSet::new()),
+        };
+        p.sweep();
+        Ok(p)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MicrovmConfig {
+        &self.cfg
+    }
+
+    fn vms(&self) -> PathBuf {
+        self.cfg.root.join("vms")
+    }
+
+    /// Kill unfinished template boots and remove VM dirs whose qemu is gone.
+    fn sweep(&self) {
+        let tdir = self.cfg.root.join("templates");
+        for e in std::fs::read_dir(&tdir).into_iter().flatten().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.contains(".building-") {
+                let boot = p.join("boot");
+                if let Some(pid) = client::read_pidfile(&boot.join("qemu.pid"))
+                    && client::pid_is_vm(pid, &boot)
+                {
+                    client::kill_pid(pid);
+                }
+                let _ = std::fs::remove_dir_all(&p);
+            }
+        }
+        for e in std::fs::read_dir(self.vms()).into_iter().flatten().flatten() {
+            let dir = e.path();
+            let alive = client::read_pidfile(&dir.join("qemu.pid"))
+                .is_some_and(|pid| client::pid_is_vm(pid, &dir));
+            if !alive {
+                let id = e.file_name().to_string_lossy().into_owned();
+                if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
+                    cg.remove();
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+
+    fn guest_spec(&self) -> Result<GuestSpec> {
+        let agent = self.cfg.agent_binary().ok_or_else(|| {
+            unavailable("microvm: no guest agent binary (set agent_binary)")
+        })?;
+        let template = self.cfg.base_template.clone().ok_or_else(|| {
+            unavailable("microvm: no base template directory (set base_template)")
+        })?;
+        Ok(GuestSpec {
+            out_dir: self.cfg.image_dir(),
+            template,
+            template_uid_base: self.cfg.template_uid_base,
+            agent,
+            disk_mib: self.cfg.disk_mib,
+        })
+    }
+
+    /// Build the guest image (cached), reporting progress.
+    pub async fn build_image(
+        &self,
+        progress: impl FnMut(GuestProgress) + Send + 'static,
+    ) -> Result<GuestImage> {
+        let spec = self.guest_spec()?;
+        let mut progress = progress;
+        tokio::task::spawn_blocking(move || crate::image::build_guest(&spec, &mut progress))
+            .await
+            .map_err(|e| internal("the image build panicked", e))?
+    }
+
+    /// Build the guest image and boot and save the template of the default size, unless
+    /// they are there: later creates only restore.
+    pub async fn prepare(&self, ctx: &CallCtx) -> Result<()> {
+        self.template(ctx, self.cfg.memory_mib, self.cfg.vcpus)
+            .await
+            .map(|_| ())
+    }
+
+    /// The VM of sandbox `id` (this instance's, or a running one in the table).
+    pub fn vm(&self, id: &str) -> Option<Arc<VmCore>> {
+        self.core(id)
+    }
+
+    fn size_of(&self, spec: &SandboxSpec) -> Result<(u64, u32)> {
+        let mem = spec
+            .limits
+            .memory_bytes
+            .map_or(self.cfg.memory_mib, |b| b.div_ceil(1 << 20));
+        let cpus = spec
+            .limits
+            .cpu_millis
+            .map_or(self.cfg.vcpus, |m| m.div_ceil(1000).max(1) as u32);
+        if !(64..=1 << 20).contains(&mem) {
+            return Err(ProviderError::InvalidRequest {
+                message: format!("microvm: memory {mem} MiB is out of range (64 MiB..1 TiB)"),
+            });
+        }
+        if !(1..=64).contains(&cpus) {
+            return Err(ProviderError::InvalidRequest {
+                message: format!("microvm: {cpus} vCPUs is out of range (1..64)"),
+            });
+        }
+        if spec.limits.disk_bytes.is_some_and(|d| d != self.cfg.disk_mib << 20) {
+            return Err(ProviderError::InvalidRequest {
+                message: format!(
+                    "microvm: the disk size is the image's ({} MiB, config disk_mib)",
+                    self.cfg.disk_mib
+                ),
+            });
+        }
+        Ok((mem, cpus))
+    }
+
+    /// The saved template of this size, booted and saved now if there is none. Returns
+    /// it and whether it was made by this call.
+    async fn template(&self, ctx: &CallCtx, mem: u64, cpus: u32) -> Result<SavedTemplate> {
+        let image = self.build_image(|p| {
+            if let GuestProgress::Step(s) = p {
+                tracing::info!(step = %s, "Building the microVM guest image");
+            }
+        })
+        .await?;
+        let kvm = client::use_kvm(&self.cfg);
+        let key = format!(
+            "{}-m{mem}-c{cpus}-{}",
+            image.key,
+            if kvm { "kvm" } else { "tcg" }
+        );
+        let mut map = self.templates.lock().await;
+        if let Some(t) = map.get(&key) {
+            return Ok(t.clone());
+        }
+        // One boot per template across processes too (parallel test processes, two
+        // daemons on one state directory).
+        let _lock = lock_file(self.cfg.root.join("templates").join(".lock")).await?;
+        let dir = self.cfg.root.join("templates").join(&key);
+        if let Some(mut t) = read_json::<SavedTemplate>(&dir.join("template.json"))
+            && t.format == TEMPLATE
+            && dir.join("state").exists()
+        {
+            t.dir = dir;
+            map.insert(key, t.clone());
+            return Ok(t);
+        }
+        ctx.check()?;
+        let t = self.boot_template(&image, &dir, mem, cpus, kvm).await?;
+        map.insert(key, t.clone());
+        Ok(t)
+    }
+
+    async fn boot_template(
+        &self,
+        image: &GuestImage,
+        dir: &Path,
+        mem: u64,
+        cpus: u32,
+        kvm: bool,
+    ) -> Result<SavedTemplate> {
+        let started = tokio::time::Instant::now();
+        let tmp = dir.with_file_name(format!(
+            "{}.building-{}",
+            dir.file_name().and_then(|n| n.to_str()).unwrap_or("t"),
+            uuid::Uuid::new_v4().simple()
+        ));
+        let boot = tmp.join("boot");
+        std::fs::create_dir_all(&boot).map_err(|e| internal("cannot create the template dir", e))?;
+        let cmdline = client::kernel_cmdline(kvm);
+        let r = async {
+            let disk = boot.join("disk.qcow2");
+            create_overlay(&self.cfg, &image.rootfs, "raw", &disk).await?;
+            let launch = VmLaunch {
+                dir: boot.clone(),
+                disk: disk.clone(),
+                port: client::free_port()?,
+                network: false,
+                memory_mib: mem,
+                vcpus: cpus,
+                incoming: None,
+            };
+            tracing::info!(memory_mib = mem, vcpus = cpus, kvm, "Booting the microVM template");
+            let mut q = QemuProcess::spawn(&self.cfg, image, &launch, &cmdline, None)?;
+            let r = async {
+                client::wait_ready(
+                    &self.http,
+                    launch.port,
+                    &mut q,
+                    self.cfg.probe_timeout(),
+                    self.cfg.boot_timeout(),
+                    &launch.console(),
+                )
+                .await?;
+                let boot_seconds = started.elapsed().as_secs_f64();
+                client::save_state(&launch.qmp(), &tmp.join("state"), self.cfg.save_timeout(), SAVE_POLL)
+                    .await?;
+                // The VM is stopped now: its overlay is what the saved RAM expects.
+                tokio::fs::copy(&disk, tmp.join("disk.qcow2"))
+                    .await
+                    .map_err(|e| internal("cannot copy the template disk", e))?;
+                Ok::<_, ProviderError>(boot_seconds)
+            }
+            .await;
+            q.kill(self.cfg.stop_grace()).await;
+            let boot_seconds = r?;
+            // The copy's backing file is the image's rootfs (absolute): the copy stands alone.
+            let t = SavedTemplate {
+                format: TEMPLATE.into(),
+                image: image.clone(),
+                cmdline: cmdline.clone(),
+                memory_mib: mem,
+                vcpus: cpus,
+                boot_seconds,
+                dir: dir.to_owned(),
+            };
+            write_json(&tmp.join("template.json"), &t)?;
+            let _ = std::fs::remove_dir_all(&boot);
+            if std::fs::rename(&tmp, dir).is_err() && !dir.join("template.json").exists() {
+                return Err(unavailable("microvm: cannot move the template into place"));
+            }
+            tracing::info!(seconds = boot_seconds, "Saved the microVM template");
+            Ok(t)
+        }
+        .await;
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        r
+    }
+
+    /// Start a VM from `origin`: its own dir, overlay and port; restore; wait for the
+    /// agent; `/init`.
+    async fn start_vm(&self, ctx: &CallCtx, origin: Origin, spec: SandboxSpec) -> Result<Arc<VmCore>> {
+        ctx.check()?;
+        let id = format!("vm-{}", uuid::Uuid::new_v4().simple());
+        self.creating
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone());
+        let r = self.start_vm_inner(ctx, &id, origin, spec).await;
+        self.creating
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        if r.is_err() {
+            if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
+                cg.remove();
+            }
+            let _ = std::fs::remove_dir_all(self.vms().join(&id));
+        }
+        r
+    }
+
+    async fn start_vm_inner(
+        &self,
+        ctx: &CallCtx,
+        id: &str,
+        origin: Origin,
+        spec: SandboxSpec,
+    ) -> Result<Arc<VmCore>> {
+        let dir = self.vms().join(id);
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|e| internal("cannot create the VM dir", e))?;
+        }
+        let disk = dir.join("disk.qcow2");
+        if origin.copy_disk {
+            tokio::fs::copy(&origin.disk, &disk)
+                .await
+                .map_err(|e| internal("cannot copy the snapshot's disk", e))?;
+        } else {
+            create_overlay(&self.cfg, &origin.disk, "qcow2", &disk).await?;
+        }
+        let cgroup = if self.cfg.cgroup {
+            Cgroup::create(
+                Path::new(CGROUP_ROOT),
+                id,
+                (origin.memory_mib + self.cfg.qemu_overhead_mib) << 20,
+            )
+        } else {
+            None
+        };
+        let token = match origin.token.clone() {
+            Some(t) => t,
+            None => random_token()?,
+        };
+        let created = now_ms();
+        let ttl = spec
+            .ttl
+            .unwrap_or(Duration::from_millis(self.cfg.default_ttl_ms));
+        let stamp = VmStamp {
+            stamp: STAMP.into(),
+            id: id.to_owned(),
+            owner: self.owner.clone(),
+            owner_pid: std::process::id(),
+            created_ms: created,
+            expires_ms: Some(created + ttl.as_millis() as i64),
+            template: spec.template.clone(),
+            metadata: spec.metadata.clone(),
+            env: spec.env.clone(),
+            network: spec.network,
+            port: 0,
+            memory_mib: origin.memory_mib,
+            vcpus: origin.vcpus,
+            token: token.clone(),
+            image: origin.image.clone(),
+            cmdline: origin.cmdline.clone(),
+            cgroup: cgroup.is_some(),
+            paused: false,
+        };
+        // Start, and start again on a new port if the one picked was taken meanwhile.
+        let attempt = || {
+            let mut stamp = stamp.clone();
+            let (dir, disk, origin, cgroup) = (&dir, &disk, &origin, cgroup.as_ref());
+            async move {
+                let fail = |error| StartFail { error, clash: false };
+                let port = client::free_port().map_err(fail)?;
+                stamp.port = port;
+                write_json(&dir.join("vm.json"), &stamp).map_err(fail)?;
+                let launch = VmLaunch {
+                    dir: dir.clone(),
+                    disk: disk.clone(),
+                    port,
+                    network: stamp.network,
+                    memory_mib: origin.memory_mib,
+                    vcpus: origin.vcpus,
+                    incoming: Some(origin.state.clone()),
+                };
+                let mut q =
+                    QemuProcess::spawn(&self.cfg, &origin.image, &launch, &origin.cmdline, cgroup)
+                        .map_err(fail)?;
+                match client::wait_ready(
+                    &self.http,
+                    port,
+                    &mut q,
+                    self.cfg.probe_timeout(),
+                    self.cfg.restore_timeout(),
+                    &launch.console(),
+                )
+                .await
+                {
+                    Ok(()) => Ok((q, stamp)),
+                    Err(error) => {
+                        q.kill(self.cfg.stop_grace()).await;
+                        let log = std::fs::read_to_string(launch.log()).unwrap_or_default();
+                        Err(StartFail {
+                            error,
+                            clash: log.contains("host forwarding"),
+                        })
+                    }
+                }
+            }
+        };
+        let (mut q, stamp) = attempt
+            .retry(
+                ConstantBuilder::default()
+                    .with_delay(Duration::from_millis(10))
+                    .with_max_times(PORT_ATTEMPTS - 1),
+            )
+            .when(|f: &StartFail| f.clash)
+            .await
+            .map_err(|f| f.error)?;
+        let body = InitBody {
+            access_token: token,
+            env_vars: stamp.env.clone(),
+            timestamp: rfc3339_now(),
+            tether_entropy: client::entropy()?,
+        };
+        if let Err(e) = client::init_agent(&self.http, stamp.port, &body, self.cfg.init_timeout()).await {
+            q.kill(self.cfg.stop_grace()).await;
+            return Err(e);
+        }
+        if ctx.check().is_err() {
+            q.kill(self.cfg.stop_grace()).await;
+            ctx.check()?;
+        }
+        let core = Arc::new(VmCore {
+            dir,
+            stamp: RwLock::new(stamp),
+            qemu: tokio::sync::Mutex::new(q),
+            op: tokio::sync::Mutex::new(()),
+            cgroup,
+        });
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), core.clone());
+        Ok(core)
+    }
+
+    fn sandbox(&self, core: Arc<VmCore>) -> Result<Arc<dyn Sandbox>> {
+        Ok(Arc::new(MicrovmSandbox {
+            fs: VmFs::new(core.clone()),
+            process: VmProcess::new(core.clone()),
+            core,
+        }))
+    }
+
+    /// The live VM `id`: this instance's, or one in the table whose qemu runs.
+    fn core(&self, id: &str) -> Option<Arc<VmCore>> {
+        if let Some(c) = self.live.read().unwrap_or_else(|e| e.into_inner()).get(id) {
+            return Some(c.clone());
+        }
+        if id.contains('/') || id.contains("..") || id.is_empty() {
+            return None;
+        }
+        let dir = self.vms().join(id);
+        let stamp: VmStamp = read_json(&dir.join("vm.json"))?;
+        if stamp.stamp != STAMP || stamp.id != id {
+            return None;
+        }
+        let pid = client::read_pidfile(&dir.join("qemu.pid"))?;
+        if !client::pid_is_vm(pid, &dir) {
+            return None;
+        }
+        let core = Arc::new(VmCore {
+            dir,
+            cgroup: Cgroup::find(Path::new(CGROUP_ROOT), id),
+            stamp: RwLock::new(stamp),
+            qemu: tokio::sync::Mutex::new(QemuProcess::adopt(pid)),
+            op: tokio::sync::Mutex::new(()),
+        });
+        let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
+        Some(live.entry(id.to_owned()).or_insert(core).clone())
+    }
+
+    /// Stop `core`'s qemu: QMP `quit`, SIGKILL after the grace; then its cgroup and dir.
+    async fn stop(&self, core: &VmCore) {
+        let _op = core.op.lock().await;
+        let grace = self.cfg.stop_grace();
+        let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(self.cfg.qmp_timeout())).await;
+        let mut q = core.qemu.lock().await;
+        if !q.wait_exit(grace).await {
+            // Never a reused pid: the process must still be this VM's qemu.
+            if client::pid_is_vm(q.pid, &core.dir) || !q.exited() {
+                q.kill(grace).await;
+            }
+        }
+        if let Some(cg) = &core.cgroup {
+            cg.remove();
+        }
+        let _ = tokio::fs::remove_dir_all(&core.dir).await;
+    }
+
+    /// Destroy every VM in the table whose owner process is gone and that no daemon's
+    /// lease covers (`tether.daemon` metadata: those are left to that daemon's lease
+    /// reconciler, which may re-attach them). Returns their ids.
+    pub async fn reap_orphans(&self, ctx: &CallCtx) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for info in self.list(ctx).await? {
+            let Some(core) = self.core(&info.id) else {
+                continue;
+            };
+            let s = core.stamp();
+            if s.owner != self.owner
+                && !client::pid_alive(s.owner_pid)
+                && !s.metadata.contains_key("tether.daemon")
+            {
+                self.destroy(ctx, &info.id).await?;
+                out.push(info.id);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn status(&self, core: &VmCore) -> Result<StatusInfo> {
+        qmp_call::<(), StatusInfo>(&core.qmp(), "query-status", None, self.cfg.qmp_timeout()).await
+    }
+
+    fn not_found(id: &str) -> ProviderError {
+        ProviderError::SandboxNotFound { id: id.to_owned() }
+    }
+
+    fn snapshot_dir(&self, id: &str) -> Option<PathBuf> {
+        (!id.is_empty() && !id.contains('/') && !id.contains(".."))
+            .then(|| self.cfg.root.join("snapshots").join(id))
+    }
+}
+
+#[async_trait]
+impl Provider for MicrovmProvider {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            pause: true,
+            watch: crate::fs::WATCH,
+            pty: true,
+            reattach: true,
+            renew: true,
+        }
+    }
+
+    async fn healthcheck(&self, ctx: &CallCtx) -> Result<()> {
+        for p in [&self.cfg.qemu, &self.cfg.qemu_img] {
+            if crate::image::which(p).is_none() {
+                return Err(unavailable(format!(
+                    "microvm: {p} is missing (apt-get install qemu-system-x86 qemu-utils)"
+                )));
+            }
+        }
+        let reaped = self.reap_orphans(ctx).await?;
+        if !reaped.is_empty() {
+            tracing::info!(count = reaped.len(), "Stopped orphaned microVMs");
+        }
+        Ok(())
+    }
+
+    async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
+        ctx.check()?;
+        let (mem, cpus) = self.size_of(&spec)?;
+        let t = self.template(ctx, mem, cpus).await?;
+        let origin = Origin {
+            state: t.dir.join("state"),
+            disk: t.dir.join("disk.qcow2"),
+            copy_disk: false,
+            image: t.image.clone(),
+            cmdline: t.cmdline.clone(),
+            memory_mib: mem,
+            vcpus: cpus,
+            token: None,
+        };
+        let core = self.start_vm(ctx, origin, spec).await?;
+        tracing::info!(sandbox.id = %core.stamp().id, port = core.port(), "Created a microVM sandbox");
+        self.sandbox(core)
+    }
+
+    async fn connect(&self, _ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        self.sandbox(core)
+    }
+
+    async fn list(&self, _ctx: &CallCtx) -> Result<Vec<SandboxInfo>> {
+        let mut out = Vec::new();
+        let creating = self.creating.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for e in std::fs::read_dir(self.vms()).into_iter().flatten().flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            if creating.contains(&id) {
+                continue;
+            }
+            if let Some(core) = self.core(&id) {
+                out.push(core.info());
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    async fn destroy(&self, _ctx: &CallCtx, id: &str) -> Result<()> {
+        let core = self.core(id);
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        match core {
+            Some(core) => {
+                self.stop(&core).await;
+                tracing::info!(sandbox.id = %id, "Destroyed a microVM sandbox");
+            }
+            None => {
+                // A directory whose qemu is gone already.
+                if !id.is_empty() && !id.contains('/') && !id.contains("..") {
+                    let _ = tokio::fs::remove_dir_all(self.vms().join(id)).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn renew(&self, _ctx: &CallCtx, id: &str, ttl: Duration) -> Result<()> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        core.update(|s| s.expires_ms = Some(now_ms() + ttl.as_millis() as i64))
+    }
+
+    async fn pause(&self, _ctx: &CallCtx, id: &str) -> Result<()> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        let _op = core.op.lock().await;
+        qmp_call::<(), Empty>(&core.qmp(), "stop", None, self.cfg.qmp_timeout()).await?;
+        core.update(|s| s.paused = true)
+    }
+
+    async fn resume(&self, _ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        {
+            let _op = core.op.lock().await;
+            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+            core.update(|s| s.paused = false)?;
+        }
+        self.sandbox(core)
+    }
+
+    async fn snapshot(&self, _ctx: &CallCtx, id: &str) -> Result<String> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        let sid = format!("snap-{}", uuid::Uuid::new_v4().simple());
+        let final_dir = self.cfg.root.join("snapshots").join(&sid);
+        let tmp = final_dir.with_extension("tmp");
+        std::fs::create_dir_all(&tmp).map_err(|e| internal("cannot create the snapshot dir", e))?;
+        let _op = core.op.lock().await;
+        let was_running = self.status(&core).await?.running;
+        let saved = async {
+            client::save_state(&core.qmp(), &tmp.join("state"), self.cfg.save_timeout(), SAVE_POLL).await?;
+            // Stopped now (postmigrate): the overlay matches the saved RAM.
+            tokio::fs::copy(core.dir.join("disk.qcow2"), tmp.join("disk.qcow2"))
+                .await
+                .map_err(|e| internal("cannot copy the disk", e))?;
+            Ok::<_, ProviderError>(())
+        }
+        .await;
+        if was_running {
+            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+        }
+        if let Err(e) = saved {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        let s = core.stamp();
+        let meta = SnapshotMeta {
+            format: SNAPSHOT.into(),
+            id: sid.clone(),
+            source: s.id,
+            image: s.image,
+            cmdline: s.cmdline,
+            memory_mib: s.memory_mib,
+            vcpus: s.vcpus,
+            token: s.token,
+            env: s.env,
+            network: s.network,
+        };
+        write_json(&tmp.join("snapshot.json"), &meta)?;
+        std::fs::rename(&tmp, &final_dir).map_err(|e| internal("cannot finish the snapshot", e))?;
+        Ok(sid)
+    }
+
+    async fn create_from_snapshot(
+        &self,
+        ctx: &CallCtx,
+        snapshot: &str,
+        spec: SandboxSpec,
+    ) -> Result<Arc<dyn Sandbox>> {
+        let not_found = || ProviderError::InvalidRequest {
+            message: format!("microvm: no snapshot {snapshot:?}"),
+        };
+        let dir = self.snapshot_dir(snapshot).ok_or_else(not_found)?;
+        let meta: SnapshotMeta = read_json(&dir.join("snapshot.json")).ok_or_else(not_found)?;
+        if meta.format != SNAPSHOT {
+            return Err(not_found());
+        }
+        let mut env = meta.env.clone();
+        env.extend(spec.env.clone());
+        let spec = SandboxSpec { env, ..spec };
+        let origin = Origin {
+            state: dir.join("state"),
+            disk: dir.join("disk.qcow2"),
+            copy_disk: true,
+            image: meta.image,
+            cmdline: meta.cmdline,
+            memory_mib: meta.memory_mib,
+            vcpus: meta.vcpus,
+            token: Some(meta.token),
+        };
+        let core = self.start_vm(ctx, origin, spec).await?;
+        self.sandbox(core)
+    }
+
+    async fn delete_snapshot(&self, _ctx: &CallCtx, snapshot: &str) -> Result<()> {
+        if let Some(dir) = self.snapshot_dir(snapshot) {
+            let _ = tokio::fs::remove_dir_all(dir).await;
+        }
+        Ok(())
+    }
+
+    async fn metrics(&self, _ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        let pid = core.pid().await;
+        let (cpu_us, rss) = client::proc_usage(pid).ok_or_else(|| Self::not_found(id))?;
+        let s = core.stamp();
+        let disk_used = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(core.dir.join("disk.qcow2")).map_or(0, |m| m.blocks() * 512)
+        };
+        Ok(SandboxMetrics {
+            cpu_usage_us: cpu_us,
+            memory_bytes: rss,
+            memory_limit_bytes: Some(s.memory_mib << 20),
+            // Processes inside the guest are not visible from the host.
+            pids: 0,
+            disk_used_bytes: disk_used,
+            disk_limit_bytes: Some(s.image.disk_bytes),
+        })
+    }
+}
