@@ -128,16 +128,32 @@ pub enum TemplateOp {
         /// The Debian mirror to build from (debootstrap's default if unset).
         #[arg(long)]
         mirror: Option<String>,
+        /// `microvm`: the static guest agent (default: `tether-guest` beside this binary).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// `microvm`: the image directory (default: the default microvm provider's,
+        /// `<state_dir>/sandboxes/microvm/image`).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
 /// Build a template, printing its progress on stderr.
 fn build_template(op: TemplateOp) -> Result<i32, CliError> {
-    let TemplateOp::Build { name, dir, mirror } = op;
+    let TemplateOp::Build {
+        name,
+        dir,
+        mirror,
+        agent,
+        out,
+    } = op;
+    if name == "microvm" {
+        return build_microvm(dir, agent, out);
+    }
     if name != "base" {
         return Err(CliError {
             message: format!(
-                "unknown template {name:?}: `base` is the one to build (`host` needs no build)"
+                "unknown template {name:?}: `base` or `microvm` (`host` needs no build)"
             ),
             code: 2,
         });
@@ -162,6 +178,46 @@ fn build_template(op: TemplateOp) -> Result<i32, CliError> {
         &mut progress,
     )?;
     println!("{}", rootfs.display());
+    Ok(0)
+}
+
+/// Build the microVM guest image (kernel, initramfs, ext4 root from the `base`
+/// template with the guest agent in it), printing its progress on stderr.
+fn build_microvm(
+    templates: Option<PathBuf>,
+    agent: Option<PathBuf>,
+    out: Option<PathBuf>,
+) -> Result<i32, CliError> {
+    let state = PathBuf::from(crate::config::DEFAULT_STATE_DIR).join("sandboxes");
+    let defaults = tether_provider_microvm::MicrovmConfig::with_root(state.join("microvm"));
+    let Some(agent) = agent.or_else(|| defaults.agent_binary()) else {
+        return Err(CliError {
+            message: "no guest agent: pass --agent PATH".into(),
+            code: 2,
+        });
+    };
+    let spec = tether_provider_microvm::GuestSpec {
+        out_dir: out.unwrap_or_else(|| defaults.image_dir()),
+        template: templates
+            .unwrap_or_else(|| state.join("local-templates"))
+            .join("base"),
+        template_uid_base: defaults.template_uid_base,
+        agent,
+        disk_mib: defaults.disk_mib,
+    };
+    let mut progress = |p: tether_provider_microvm::GuestProgress| match p {
+        tether_provider_microvm::GuestProgress::Step(s) => eprintln!("==> {s}"),
+        tether_provider_microvm::GuestProgress::Done {
+            key,
+            seconds,
+            cached,
+        } => eprintln!(
+            "==> {} {key} in {seconds:.1} s",
+            if cached { "found" } else { "built" }
+        ),
+    };
+    let img = tether_provider_microvm::build_guest(&spec, &mut progress)?;
+    println!("{}", img.dir.display());
     Ok(0)
 }
 

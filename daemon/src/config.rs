@@ -406,6 +406,8 @@ pub enum ProviderConfig {
     E2b(tether_provider_e2b::E2bConfig),
     /// Plain hosts reached over SSH.
     Ssh(tether_provider_ssh::SshConfig),
+    /// qemu microVMs on this host (KVM where real, TCG otherwise).
+    Microvm(tether_provider_microvm::MicrovmConfig),
 }
 
 /// An API key of the E2B front and the tenant it names.

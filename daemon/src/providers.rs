@@ -165,6 +165,18 @@ pub fn build_with_env(
                 .map_err(|e| DaemonError::invalid(format!("provider {name}: {e}")))?;
             Ok(Arc::new(p))
         }
+        ProviderConfig::Microvm(c) => {
+            let mut c = c.clone();
+            if c.root.as_os_str().is_empty() {
+                c.root = state_dir.join("sandboxes").join(name);
+            }
+            if c.base_template.is_none() {
+                c.base_template = Some(state_dir.join("sandboxes/local-templates/base"));
+            }
+            let p = tether_provider_microvm::MicrovmProvider::new(c)
+                .map_err(|e| DaemonError::invalid(format!("provider {name}: {e}")))?;
+            Ok(Arc::new(p))
+        }
     }
 }
 

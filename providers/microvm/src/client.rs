@@ -111,7 +111,12 @@ pub fn kernel_cmdline(kvm: bool) -> String {
 
 /// Every argument of qemu for `l`. A restore must use the same machine and devices as
 /// the boot it was saved from; only paths, the forwarded port and `restrict` differ.
-pub fn qemu_args(cfg: &MicrovmConfig, image: &GuestImage, l: &VmLaunch, cmdline: &str) -> Vec<OsString> {
+pub fn qemu_args(
+    cfg: &MicrovmConfig,
+    image: &GuestImage,
+    l: &VmLaunch,
+    cmdline: &str,
+) -> Vec<OsString> {
     let kvm = use_kvm(cfg);
     let mut a: Vec<OsString> = Vec::new();
     let mut push = |s: &str| a.push(s.into());
@@ -165,7 +170,10 @@ pub fn qemu_args(cfg: &MicrovmConfig, image: &GuestImage, l: &VmLaunch, cmdline:
     push("virtio-blk-device,drive=d0");
     if let Some(state) = &l.incoming {
         push("-incoming");
-        push(&format!("exec:cat {}", sh_quote(&state.display().to_string())));
+        push(&format!(
+            "exec:cat {}",
+            sh_quote(&state.display().to_string())
+        ));
     }
     a
 }
@@ -177,7 +185,8 @@ pub fn sh_quote(s: &str) -> String {
 
 /// A free TCP port on 127.0.0.1 (the kernel's pick; slirp binds it right after).
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| internal("cannot pick a port", e))?;
+    let l = std::net::TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| internal("cannot pick a port", e))?;
     l.local_addr()
         .map(|a| a.port())
         .map_err(|e| internal("cannot pick a port", e))
@@ -204,8 +213,11 @@ impl QemuProcess {
         cmdline: &str,
         cgroup: Option<&Cgroup>,
     ) -> Result<Self> {
-        let log = std::fs::File::create(l.log()).map_err(|e| internal("cannot create qemu.log", e))?;
-        let log2 = log.try_clone().map_err(|e| internal("cannot dup qemu.log", e))?;
+        let log =
+            std::fs::File::create(l.log()).map_err(|e| internal("cannot create qemu.log", e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| internal("cannot dup qemu.log", e))?;
         let args = qemu_args(cfg, image, l, cmdline);
         let mut cmd = match cgroup {
             // The shell enters the cgroup and execs qemu: no moment outside it.
@@ -386,10 +398,13 @@ impl Cgroup {
 
     /// The cgroup of sandbox `id` if it exists.
     pub fn find(root: &Path, id: &str) -> Option<Self> {
-        [root.join("memory").join(CGROUP_PARENT).join(id), root.join(CGROUP_PARENT).join(id)]
-            .into_iter()
-            .find(|d| d.is_dir())
-            .map(|dir| Self { dir })
+        [
+            root.join("memory").join(CGROUP_PARENT).join(id),
+            root.join(CGROUP_PARENT).join(id),
+        ]
+        .into_iter()
+        .find(|d| d.is_dir())
+        .map(|dir| Self { dir })
     }
 
     /// Its `cgroup.procs`.
@@ -517,7 +532,9 @@ impl Qmp {
                     break;
                 }
             }
-            q.execute::<(), Empty>("qmp_capabilities", None).await.map(|_| ())
+            q.execute::<(), Empty>("qmp_capabilities", None)
+                .await
+                .map(|_| ())
         })
         .await
         .map_err(|_| timeout(Clock::Connect, limit))??;
@@ -724,7 +741,12 @@ pub async fn wait_ready(
 }
 
 /// `POST /init` to the agent at `port`.
-pub async fn init_agent(http: &reqwest::Client, port: u16, body: &InitBody, limit: Duration) -> Result<()> {
+pub async fn init_agent(
+    http: &reqwest::Client,
+    port: u16,
+    body: &InitBody,
+    limit: Duration,
+) -> Result<()> {
     let url = format!("http://127.0.0.1:{port}/init");
     let r = http
         .post(url)
@@ -803,7 +825,12 @@ pub async fn qemu_img(cfg: &MicrovmConfig, args: &[&std::ffi::OsStr]) -> Result<
 }
 
 /// A new qcow2 overlay at `overlay` over `backing` (a qcow2 file).
-pub async fn create_overlay(cfg: &MicrovmConfig, backing: &Path, format: &str, overlay: &Path) -> Result<()> {
+pub async fn create_overlay(
+    cfg: &MicrovmConfig,
+    backing: &Path,
+    format: &str,
+    overlay: &Path,
+) -> Result<()> {
     qemu_img(
         cfg,
         &[

@@ -3,11 +3,14 @@
 
 use std::time::Duration;
 
-use tether_provider::{Clock, ProviderError};
 use tether_provider::clock::TimeoutReason;
+use tether_provider::{Clock, ProviderError};
 
 /// An unexpected local failure (a file of the state directory, a program of the host).
-pub(crate) fn internal(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> ProviderError {
+pub(crate) fn internal(
+    what: &str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> ProviderError {
     ProviderError::Internal {
         message: format!("microvm: {what}: {e}"),
         source: Some(Box::new(e)),

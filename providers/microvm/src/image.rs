@@ -124,7 +124,10 @@ pub enum GuestProgress {
 
 /// Build the guest image of `spec` unless it is built already; `progress` is told each
 /// step. Returns the image.
-pub fn build_guest(spec: &GuestSpec, progress: &mut dyn FnMut(GuestProgress)) -> Result<GuestImage> {
+pub fn build_guest(
+    spec: &GuestSpec,
+    progress: &mut dyn FnMut(GuestProgress),
+) -> Result<GuestImage> {
     let started = std::time::Instant::now();
     check_tools()?;
     let (key, kernel) = image_key(spec)?;
@@ -137,7 +140,8 @@ pub fn build_guest(spec: &GuestSpec, progress: &mut dyn FnMut(GuestProgress)) ->
         });
         return Ok(img);
     }
-    std::fs::create_dir_all(&spec.out_dir).map_err(|e| internal("cannot create the image dir", e))?;
+    std::fs::create_dir_all(&spec.out_dir)
+        .map_err(|e| internal("cannot create the image dir", e))?;
     let tmp = spec
         .out_dir
         .join(format!(".build-{}", uuid::Uuid::new_v4().simple()));
@@ -210,8 +214,18 @@ fn build_into(
         MODULES.join(" ")
     )));
     let ir = tmp.join("initramfs");
-    for d in ["bin", "proc", "sys", "dev", "tmp", "run", "newroot", "lib/modules"] {
-        std::fs::create_dir_all(ir.join(d)).map_err(|e| internal("cannot make the initramfs", e))?;
+    for d in [
+        "bin",
+        "proc",
+        "sys",
+        "dev",
+        "tmp",
+        "run",
+        "newroot",
+        "lib/modules",
+    ] {
+        std::fs::create_dir_all(ir.join(d))
+            .map_err(|e| internal("cannot make the initramfs", e))?;
     }
     std::fs::copy(busybox()?, ir.join("bin/busybox"))
         .map_err(|e| internal("cannot copy busybox", e))?;
@@ -232,7 +246,8 @@ fn build_into(
         .map_err(|e| internal("cannot write the module order", e))?;
     write_exec(&ir.join("init"), INIT_SCRIPT)?;
     let initrd = tmp.join("initrd.gz");
-    let out = std::fs::File::create(&initrd).map_err(|e| internal("cannot create the initrd", e))?;
+    let out =
+        std::fs::File::create(&initrd).map_err(|e| internal("cannot create the initrd", e))?;
     run_to(
         Command::new("sh")
             .arg("-c")
@@ -296,8 +311,10 @@ fn build_into(
         kernel_package: kernel.id(),
         disk_bytes,
     };
-    let json = serde_json::to_vec_pretty(&img).map_err(|e| internal("cannot encode the manifest", e))?;
-    std::fs::write(tmp.join(MANIFEST), json).map_err(|e| internal("cannot write the manifest", e))?;
+    let json =
+        serde_json::to_vec_pretty(&img).map_err(|e| internal("cannot encode the manifest", e))?;
+    std::fs::write(tmp.join(MANIFEST), json)
+        .map_err(|e| internal("cannot write the manifest", e))?;
     Ok(img)
 }
 
@@ -383,7 +400,8 @@ fn fetch_kernel(
         k.name, k.version
     )));
     let tmp = out_dir.join(format!(".kernel-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(tmp.join("deb")).map_err(|e| internal("cannot create the kernel dir", e))?;
+    std::fs::create_dir_all(tmp.join("deb"))
+        .map_err(|e| internal("cannot create the kernel dir", e))?;
     let r = (|| {
         run_to(
             Command::new("apt-get")
@@ -399,7 +417,10 @@ fn fetch_kernel(
             .ok_or_else(|| internal_msg("apt-get download left no .deb"))?;
         progress(GuestProgress::Step("kernel: dpkg-deb -x".into()));
         run_to(
-            Command::new("dpkg-deb").arg("-x").arg(&deb).arg(tmp.join("x")),
+            Command::new("dpkg-deb")
+                .arg("-x")
+                .arg(&deb)
+                .arg(tmp.join("x")),
             "dpkg-deb",
         )?;
         let vmlinuz = std::fs::read_dir(tmp.join("x/boot"))
@@ -414,7 +435,8 @@ fn fetch_kernel(
             .ok_or_else(|| internal_msg("the package has no vmlinuz"))?;
         let out = tmp.join("out");
         std::fs::create_dir_all(out.join("modules")).map_err(|e| internal("mkdir", e))?;
-        std::fs::copy(&vmlinuz, out.join("vmlinuz")).map_err(|e| internal("cannot copy vmlinuz", e))?;
+        std::fs::copy(&vmlinuz, out.join("vmlinuz"))
+            .map_err(|e| internal("cannot copy vmlinuz", e))?;
         let mut found = Vec::new();
         find_modules(&tmp.join("x/lib/modules"), &mut found);
         for (name, path) in found {
@@ -444,7 +466,11 @@ fn find_modules(dir: &Path, out: &mut Vec<(String, PathBuf)>) {
         let p = e.path();
         if p.is_dir() {
             find_modules(&p, out);
-        } else if let Some(n) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".ko")) {
+        } else if let Some(n) = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".ko"))
+        {
             out.push((n.to_owned(), p.clone()));
         }
     }
@@ -471,14 +497,19 @@ fn template_stamp(template: &Path) -> Result<String> {
 
 fn sha256_file(path: &Path) -> Result<String> {
     let mut f = std::fs::File::open(path).map_err(|e| ProviderError::Unavailable {
-        message: format!("microvm: the guest agent {} cannot be read: {e}", path.display()),
+        message: format!(
+            "microvm: the guest agent {} cannot be read: {e}",
+            path.display()
+        ),
         retry_after: None,
         source: Some(Box::new(e)),
     })?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = f.read(&mut buf).map_err(|e| internal("cannot read the agent", e))?;
+        let n = f
+            .read(&mut buf)
+            .map_err(|e| internal("cannot read the agent", e))?;
         if n == 0 {
             break;
         }
@@ -489,12 +520,22 @@ fn sha256_file(path: &Path) -> Result<String> {
 
 /// The host tools the build needs, each checked up front so a missing one is named.
 fn check_tools() -> Result<()> {
-    let missing: Vec<&str> = ["apt-get", "apt-cache", "dpkg-deb", "cpio", "gzip", "mkfs.ext4", "cp"]
-        .into_iter()
-        .filter(|t| which(t).is_none())
-        .collect();
+    let missing: Vec<&str> = [
+        "apt-get",
+        "apt-cache",
+        "dpkg-deb",
+        "cpio",
+        "gzip",
+        "mkfs.ext4",
+        "cp",
+    ]
+    .into_iter()
+    .filter(|t| which(t).is_none())
+    .collect();
     if busybox().is_err() {
-        return Err(unavailable("busybox (static) is missing: apt-get install busybox-static"));
+        return Err(unavailable(
+            "busybox (static) is missing: apt-get install busybox-static",
+        ));
     }
     if missing.is_empty() {
         Ok(())
@@ -544,7 +585,11 @@ fn internal_msg(m: &str) -> ProviderError {
 }
 
 fn output(cmd: &mut Command) -> Option<String> {
-    let out = cmd.stdin(Stdio::null()).stderr(Stdio::null()).output().ok()?;
+    let out = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
@@ -628,7 +673,10 @@ mod tests {
         assert!(INIT_SCRIPT.contains("ip route add default via 10.0.2.2"));
         assert!(INIT_SCRIPT.contains("mount -t ext4 -o rw /dev/vda /newroot"));
         assert!(INIT_SCRIPT.contains("exec switch_root /newroot /usr/local/bin/tether-guest init"));
-        assert_eq!(format!("/{GUEST_AGENT_PATH}"), "/usr/local/bin/tether-guest");
+        assert_eq!(
+            format!("/{GUEST_AGENT_PATH}"),
+            "/usr/local/bin/tether-guest"
+        );
         // Dependency order: each module after the ones it needs.
         let pos = |m: &str| MODULES.iter().position(|x| *x == m).unwrap_or(usize::MAX);
         assert!(pos("virtio_ring") < pos("virtio"));

@@ -402,7 +402,11 @@ impl MicrovmProvider {
                 let _ = std::fs::remove_dir_all(&p);
             }
         }
-        for e in std::fs::read_dir(self.vms()).into_iter().flatten().flatten() {
+        for e in std::fs::read_dir(self.vms())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let dir = e.path();
             let alive = client::read_pidfile(&dir.join("qemu.pid"))
                 .is_some_and(|pid| client::pid_is_vm(pid, &dir));
@@ -417,9 +421,10 @@ impl MicrovmProvider {
     }
 
     fn guest_spec(&self) -> Result<GuestSpec> {
-        let agent = self.cfg.agent_binary().ok_or_else(|| {
-            unavailable("microvm: no guest agent binary (set agent_binary)")
-        })?;
+        let agent = self
+            .cfg
+            .agent_binary()
+            .ok_or_else(|| unavailable("microvm: no guest agent binary (set agent_binary)"))?;
         let template = self.cfg.base_template.clone().ok_or_else(|| {
             unavailable("microvm: no base template directory (set base_template)")
         })?;
@@ -476,7 +481,11 @@ impl MicrovmProvider {
                 message: format!("microvm: {cpus} vCPUs is out of range (1..64)"),
             });
         }
-        if spec.limits.disk_bytes.is_some_and(|d| d != self.cfg.disk_mib << 20) {
+        if spec
+            .limits
+            .disk_bytes
+            .is_some_and(|d| d != self.cfg.disk_mib << 20)
+        {
             return Err(ProviderError::InvalidRequest {
                 message: format!(
                     "microvm: the disk size is the image's ({} MiB, config disk_mib)",
@@ -490,22 +499,21 @@ impl MicrovmProvider {
     /// The saved template of this size, booted and saved now if there is none. Returns
     /// it and whether it was made by this call.
     async fn template(&self, ctx: &CallCtx, mem: u64, cpus: u32) -> Result<SavedTemplate> {
-        let image = self.build_image(|p| {
-            if let GuestProgress::Step(s) = p {
-                tracing::info!(step = %s, "Building the microVM guest image");
-            }
-        })
-        .await?;
-        let kvm = client::use_kvm(&self.cfg);
-        let key = format!(
-            "{}-m{mem}-c{cpus}-{}",
-            image.key,
-            if kvm { "kvm" } else { "tcg" }
-        );
+        // Found once per provider: the image check runs apt-cache and hashes the agent.
+        let size = format!("m{mem}-c{cpus}");
         let mut map = self.templates.lock().await;
-        if let Some(t) = map.get(&key) {
+        if let Some(t) = map.get(&size) {
             return Ok(t.clone());
         }
+        let image = self
+            .build_image(|p| {
+                if let GuestProgress::Step(s) = p {
+                    tracing::info!(step = %s, "Building the microVM guest image");
+                }
+            })
+            .await?;
+        let kvm = client::use_kvm(&self.cfg);
+        let key = format!("{}-{size}-{}", image.key, if kvm { "kvm" } else { "tcg" });
         // One boot per template across processes too (parallel test processes, two
         // daemons on one state directory).
         let _lock = lock_file(self.cfg.root.join("templates").join(".lock")).await?;
@@ -515,12 +523,12 @@ impl MicrovmProvider {
             && dir.join("state").exists()
         {
             t.dir = dir;
-            map.insert(key, t.clone());
+            map.insert(size, t.clone());
             return Ok(t);
         }
         ctx.check()?;
         let t = self.boot_template(&image, &dir, mem, cpus, kvm).await?;
-        map.insert(key, t.clone());
+        map.insert(size, t.clone());
         Ok(t)
     }
 
@@ -539,7 +547,8 @@ impl MicrovmProvider {
             uuid::Uuid::new_v4().simple()
         ));
         let boot = tmp.join("boot");
-        std::fs::create_dir_all(&boot).map_err(|e| internal("cannot create the template dir", e))?;
+        std::fs::create_dir_all(&boot)
+            .map_err(|e| internal("cannot create the template dir", e))?;
         let cmdline = client::kernel_cmdline(kvm);
         let r = async {
             let disk = boot.join("disk.qcow2");
@@ -553,7 +562,12 @@ impl MicrovmProvider {
                 vcpus: cpus,
                 incoming: None,
             };
-            tracing::info!(memory_mib = mem, vcpus = cpus, kvm, "Booting the microVM template");
+            tracing::info!(
+                memory_mib = mem,
+                vcpus = cpus,
+                kvm,
+                "Booting the microVM template"
+            );
             let mut q = QemuProcess::spawn(&self.cfg, image, &launch, &cmdline, None)?;
             let r = async {
                 client::wait_ready(
@@ -566,8 +580,13 @@ impl MicrovmProvider {
                 )
                 .await?;
                 let boot_seconds = started.elapsed().as_secs_f64();
-                client::save_state(&launch.qmp(), &tmp.join("state"), self.cfg.save_timeout(), SAVE_POLL)
-                    .await?;
+                client::save_state(
+                    &launch.qmp(),
+                    &tmp.join("state"),
+                    self.cfg.save_timeout(),
+                    SAVE_POLL,
+                )
+                .await?;
                 // The VM is stopped now: its overlay is what the saved RAM expects.
                 tokio::fs::copy(&disk, tmp.join("disk.qcow2"))
                     .await
@@ -604,7 +623,12 @@ impl MicrovmProvider {
 
     /// Start a VM from `origin`: its own dir, overlay and port; restore; wait for the
     /// agent; `/init`.
-    async fn start_vm(&self, ctx: &CallCtx, origin: Origin, spec: SandboxSpec) -> Result<Arc<VmCore>> {
+    async fn start_vm(
+        &self,
+        ctx: &CallCtx,
+        origin: Origin,
+        spec: SandboxSpec,
+    ) -> Result<Arc<VmCore>> {
         ctx.check()?;
         let id = format!("vm-{}", uuid::Uuid::new_v4().simple());
         self.creating
@@ -690,7 +714,10 @@ impl MicrovmProvider {
             let mut stamp = stamp.clone();
             let (dir, disk, origin, cgroup) = (&dir, &disk, &origin, cgroup.as_ref());
             async move {
-                let fail = |error| StartFail { error, clash: false };
+                let fail = |error| StartFail {
+                    error,
+                    clash: false,
+                };
                 let port = client::free_port().map_err(fail)?;
                 stamp.port = port;
                 write_json(&dir.join("vm.json"), &stamp).map_err(fail)?;
@@ -728,6 +755,7 @@ impl MicrovmProvider {
                 }
             }
         };
+        let t0 = tokio::time::Instant::now();
         let (mut q, stamp) = attempt
             .retry(
                 ConstantBuilder::default()
@@ -737,16 +765,25 @@ impl MicrovmProvider {
             .when(|f: &StartFail| f.clash)
             .await
             .map_err(|f| f.error)?;
+        let restored = t0.elapsed();
         let body = InitBody {
             access_token: token,
             env_vars: stamp.env.clone(),
             timestamp: rfc3339_now(),
             tether_entropy: client::entropy()?,
         };
-        if let Err(e) = client::init_agent(&self.http, stamp.port, &body, self.cfg.init_timeout()).await {
+        if let Err(e) =
+            client::init_agent(&self.http, stamp.port, &body, self.cfg.init_timeout()).await
+        {
             q.kill(self.cfg.stop_grace()).await;
             return Err(e);
         }
+        tracing::debug!(
+            sandbox.id = %id,
+            restore_ms = restored.as_millis() as u64,
+            init_ms = (t0.elapsed() - restored).as_millis() as u64,
+            "Restored a microVM"
+        );
         if ctx.check().is_err() {
             q.kill(self.cfg.stop_grace()).await;
             ctx.check()?;
@@ -805,7 +842,8 @@ impl MicrovmProvider {
     async fn stop(&self, core: &VmCore) {
         let _op = core.op.lock().await;
         let grace = self.cfg.stop_grace();
-        let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(self.cfg.qmp_timeout())).await;
+        let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(self.cfg.qmp_timeout()))
+            .await;
         let mut q = core.qemu.lock().await;
         if !q.wait_exit(grace).await {
             // Never a reused pid: the process must still be this VM's qemu.
@@ -911,8 +949,16 @@ impl Provider for MicrovmProvider {
 
     async fn list(&self, _ctx: &CallCtx) -> Result<Vec<SandboxInfo>> {
         let mut out = Vec::new();
-        let creating = self.creating.read().unwrap_or_else(|e| e.into_inner()).clone();
-        for e in std::fs::read_dir(self.vms()).into_iter().flatten().flatten() {
+        let creating = self
+            .creating
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for e in std::fs::read_dir(self.vms())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let id = e.file_name().to_string_lossy().into_owned();
             if creating.contains(&id) {
                 continue;
@@ -977,7 +1023,13 @@ impl Provider for MicrovmProvider {
         let _op = core.op.lock().await;
         let was_running = self.status(&core).await?.running;
         let saved = async {
-            client::save_state(&core.qmp(), &tmp.join("state"), self.cfg.save_timeout(), SAVE_POLL).await?;
+            client::save_state(
+                &core.qmp(),
+                &tmp.join("state"),
+                self.cfg.save_timeout(),
+                SAVE_POLL,
+            )
+            .await?;
             // Stopped now (postmigrate): the overlay matches the saved RAM.
             tokio::fs::copy(core.dir.join("disk.qcow2"), tmp.join("disk.qcow2"))
                 .await

@@ -92,6 +92,10 @@ async fn healthy(port: u16) -> bool {
 }
 
 fn provider(cfg: &MicrovmConfig) -> Arc<MicrovmProvider> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     Arc::new(MicrovmProvider::new(cfg.clone()).unwrap())
 }
 
@@ -101,7 +105,10 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
     let p = provider(&cfg);
     let started = tokio::time::Instant::now();
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    eprintln!("create (template boot if not cached, then restore): {:?}", started.elapsed());
+    eprintln!(
+        "create (template boot if not cached, then restore): {:?}",
+        started.elapsed()
+    );
     let id = sb.info().id.clone();
     assert_eq!(sb.info().provider, "microvm");
     assert_eq!(sb.info().workspace, "/home/user");
@@ -120,7 +127,13 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
     assert_ne!(core.port(), core2.port());
     assert!(healthy(core2.port()).await);
 
-    let ids: Vec<String> = p.list(&ctx()).await.unwrap().into_iter().map(|i| i.id).collect();
+    let ids: Vec<String> = p
+        .list(&ctx())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
     assert!(ids.contains(&id) && ids.contains(&id2));
     let m = p.metrics(&ctx(), &id).await.unwrap();
     assert!(m.memory_bytes > 0 && m.memory_limit_bytes == Some(256 << 20));
@@ -130,7 +143,13 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
     assert!(qemus_of(&vmdir).is_empty(), "a qemu survived destroy");
     assert!(qemus_of(&core2.dir).is_empty(), "a qemu survived destroy");
     assert!(!vmdir.exists());
-    let ids: Vec<String> = p.list(&ctx()).await.unwrap().into_iter().map(|i| i.id).collect();
+    let ids: Vec<String> = p
+        .list(&ctx())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
     assert!(!ids.contains(&id) && !ids.contains(&id2));
     // Destroying again succeeds.
     p.destroy(&ctx(), &id).await.unwrap();
@@ -189,7 +208,9 @@ async fn a_snapshot_forks_into_a_running_sandbox() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "helper: run by a_killed_owner_leaves_vms_that_a_fresh_provider_stops"]
 async fn helper_owner_creates_a_vm_and_waits() {
-    let Some(out) = std::env::var_os("TETHER_MICROVM_OWNER_OUT") else { return };
+    let Some(out) = std::env::var_os("TETHER_MICROVM_OWNER_OUT") else {
+        return;
+    };
     let Some(cfg) = config() else { return };
     let p = provider(&cfg);
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
@@ -237,7 +258,13 @@ async fn a_killed_owner_leaves_vms_that_a_fresh_provider_stops() {
     assert_eq!(qemus_of(&vmdir).len(), 1, "the VM died with its owner");
 
     let fresh = provider(&cfg);
-    let listed: Vec<String> = fresh.list(&ctx()).await.unwrap().into_iter().map(|i| i.id).collect();
+    let listed: Vec<String> = fresh
+        .list(&ctx())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
     assert!(listed.contains(&id), "the table lost the orphan");
     let reaped = fresh.reap_orphans(&ctx()).await.unwrap();
     assert!(reaped.contains(&id));
