@@ -450,6 +450,28 @@ pub struct E2bFrontConfig {
     /// (404 `template '<name>' not found`). Default `["base"]`, the SDKs' default.
     #[serde(default = "d_e2b_templates")]
     pub templates: Vec<String>,
+    /// Serve as a VM's guest agent: envd only, for exactly one sandbox, the machine
+    /// itself (the local provider with `isolation = "none"`), reached through the VM's
+    /// host port forward. The native API and the control plane are not served; envd is
+    /// authenticated by the access token the first `/init` sets.
+    #[serde(default)]
+    pub guest: Option<GuestConfig>,
+}
+
+/// The guest-agent mode of the E2B front (`[e2b_front.guest]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestConfig {
+    /// Set the machine's clock from `/init`'s `timestamp` (a restored VM's clock is its
+    /// snapshot's). Default true.
+    #[serde(default = "d_true")]
+    pub set_clock: bool,
+}
+
+impl Default for GuestConfig {
+    fn default() -> Self {
+        Self { set_clock: true }
+    }
 }
 
 fn d_true() -> bool {
@@ -478,6 +500,7 @@ impl Default for E2bFrontConfig {
             default_timeout_s: d_e2b_timeout(),
             max_timeout_s: d_e2b_max_timeout(),
             templates: d_e2b_templates(),
+            guest: None,
         }
     }
 }
@@ -567,7 +590,14 @@ impl Config {
     /// Check cross-field rules. Called by the loaders; call again after overrides.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let s = &self.server;
-        if !s.listen.ip().is_loopback() && s.auth_tokens.is_empty() {
+        // A guest agent serves envd only, authenticated by its access token.
+        let guest = self.e2b_front.guest.is_some();
+        if guest && !self.e2b_front.enabled {
+            return Err(ConfigError::Invalid(
+                "e2b_front.guest needs e2b_front.enabled".into(),
+            ));
+        }
+        if !guest && !s.listen.ip().is_loopback() && s.auth_tokens.is_empty() {
             return Err(ConfigError::Invalid(format!(
                 "listen address {} is not loopback: server.auth_tokens must not be empty",
                 s.listen
@@ -590,6 +620,7 @@ impl Config {
             )));
         }
         if self.e2b_front.enabled
+            && !guest
             && !s.listen.ip().is_loopback()
             && self.e2b_front.api_keys.is_empty()
         {

@@ -32,8 +32,13 @@ use tether_provider::Clock;
 
 /// The whole router: native API, E2B front, layers.
 pub fn router(state: Arc<AppState>) -> Router {
-    let mut app: Router<Arc<AppState>> = crate::api::router();
-    if state.config.e2b_front.enabled {
+    let mut app: Router<Arc<AppState>> = if state.config.e2b_front.guest.is_some() {
+        // A guest agent: envd for its one sandbox, nothing else.
+        crate::e2b_front::envd_router()
+    } else {
+        crate::api::router()
+    };
+    if state.config.e2b_front.enabled && state.config.e2b_front.guest.is_none() {
         app = app.merge(crate::e2b_front::router());
     }
     app.fallback(crate::http::not_found)
@@ -141,6 +146,9 @@ impl Daemon {
                 listen = %addr,
                 "Development mode: no auth token or API key is configured, so every caller on this loopback listener is trusted"
             );
+        }
+        if config.e2b_front.guest.is_some() {
+            crate::e2b_front::adopt_guest_sandbox(&state).await?;
         }
         spawn_housekeeping(&state);
         let stop = shutdown.clone();

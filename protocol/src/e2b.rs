@@ -287,9 +287,18 @@ pub struct InitRequest {
     /// Default working directory of processes.
     #[serde(rename = "defaultWorkdir", default)]
     pub default_workdir: Option<String>,
-    /// The caller's clock, RFC 3339 (ignored).
+    /// The caller's clock, RFC 3339: a guest agent sets the machine's clock to it (a
+    /// restored VM's clock is its snapshot's); the E2B front ignores it.
     #[serde(default)]
     pub timestamp: Option<String>,
+    /// tether's guest agent only: random bytes (base64, at least 32) mixed into the
+    /// guest's random pool, so that VMs restored from one saved state diverge.
+    #[serde(
+        rename = "tetherEntropy",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tether_entropy: Option<String>,
 }
 
 /// One entry of the answer of `POST /files`.

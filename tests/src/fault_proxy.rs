@@ -8,6 +8,12 @@
 //!   that carries the `n`-th byte is cut (both directions closed);
 //! - [`FaultProxy::stall_after`]: the same, but that connection stalls instead: it stays
 //!   open and carries nothing more, either way;
+//! - [`FaultProxy::drip_after`]: the same, but from then on that connection carries one
+//!   byte towards the client every interval (a link that is slow, not dead: idle clocks
+//!   must not fire, total deadlines must);
+//! - [`FaultProxy::half_close_after`]: the same, but that connection's direction towards
+//!   the client is closed (FIN) while the other stays open: the client reads a clean end of
+//!   stream in the middle of a body;
 //! - [`FaultProxy::freeze`]: every open connection stops carrying anything and new ones
 //!   are black-holed (the backend is unreachable, its connections hang);
 //! - [`FaultProxy::pass`]: back to forwarding for new connections.
@@ -32,6 +38,8 @@ const BLACKHOLE: u8 = 1;
 const FAULT_NONE: u8 = 0;
 const FAULT_CUT: u8 = 1;
 const FAULT_STALL: u8 = 2;
+const FAULT_DRIP: u8 = 3;
+const FAULT_HALF_CLOSE: u8 = 4;
 
 #[derive(Debug, Default)]
 struct State {
@@ -43,6 +51,9 @@ struct State {
     forwarded: AtomicU64,
     cuts: AtomicU64,
     stalls: AtomicU64,
+    drips: AtomicU64,
+    half_closes: AtomicU64,
+    drip_every_ms: AtomicU64,
     down_bytes: AtomicU64,
     up_bytes: AtomicU64,
     closed: AtomicBool,
@@ -135,6 +146,22 @@ impl FaultProxy {
         self.arm(FAULT_STALL, n);
     }
 
+    /// From the `n`-th next byte towards the client, the connection carrying it sends one
+    /// byte every `every`.
+    pub fn drip_after(&self, n: u64, every: std::time::Duration) {
+        self.state.drip_every_ms.store(
+            u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1),
+            Ordering::Release,
+        );
+        self.arm(FAULT_DRIP, n);
+    }
+
+    /// Close the client-bound direction of the connection carrying the `n`-th next byte
+    /// (the client reads end of stream; what it sends is still forwarded).
+    pub fn half_close_after(&self, n: u64) {
+        self.arm(FAULT_HALF_CLOSE, n);
+    }
+
     fn arm(&self, fault: u8, n: u64) {
         self.state
             .budget
@@ -165,6 +192,16 @@ impl FaultProxy {
     /// Connections stalled so far.
     pub fn stalls(&self) -> u64 {
         self.state.stalls.load(Ordering::Relaxed)
+    }
+
+    /// Connections that started dripping so far.
+    pub fn drips(&self) -> u64 {
+        self.state.drips.load(Ordering::Relaxed)
+    }
+
+    /// Connections half-closed so far.
+    pub fn half_closes(&self) -> u64 {
+        self.state.half_closes.load(Ordering::Relaxed)
     }
 
     /// Bytes forwarded so far (towards the client, towards the upstream).
@@ -265,9 +302,32 @@ async fn forward(
                     }
                     st.down_bytes.fetch_add(send as u64, Ordering::Relaxed);
                 }
-                if fire != FAULT_NONE {
-                    halted.cancel();
-                    return Some((fire, cw));
+                match fire {
+                    FAULT_NONE => {}
+                    FAULT_DRIP => {
+                        st.drips.fetch_add(1, Ordering::Relaxed);
+                        drip(&buf[send..n], &mut sr, &mut cw, &st, &halted).await;
+                        return None;
+                    }
+                    FAULT_HALF_CLOSE => {
+                        st.half_closes.fetch_add(1, Ordering::Relaxed);
+                        let _ = cw.shutdown().await;
+                        // The upstream's further answer is read and dropped; the client's
+                        // direction keeps flowing until either side ends.
+                        loop {
+                            tokio::select! {
+                                _ = halted.cancelled() => return None,
+                                r = sr.read(&mut buf) => match r {
+                                    Ok(0) | Err(_) => return None,
+                                    Ok(_) => {}
+                                },
+                            }
+                        }
+                    }
+                    _ => {
+                        halted.cancel();
+                        return Some((fire, cw));
+                    }
                 }
             }
         }
@@ -285,5 +345,44 @@ async fn forward(
             drop(cw);
         }
         None => {}
+    }
+}
+
+/// The rest of a dripping connection: `pending`, then everything the upstream sends, one
+/// byte every interval.
+async fn drip(
+    pending: &[u8],
+    sr: &mut tokio::net::tcp::OwnedReadHalf,
+    cw: &mut tokio::net::tcp::OwnedWriteHalf,
+    st: &State,
+    halted: &CancellationToken,
+) {
+    let every = std::time::Duration::from_millis(st.drip_every_ms.load(Ordering::Acquire));
+    let mut queue: std::collections::VecDeque<u8> = pending.iter().copied().collect();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut upstream_open = true;
+    loop {
+        tokio::select! {
+            _ = halted.cancelled() => return,
+            // Read ahead only a little: the upstream feels the slow link as back-pressure.
+            r = sr.read(&mut buf), if upstream_open && queue.len() < 64 * 1024 => match r {
+                Ok(0) | Err(_) => upstream_open = false,
+                Ok(n) => queue.extend(&buf[..n]),
+            },
+            _ = tick.tick() => {
+                let Some(b) = queue.pop_front() else {
+                    if !upstream_open {
+                        return;
+                    }
+                    continue;
+                };
+                if cw.write_all(&[b]).await.is_err() {
+                    return;
+                }
+                st.down_bytes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }

@@ -174,13 +174,20 @@ pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
 /// Resolve the sandbox of an envd request and check its access token.
 pub(super) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
     let target = locate(state, headers)?;
-    match auth::access_token_matches(headers, &state.e2b.access_token(&target.id)) {
+    let Some(token) = state.e2b.expected_token(&target.id) else {
+        return Ok(target);
+    };
+    match auth::access_token_matches(headers, &token) {
         Some(true) => Ok(target),
         _ => Err(Reject::Unauthorized),
     }
 }
 
 fn locate(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
+    if let Some(id) = state.e2b.guest_id() {
+        // A guest agent serves one sandbox, whatever the request names.
+        return find(state, id).ok_or_else(|| Reject::NotFound(id.to_owned()));
+    }
     let (id, port) = addressed(headers).ok_or(Reject::NoSandbox)?;
     let target = find(state, &id).ok_or_else(|| Reject::NotFound(id.clone()))?;
     if port != ENVD_PORT {
@@ -264,6 +271,17 @@ pub(super) async fn log_fs_op(
 // === /health, /init, /envs ===
 
 async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Some(id) = state.e2b.guest_id() {
+        // envd's own health: unauthenticated, 204 while the machine serves.
+        return match find(&state, id) {
+            Some(_) => (
+                StatusCode::NO_CONTENT,
+                [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
+            )
+                .into_response(),
+            None => Reject::NotFound(id.to_owned()).into_response(),
+        };
+    }
     match addressed(&headers) {
         // envd's health: 204 while the sandbox lives, to a caller holding its access
         // token. Without it (or with another sandbox's) the answer is exactly the one for
@@ -297,6 +315,12 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
             }
         }
     };
+    if let Some(slot) = &state.e2b.guest {
+        return match guest_init(slot, &headers, &req) {
+            Ok(()) => apply_init(&target, req),
+            Err(r) => *r,
+        };
+    }
     let token = state.e2b.access_token(&target.id);
     // `/init` authenticates itself: the token in the body (or the header) must be the
     // sandbox's; a different one is a mismatch, none at all is refused.
@@ -311,6 +335,11 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
     ) {
         return Reject::Unauthorized.into_response();
     }
+    apply_init(&target, req)
+}
+
+/// `/init`'s defaults: the sandbox-wide environment, user and working directory.
+fn apply_init(target: &Target, req: InitRequest) -> Response {
     if let Some(u) = &req.default_user
         && let Err(e) = auth::check_user(u)
     {
@@ -334,6 +363,76 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
     )
         .into_response()
 }
+
+/// A guest agent's `/init`: the access token (the first one set stays, as envd's, except
+/// that the holder of the current token may change it: every VM restored from one saved
+/// state gets its own), the clock and fresh entropy.
+fn guest_init(
+    slot: &super::GuestSlot,
+    headers: &HeaderMap,
+    req: &InitRequest,
+) -> Result<(), Box<Response>> {
+    {
+        let Ok(mut current) = slot.token.write() else {
+            return Err(
+                RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "token lock")
+                    .into_response()
+                    .into(),
+            );
+        };
+        let holds_current = |c: &str| auth::access_token_matches(headers, c) == Some(true);
+        match (current.as_deref(), req.access_token.as_deref()) {
+            (None, Some(new)) => *current = Some(new.to_owned()),
+            (None, None) => {}
+            (Some(c), Some(new)) if auth::constant_time_eq(c.as_bytes(), new.as_bytes()) => {}
+            (Some(c), Some(new)) if holds_current(c) => *current = Some(new.to_owned()),
+            (Some(_), Some(_)) => {
+                return Err(RestError::new(
+                    StatusCode::CONFLICT,
+                    "access token is already set and cannot be changed",
+                )
+                .into_response()
+                .into());
+            }
+            (Some(c), None) if holds_current(c) => {}
+            (Some(_), None) => return Err(Reject::Unauthorized.into_response().into()),
+        }
+    }
+    if slot.cfg.set_clock
+        && let Some(ms) = req.timestamp.as_deref().and_then(super::parse_rfc3339)
+    {
+        let ts =
+            nix::sys::time::TimeSpec::new(ms.div_euclid(1000), ms.rem_euclid(1000) * 1_000_000);
+        if let Err(e) = nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, ts) {
+            tracing::warn!(error = %e, "Could not set the clock");
+        }
+    }
+    if let Some(seed) = &req.tether_entropy {
+        use base64::Engine as _;
+        let bytes = match base64::engine::general_purpose::STANDARD.decode(seed) {
+            Ok(b) if b.len() >= MIN_ENTROPY_BYTES => b,
+            _ => {
+                return Err(RestError::bad_request(format!(
+                    "tetherEntropy must be base64 of at least {MIN_ENTROPY_BYTES} bytes"
+                ))
+                .into_response()
+                .into());
+            }
+        };
+        // Written to the pool (mixed in, not credited): enough for clones to diverge.
+        if let Err(e) = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/urandom")
+            .and_then(|mut f| f.write_all(&bytes))
+        {
+            tracing::warn!(error = %e, "Could not add entropy");
+        }
+    }
+    Ok(())
+}
+
+/// Least entropy a guest agent's `/init` takes.
+const MIN_ENTROPY_BYTES: usize = 32;
 
 async fn envs(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let target = match authorize(&state, &headers) {
@@ -377,6 +476,13 @@ fn files_target(
     op: &str,
 ) -> Result<Target, Reject> {
     let located = match addressed(headers) {
+        _ if state.e2b.guest_id().is_some() => {
+            let t = locate(state, headers)?;
+            if state.e2b.expected_token(&t.id).is_none() {
+                return Ok(t);
+            }
+            Some(t)
+        }
         Some(_) => Some(locate(state, headers)?),
         None => None,
     };
@@ -386,7 +492,7 @@ fn files_target(
         let Some(sig) = &q.signature else {
             return Signed::No;
         };
-        let token = state.e2b.access_token(&t.id);
+        let token = state.e2b.expected_token(&t.id).unwrap_or_default();
         let want = auth::file_signature(
             q.path.as_deref().unwrap_or(""),
             op,
@@ -408,7 +514,10 @@ fn files_target(
         Signed::No => Err(Reject::Unauthorized),
     };
     match located {
-        Some(t) => match auth::access_token_matches(headers, &state.e2b.access_token(&t.id)) {
+        Some(t) => match auth::access_token_matches(
+            headers,
+            &state.e2b.expected_token(&t.id).unwrap_or_default(),
+        ) {
             Some(true) => Ok(t),
             Some(false) => Err(Reject::Unauthorized),
             None => {

@@ -69,7 +69,22 @@ pub struct FrontState {
     idempotency: RwLock<HashMap<(String, String), String>>,
     /// Deadline of the front's own file operations (stat of a cwd, entries of events).
     fs_op: std::time::Duration,
+    /// The one sandbox of a guest agent (`[e2b_front.guest]`).
+    guest: Option<GuestSlot>,
 }
+
+/// A guest agent's sandbox: the machine itself.
+#[derive(Debug)]
+struct GuestSlot {
+    cfg: crate::config::GuestConfig,
+    /// Its session, set once at start-up.
+    id: std::sync::OnceLock<String>,
+    /// The access token the first `/init` set; until then envd requires none (as envd).
+    token: RwLock<Option<String>>,
+}
+
+/// The tenant that owns a guest agent's sandbox.
+const GUEST_TENANT: &str = "guest";
 
 impl std::fmt::Debug for FrontState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -101,7 +116,29 @@ impl FrontState {
             sandboxes: RwLock::new(HashMap::new()),
             idempotency: RwLock::new(HashMap::new()),
             fs_op,
+            guest: cfg.guest.clone().map(|cfg| GuestSlot {
+                cfg,
+                id: std::sync::OnceLock::new(),
+                token: RwLock::new(None),
+            }),
         }
+    }
+
+    /// The token envd requests for `sandbox_id` must carry; `None`: none is (a guest
+    /// agent before its first `/init`, as envd).
+    fn expected_token(&self, sandbox_id: &str) -> Option<String> {
+        match &self.guest {
+            Some(g) => g.token.read().ok().and_then(|t| t.clone()),
+            None => Some(self.access_token(sandbox_id)),
+        }
+    }
+
+    /// A guest agent's sandbox id (every envd request is for it).
+    fn guest_id(&self) -> Option<&str> {
+        self.guest
+            .as_ref()
+            .and_then(|g| g.id.get())
+            .map(String::as_str)
     }
 
     /// The envd access token of a sandbox.
@@ -304,10 +341,55 @@ impl SandboxExtra {
 
 /// All E2B routes (control plane + envd), merged into the main router.
 pub fn router() -> Router<Arc<AppState>> {
-    control::routes()
-        .merge(envd::routes())
+    control::routes().merge(envd_router())
+}
+
+/// envd's routes alone (what a guest agent serves).
+pub fn envd_router() -> Router<Arc<AppState>> {
+    envd::routes()
         .merge(process::routes())
         .merge(filesystem::routes())
+}
+
+/// A guest agent's start: its one sandbox, the machine, as an E2B sandbox session. A
+/// restarted agent takes the session it recovered from its log; a new one creates it.
+pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<String> {
+    use crate::session_manager::{NewSession, Scope, SessionState};
+    let Some(slot) = &state.e2b.guest else {
+        return Err(DaemonError::invalid("not a guest agent"));
+    };
+    let existing = state
+        .sessions
+        .list(Scope::Owner(Some(GUEST_TENANT)))
+        .into_iter()
+        .find(|s| s.state() == SessionState::Active);
+    let session = match existing {
+        Some(s) => s,
+        None => {
+            let ctx = tether_provider::CallCtx::new("guest").with_timeout(
+                state.config.limits.deadlines().sandbox_op,
+                tether_provider::Clock::Total,
+            );
+            let new = NewSession {
+                provider: state.e2b.cfg.provider.clone(),
+                template: Some("base".to_owned()),
+                env: BTreeMap::new(),
+                metadata: BTreeMap::new(),
+                network: true,
+                owner: Some(GUEST_TENANT.to_owned()),
+                expiry: tether_protocol::events::Expiry::Never,
+                limits: Default::default(),
+            };
+            state.sessions.create_owned(&ctx, new).await?
+        }
+    };
+    state.e2b.insert_extra(
+        &session.id,
+        SandboxExtra::new("base", true, state.e2b.fs_op),
+    );
+    let _ = slot.id.set(session.id.clone());
+    tracing::info!(session.id = %session.id, "Guest agent: serving envd for this machine");
+    Ok(session.id.clone())
 }
 
 /// The lines `tetherd serve` prints at start-up: the environment that points the official

@@ -1869,3 +1869,170 @@ fn paths_resolve_under_the_home_of_the_user_asked_for() {
     assert_eq!(resolve_path("", "user"), "/home/user");
     assert_eq!(resolve_path("/etc/hosts", "user"), "/etc/hosts");
 }
+
+// === guest-agent mode ===
+
+/// A home directory of a guest-mode test, removed at the end (homes may not live under
+/// system directories such as /tmp).
+struct HomeDir(std::path::PathBuf);
+
+impl Drop for HomeDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A daemon in guest-agent mode: envd for one sandbox, the machine itself (here the
+/// test host, so the home is a temporary directory and the clock is left alone).
+async fn start_guest() -> (Front, HomeDir) {
+    let home = HomeDir(std::path::PathBuf::from(format!(
+        "/home/tether-guest-test-{}",
+        uuid::Uuid::new_v4().simple()
+    )));
+    let home_path = home.0.join("user");
+    let front = Front::start_with(move |cfg| {
+        cfg.e2b_front.api_keys.clear();
+        cfg.e2b_front.guest = Some(crate::config::GuestConfig { set_clock: false });
+        cfg.default_provider = "machine".into();
+        cfg.e2b_front.provider = Some("machine".into());
+        let local = tether_provider_local::LocalConfig {
+            isolation: tether_provider_local::Isolation::None,
+            workspace_path: home_path,
+            ..Default::default()
+        };
+        cfg.providers.insert(
+            "machine".into(),
+            crate::config::ProviderConfig::Local(local),
+        );
+    })
+    .await;
+    (front, home)
+}
+
+#[tokio::test]
+async fn a_guest_agent_serves_envd_for_its_one_sandbox_with_the_token_init_sets() {
+    let (f, _home) = start_guest().await;
+    let post_init = |body: Value, header: Option<&str>| {
+        let mut rb = f
+            .http
+            .post(f.url("/init"))
+            .header("Content-Type", "application/json");
+        if let Some(t) = header {
+            rb = rb.header("X-Access-Token", t);
+        }
+        rb.body(body.to_string()).send()
+    };
+    // Health is envd's: unauthenticated.
+    let r = f.http.get(f.url("/health")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    // The native API and the control plane are not served.
+    let (st, _) = f
+        .api(reqwest::Method::GET, "/v1/sessions", None, None)
+        .await;
+    assert_eq!(st, 404);
+    let (st, _) = f.api(reqwest::Method::GET, "/sandboxes", None, None).await;
+    assert_eq!(st, 404);
+    // Before the first /init no token is needed (as envd); the sandbox id sent is
+    // ignored: there is one sandbox.
+    let (st, _) = f
+        .unary(
+            "any-id",
+            "",
+            "filesystem.Filesystem/Stat",
+            json!({"path": "/"}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    let t1 = "guest-token-aaaaaaaaaaaaaaaa";
+    let entropy = tether_protocol::b64::encode(&[7u8; 32]);
+    let r = post_init(
+        json!({"accessToken": t1, "envVars": {"GUEST_VAR": "g1"}, "tetherEntropy": entropy}),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    // Now the token is required.
+    let (st, _) = f
+        .unary(
+            "x",
+            "wrong",
+            "filesystem.Filesystem/Stat",
+            json!({"path": "/"}),
+        )
+        .await;
+    assert_eq!(st, 401);
+    let (st, _) = f
+        .unary("x", t1, "filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(st, 200);
+    // Another token without the current one: envd's 409.
+    let r = post_init(json!({"accessToken": "guest-token-bbbbbbbbbbbbbbbb"}), None)
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    // Too little entropy is refused.
+    let r = post_init(
+        json!({"tetherEntropy": tether_protocol::b64::encode(&[1u8; 4])}),
+        Some(t1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    // The holder of the current token may rotate it (a restored clone gets its own).
+    let t2 = "guest-token-cccccccccccccccc";
+    let r = post_init(json!({"accessToken": t2}), Some(t1))
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let (st, _) = f
+        .unary("x", t1, "filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(st, 401);
+    // A command runs on the machine itself, with /init's environment.
+    let start = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo $GUEST_VAR; cat /proc/1/comm >/dev/null && echo sees-pid1"]}}),
+    );
+    let (st, _, frames) = f.stream("x", t2, "process.Process/Start", start, &[]).await;
+    assert_eq!(st, 200);
+    let (out, _, end) = outputs(&frames);
+    assert_eq!(out, "g1\nsees-pid1\n", "{frames:?}");
+    assert_eq!(end.expect("end")["exitCode"].as_i64().unwrap_or(0), 0);
+    // Files through /files with the token, on the machine's own root.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("up.txt");
+    let r = f
+        .http
+        .post(f.url(&format!("/files?path={}", path.display())))
+        .header("X-Access-Token", t2)
+        .header("Content-Type", "application/octet-stream")
+        .body("guest bytes")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{:?}", r.text().await);
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "guest bytes");
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn a_restarted_guest_agent_keeps_its_sandbox() {
+    let (f, home) = start_guest().await;
+    let dir = f.d().state.config.server.state_dir.clone();
+    let first = f.d().state.e2b.guest_id().expect("guest id").to_owned();
+    let cfg = (*f.d().state.config).clone();
+    // The state dir stays (it goes with `_state`).
+    let Front {
+        daemon,
+        _dir: _state,
+        ..
+    } = f;
+    daemon.expect("running").shutdown().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let d = Daemon::start_on(cfg, listener).await.expect("restart");
+    assert_eq!(d.state.config.server.state_dir, dir);
+    assert_eq!(d.state.e2b.guest_id(), Some(first.as_str()));
+    d.shutdown().await;
+    drop(home);
+}

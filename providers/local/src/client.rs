@@ -236,7 +236,12 @@ impl Init {
                 Ok(Some((FromInit::Failed { message }, _))) => return Err(init_failed(message)),
                 other => return Err(fail_log(format!("the init did not unshare ({other:?})"))),
             };
-            for (file, what) in [("uid_map", "uid"), ("gid_map", "gid")] {
+            let maps: &[(&str, &str)] = if spec.isolate {
+                &[("uid_map", "uid"), ("gid_map", "gid")]
+            } else {
+                &[]
+            };
+            for (file, what) in maps {
                 std::fs::write(
                     format!("/proc/{holder_pid}/{file}"),
                     format!("0 {uid_base} {uid_count}\n"),

@@ -122,10 +122,29 @@ pub const DEFAULT_INIT_TIMEOUT_MS: u64 = 20_000;
 /// Default time the network helper has to configure a sandbox's interface.
 pub const DEFAULT_NETWORK_TIMEOUT_MS: u64 = 5_000;
 
+/// How a sandbox is set apart from the machine it runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// Every sandbox a machine of its own: namespaces held by an init, its own root
+    /// file system, cgroup limits, its own network. The default.
+    #[default]
+    Machine,
+    /// The sandbox is this machine itself: its commands run unconfined, as the
+    /// machine's own users, on its own root, with its own network. Only for a machine
+    /// that is itself the boundary: the guest of a microVM, whose agent serves exactly
+    /// one sandbox. `SandboxInfo::enforcement` says `none`; pause, snapshots and limits
+    /// belong to whoever runs the machine.
+    None,
+}
+
 /// Configuration of the local provider.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalConfig {
+    /// How sandboxes are isolated: `machine` (the default) or `none` (a microVM guest).
+    #[serde(default)]
+    pub isolation: Isolation,
     /// Directory holding one subdirectory per sandbox (its file-system image, record and
     /// output spools). Empty: the daemon fills in `<state_dir>/sandboxes/<provider name>`.
     #[serde(default)]
@@ -211,6 +230,7 @@ pub struct LocalConfig {
 impl Default for LocalConfig {
     fn default() -> Self {
         Self {
+            isolation: Isolation::Machine,
             root: PathBuf::new(),
             workspace_path: default_workspace_path(),
             allow_weaker_isolation: false,

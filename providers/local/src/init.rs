@@ -62,6 +62,10 @@ const MAX_FDS: usize = 3;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InitSpec {
+    /// Create the namespaces and the sandbox's own root (false: the sandbox is the
+    /// machine itself, see [`Isolation::None`](crate::Isolation::None); every field
+    /// below but `home` and `home_owner` is then unused).
+    pub isolate: bool,
     /// The mount point of the sandbox's root on the host (an empty directory).
     pub root: PathBuf,
     /// The sandbox's file-system image (ext4).
@@ -213,6 +217,18 @@ pub(crate) fn holder() -> ExitCode {
         Ok(_) => return fail("setup", "no setup message"),
         Err(e) => return fail("setup", e),
     };
+    if !spec.isolate {
+        // The sandbox is this machine: nothing to create, pid1 only starts commands.
+        if let Err(e) = send(sock, &FromInit::Unshared, &[]) {
+            return fail("report the set-up", e);
+        }
+        match recv::<ToInit>(sock, RecvFlags::empty()) {
+            Ok(Some((ToInit::Mapped, _))) => {}
+            Ok(_) => return fail("id maps", "no maps"),
+            Err(e) => return fail("id maps", e),
+        }
+        return start_pid1();
+    }
     // Still host root, in a mount namespace of our own: the sandbox's file system is
     // mounted here, never in the host's, and goes away with the sandbox's last process.
     let store = match mount_rootfs(&spec) {
@@ -266,6 +282,12 @@ pub(crate) fn holder() -> ExitCode {
     if let Err(e) = nix::unistd::setresuid(uroot, uroot, uroot) {
         return fail("setresuid", e);
     }
+    start_pid1()
+}
+
+/// The holder's last step: start pid1 (which reads its own copy of the spec from the
+/// socket) and wait for it.
+fn start_pid1() -> ExitCode {
     let child = std::process::Command::new("/proc/self/exe")
         .arg(crate::confine::CONFINE_SUBCOMMAND)
         .arg("pid1")
@@ -529,7 +551,9 @@ pub(crate) fn pid1() -> ExitCode {
             Err(e) => return fail("pid1 setup", e),
         }
     };
-    if let Err((step, e)) = build_root(&spec) {
+    if spec.isolate
+        && let Err((step, e)) = build_root(&spec)
+    {
         return fail(&step, e);
     }
     let mut mask = SigSet::empty();

@@ -43,6 +43,9 @@ pub const BASE_PACKAGES: &[&str] = &[
 /// The Debian suite of the `base` template.
 pub const BASE_SUITE: &str = "bookworm";
 
+/// The name of the sandbox's user in a `base` sandbox.
+pub const BASE_USER: &str = "user";
+
 /// The uid of `user` inside a `base` sandbox.
 pub const BASE_USER_UID: u32 = 1000;
 

@@ -35,7 +35,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::cgroup::{CgroupTree, SandboxCgroup};
 use crate::client::{Init, Launcher, Network, find_program, network_helper};
-use crate::config::{LocalConfig, workspace_components};
+use crate::config::{Isolation, LocalConfig, workspace_components};
 use crate::error::internal;
 use crate::fs::{LocalFs, Workspace};
 use crate::init::InitSpec;
@@ -302,7 +302,8 @@ impl LocalProvider {
             let _ = std::fs::set_permissions(&cfg.root, std::fs::Permissions::from_mode(0o700));
         }
         let launcher = Launcher::resolve(&cfg)?;
-        let cgroups = if cfg.cgroups {
+        let machine = cfg.isolation == Isolation::Machine;
+        let cgroups = if cfg.cgroups && machine {
             CgroupTree::detect(cfg.cgroup_parent.as_deref())
         } else {
             None
@@ -310,7 +311,7 @@ impl LocalProvider {
         if let Some(t) = &cgroups {
             t.sweep();
         }
-        let net_helper = network_helper(&cfg);
+        let net_helper = if machine { network_helper(&cfg) } else { None };
         if let Some(h) = &net_helper {
             let n = crate::client::sweep_orphaned_nats(h);
             if n > 0 {
@@ -344,6 +345,9 @@ impl LocalProvider {
 
     /// Why this host cannot run full sandboxes, if it cannot.
     fn host_problem(&self) -> Option<String> {
+        if self.cfg.isolation == Isolation::None {
+            return None;
+        }
         if !nix::unistd::geteuid().is_root() {
             return Some(
                 "the local provider maps each sandbox to an unprivileged uid range and mounts \
@@ -397,7 +401,8 @@ impl LocalProvider {
         let acceptable = match enforcement {
             Enforcement::Full => true,
             Enforcement::Partial => self.cfg.allow_weaker_isolation,
-            Enforcement::None => false,
+            // Only where the machine itself is the sandbox, by configuration.
+            Enforcement::None => self.cfg.isolation == Isolation::None,
         };
         if acceptable {
             return Ok(());
@@ -418,6 +423,9 @@ impl LocalProvider {
 
     /// Bring a sandbox up over its (existing) store: mounts, cgroups, init, network.
     async fn boot(&self, record: &SandboxRecord, dir: &Path) -> Result<Arc<LocalSandbox>> {
+        if self.cfg.isolation == Isolation::None {
+            return self.boot_unisolated(record, dir).await;
+        }
         let template = self.template(&record.rootfs)?;
         let uid_base = self.cfg.uid_base;
         let root = dir.join("rootfs");
@@ -449,6 +457,7 @@ impl LocalProvider {
         };
         let hostname = format!("tether-{}", &record.id[..record.id.len().min(12)]);
         let spec = InitSpec {
+            isolate: true,
             root: root.clone(),
             image: dir.join("store.img"),
             store: dir.join("store"),
@@ -562,6 +571,98 @@ impl LocalProvider {
         Ok(Arc::new(LocalSandbox::new(Arc::new(core), record)))
     }
 
+    /// [`Self::boot`] where the sandbox is this machine ([`Isolation::None`]): an init
+    /// that starts commands as the machine's own users on its own root; no namespaces,
+    /// no image, no cgroups, no network helper.
+    async fn boot_unisolated(
+        &self,
+        record: &SandboxRecord,
+        dir: &Path,
+    ) -> Result<Arc<LocalSandbox>> {
+        // The sandbox's user is the machine's `user` when it has one (a `base` root).
+        let passwd = tokio::fs::read_to_string("/etc/passwd")
+            .await
+            .unwrap_or_default();
+        let user = passwd
+            .lines()
+            .find_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                (f.len() > 3 && f[0] == rootfs::BASE_USER)
+                    .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+                    .flatten()
+            })
+            .unwrap_or((0, 0));
+        let spec = InitSpec {
+            isolate: false,
+            root: PathBuf::from("/"),
+            image: PathBuf::new(),
+            store: PathBuf::new(),
+            lower: PathBuf::new(),
+            owner: 0,
+            mount: self.mount.clone(),
+            hosts_entry: false,
+            binds: Vec::new(),
+            devices: Vec::new(),
+            shm_bytes: 0,
+            hostname: String::new(),
+            home: self.cfg.workspace_path.clone(),
+            home_owner: user,
+            ip: None,
+        };
+        let state = dir.join("state");
+        tokio::fs::create_dir_all(&state)
+            .await
+            .map_err(|e| internal("cannot create state/", e))?;
+        let home = self.cfg.workspace_path.clone();
+        blocking(move || {
+            if !home.exists() {
+                std::fs::create_dir_all(&home)
+                    .map_err(|e| internal("cannot create the home directory", e))?;
+                std::os::unix::fs::chown(&home, Some(user.0), Some(user.1))
+                    .map_err(|e| internal("cannot chown the home directory", e))?;
+            }
+            Ok(())
+        })
+        .await?;
+        let init = Init::start(
+            &self.launcher,
+            &spec,
+            0,
+            0,
+            &state.join("init.log"),
+            |_| Ok(()),
+            Duration::from_millis(self.cfg.init_timeout_ms),
+        )
+        .await?;
+        let ws = Workspace::open_root(
+            Path::new(&format!("/proc/{}/root", init.pid1)),
+            &self.cfg.workspace_str(),
+            &self.home,
+            Some(user),
+        )
+        .map_err(|e| internal("cannot open the machine's root", e))?;
+        let core = SandboxCore {
+            id: record.id.clone(),
+            cfg: self.cfg.clone(),
+            ws: Arc::new(ws),
+            dir: dir.to_owned(),
+            state_dir: state,
+            init,
+            cgroup: None,
+            network: Mutex::new(None),
+            env: record.env.clone(),
+            user,
+            tasks: TaskTracker::new(),
+            closed: CancellationToken::new(),
+        };
+        let record = SandboxRecord {
+            enforcement: Enforcement::None,
+            ..record.clone()
+        };
+        write_json(dir, RECORD, &record).await?;
+        Ok(Arc::new(LocalSandbox::new(Arc::new(core), record)))
+    }
+
     /// The live sandbox `id`, booted again from its record if this provider has not
     /// seen it yet (a daemon restart).
     async fn connect_local(&self, id: &str) -> Result<Arc<LocalSandbox>> {
@@ -621,7 +722,16 @@ impl LocalProvider {
             None => self.rootfs_name(spec.template.as_deref()),
         };
         let (d, owner) = (dir.to_owned(), self.cfg.uid_base);
+        let machine = self.cfg.isolation == Isolation::Machine;
+        if !machine && from_snapshot.is_some() {
+            return Err(ProviderError::Unsupported {
+                op: "create_from_snapshot",
+            });
+        }
         blocking(move || {
+            if !machine {
+                return Ok(());
+            }
             rootfs::create_store(&d, disk, owner)?;
             if let Some(snap) = from_snapshot {
                 // Briefly mounted here to be filled; the sandbox mounts it for itself.
