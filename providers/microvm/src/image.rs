@@ -128,7 +128,7 @@ pub fn build_guest(
     spec: &GuestSpec,
     progress: &mut dyn FnMut(GuestProgress),
 ) -> Result<GuestImage> {
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     check_tools()?;
     let (key, kernel) = image_key(spec)?;
     let dir = spec.out_dir.join(&key);

@@ -70,7 +70,8 @@ fn the_config_section_parses_with_defaults_and_rejects_unknown_fields() {
 fn bad_config_values_are_invalid_requests() {
     let ok = MicrovmConfig::with_root("/r");
     ok.validate().unwrap();
-    let cases: Vec<Box<dyn Fn(&mut MicrovmConfig)>> = vec![
+    type Edit = Box<dyn Fn(&mut MicrovmConfig)>;
+    let cases: Vec<Edit> = vec![
         Box::new(|c| c.root = PathBuf::from("relative")),
         Box::new(|c| c.memory_mib = 16),
         Box::new(|c| c.vcpus = 0),
