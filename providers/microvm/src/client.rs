@@ -3,7 +3,6 @@
 //! host's cgroup for it, and the guest agent's `/health` and `/init` over the slirp
 //! host forward.
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -679,23 +678,6 @@ pub async fn save_state(socket: &Path, file: &Path, limit: Duration, poll: Durat
 
 // === the guest agent ===
 
-/// The body of the agent's `POST /init` after a boot or restore.
-// TODO(vm, #11): use `tether_protocol::e2b::InitRequest` once it carries `tetherEntropy`.
-#[derive(Debug, Serialize)]
-pub struct InitBody {
-    /// The sandbox's access token.
-    #[serde(rename = "accessToken")]
-    pub access_token: String,
-    /// Environment of every process.
-    #[serde(rename = "envVars")]
-    pub env_vars: BTreeMap<String, String>,
-    /// The host's clock, RFC 3339.
-    pub timestamp: String,
-    /// Random bytes (base64) mixed into the guest's RNG, so clones differ.
-    #[serde(rename = "tetherEntropy")]
-    pub tether_entropy: String,
-}
-
 /// One `/health` probe of the agent at `port`, bounded by `limit`.
 pub async fn probe(http: &reqwest::Client, port: u16, limit: Duration) -> bool {
     let url = format!("http://127.0.0.1:{port}/health");
@@ -740,31 +722,33 @@ pub async fn wait_ready(
     }
 }
 
-/// `POST /init` to the agent at `port`.
+/// `POST /init` to the agent at `port` (`current_token`: the token the guest holds
+/// already, if any).
 pub async fn init_agent(
     http: &reqwest::Client,
     port: u16,
-    body: &InitBody,
+    body: &tether_protocol::e2b::InitRequest,
+    current_token: Option<&str>,
     limit: Duration,
 ) -> Result<()> {
     let url = format!("http://127.0.0.1:{port}/init");
-    let r = http
-        .post(url)
-        .json(body)
-        .timeout(limit)
-        .send()
-        .await
-        .map_err(|e| {
-            if e.is_timeout() {
-                timeout(Clock::Total, limit)
-            } else {
-                ProviderError::Unavailable {
-                    message: format!("microvm: /init: {e}"),
-                    retry_after: None,
-                    source: Some(Box::new(e)),
-                }
+    let mut req = http.post(url).json(body);
+    // A VM restored from a sandbox's snapshot holds that sandbox's token: the agent takes
+    // a new one from a caller that proves it holds the current one.
+    if let Some(t) = current_token {
+        req = req.header("X-Access-Token", t);
+    }
+    let r = req.timeout(limit).send().await.map_err(|e| {
+        if e.is_timeout() {
+            timeout(Clock::Total, limit)
+        } else {
+            ProviderError::Unavailable {
+                message: format!("microvm: /init: {e}"),
+                retry_after: None,
+                source: Some(Box::new(e)),
             }
-        })?;
+        }
+    })?;
     if r.status().is_success() {
         Ok(())
     } else {

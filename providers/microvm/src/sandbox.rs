@@ -33,7 +33,7 @@ use tether_provider::{
 };
 
 use crate::client::{
-    self, Cgroup, Empty, InitBody, QemuProcess, StatusInfo, VmLaunch, create_overlay, qmp_call,
+    self, Cgroup, Empty, QemuProcess, StatusInfo, VmLaunch, create_overlay, qmp_call,
 };
 use crate::config::MicrovmConfig;
 use crate::error::{internal, unavailable};
@@ -129,7 +129,7 @@ struct SnapshotMeta {
     cmdline: String,
     memory_mib: u64,
     vcpus: u32,
-    /// The source's token: the agent keeps the first token it was given.
+    /// The source's token, which the saved guest holds.
     token: String,
     env: BTreeMap<String, String>,
     network: bool,
@@ -151,7 +151,8 @@ struct Origin {
     cmdline: String,
     memory_mib: u64,
     vcpus: u32,
-    token: Option<String>,
+    /// The token the saved guest holds already (a snapshot's source's).
+    prev_token: Option<String>,
 }
 
 fn now_ms() -> i64 {
@@ -681,10 +682,7 @@ impl MicrovmProvider {
         } else {
             None
         };
-        let token = match origin.token.clone() {
-            Some(t) => t,
-            None => random_token()?,
-        };
+        let token = random_token()?;
         let created = now_ms();
         let ttl = spec
             .ttl
@@ -766,14 +764,22 @@ impl MicrovmProvider {
             .await
             .map_err(|f| f.error)?;
         let restored = t0.elapsed();
-        let body = InitBody {
-            access_token: token,
-            env_vars: stamp.env.clone(),
-            timestamp: rfc3339_now(),
-            tether_entropy: client::entropy()?,
+        let body = tether_protocol::e2b::InitRequest {
+            env_vars: Some(stamp.env.clone()),
+            access_token: Some(token),
+            default_user: None,
+            default_workdir: None,
+            timestamp: Some(rfc3339_now()),
+            tether_entropy: Some(client::entropy()?),
         };
-        if let Err(e) =
-            client::init_agent(&self.http, stamp.port, &body, self.cfg.init_timeout()).await
+        if let Err(e) = client::init_agent(
+            &self.http,
+            stamp.port,
+            &body,
+            origin.prev_token.as_deref(),
+            self.cfg.init_timeout(),
+        )
+        .await
         {
             q.kill(self.cfg.stop_grace()).await;
             return Err(e);
@@ -935,7 +941,7 @@ impl Provider for MicrovmProvider {
             cmdline: t.cmdline.clone(),
             memory_mib: mem,
             vcpus: cpus,
-            token: None,
+            prev_token: None,
         };
         let core = self.start_vm(ctx, origin, spec).await?;
         tracing::info!(sandbox.id = %core.stamp().id, port = core.port(), "Created a microVM sandbox");
@@ -1087,7 +1093,7 @@ impl Provider for MicrovmProvider {
             cmdline: meta.cmdline,
             memory_mib: meta.memory_mib,
             vcpus: meta.vcpus,
-            token: Some(meta.token),
+            prev_token: Some(meta.token),
         };
         let core = self.start_vm(ctx, origin, spec).await?;
         self.sandbox(core)
