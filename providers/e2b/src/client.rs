@@ -72,8 +72,10 @@ where
         .sleep(tokio::time::sleep)
         .when(|e: &ProviderError| e.retryable() && !cancel.is_cancelled())
         .adjust(|e, dur| {
-            let advised = e.retry_after().map(|d| d.min(max));
-            let d = advised.or(dur)?;
+            // The policy's budget bounds the retries (`dur` is `None` once it is spent);
+            // `Retry-After` only says how long to wait before the next one.
+            let d = dur?;
+            let d = e.retry_after().map_or(d, |a| a.min(max));
             match remaining() {
                 Some(left) if left <= d => None,
                 _ => Some(d),
