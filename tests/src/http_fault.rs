@@ -17,7 +17,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -45,9 +45,9 @@ struct Rule {
 
 #[derive(Debug, Default)]
 struct State {
-    rules: Mutex<Vec<Rule>>,
+    rules: RwLock<Vec<Rule>>,
     /// (path, what happened) of every request, in order.
-    seen: Mutex<Vec<(String, &'static str)>>,
+    seen: RwLock<Vec<(String, &'static str)>>,
 }
 
 /// A running HTTP fault proxy; dropping it stops it.
@@ -138,7 +138,7 @@ impl HttpFaultProxy {
     }
 
     fn push(&self, rule: Rule) {
-        if let Ok(mut r) = self.state.rules.lock() {
+        if let Ok(mut r) = self.state.rules.write() {
             r.push(rule);
         }
     }
@@ -147,7 +147,7 @@ impl HttpFaultProxy {
     pub fn seen(&self) -> Vec<(String, &'static str)> {
         self.state
             .seen
-            .lock()
+            .read()
             .map(|s| s.clone())
             .unwrap_or_default()
     }
@@ -157,7 +157,7 @@ impl HttpFaultProxy {
     pub fn count(&self, prefix: &str, what: &str) -> usize {
         self.state
             .seen
-            .lock()
+            .read()
             .map(|s| {
                 s.iter()
                     .filter(|(p, w)| p.starts_with(prefix) && *w == what)
@@ -169,7 +169,7 @@ impl HttpFaultProxy {
 
 /// The rule the request falls under, its budget taken.
 fn take_rule(st: &State, path: &str) -> Option<Action> {
-    let mut rules = st.rules.lock().ok()?;
+    let mut rules = st.rules.write().ok()?;
     let rule = rules
         .iter_mut()
         .find(|r| r.remaining > 0 && path.starts_with(&r.prefix))?;
@@ -178,7 +178,7 @@ fn take_rule(st: &State, path: &str) -> Option<Action> {
 }
 
 fn note(st: &State, path: &str, what: &'static str) {
-    if let Ok(mut s) = st.seen.lock() {
+    if let Ok(mut s) = st.seen.write() {
         s.push((path.to_owned(), what));
     }
 }
