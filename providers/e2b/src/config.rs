@@ -337,48 +337,13 @@ impl E2bConfig {
     /// Check the configuration and resolve its endpoints.
     pub fn validate(&self) -> Result<Endpoints, ProviderError> {
         let invalid = |message: String| ProviderError::InvalidRequest { message };
-        if !self.workspace.starts_with('/') {
-            return Err(invalid(format!(
-                "e2b workspace {:?} must be an absolute path",
-                self.workspace
-            )));
-        }
-        if !self.state_dir().starts_with('/') {
-            return Err(invalid(format!(
-                "e2b state_dir {:?} must be an absolute path",
-                self.state_dir()
-            )));
-        }
         if self.template.trim().is_empty() {
             return Err(invalid("e2b template must not be empty".into()));
         }
         if self.ttl_ms < 1000 {
             return Err(invalid("e2b ttl_ms must be at least 1000".into()));
         }
-        for (name, v) in [
-            ("connect_timeout_ms", self.connect_timeout_ms),
-            ("transport_idle_ms", self.transport_idle_ms),
-            ("request_timeout_ms", self.request_timeout_ms),
-            ("max_output_bytes", self.max_output_bytes),
-            ("output_buffer_bytes", self.output_buffer_bytes),
-        ] {
-            if v == 0 {
-                return Err(invalid(format!("e2b {name} must be positive")));
-            }
-        }
-        if self.keepalive_interval_s == 0
-            || u64::from(self.keepalive_interval_s) * 1000 >= self.transport_idle_ms
-        {
-            return Err(invalid(
-                "e2b keepalive_interval_s must be positive and shorter than transport_idle_ms"
-                    .into(),
-            ));
-        }
-        if self.retry.min_delay_ms > self.retry.max_delay_ms {
-            return Err(invalid(
-                "e2b retry.min_delay_ms must not exceed retry.max_delay_ms".into(),
-            ));
-        }
+        self.envd_config().validate("e2b")?;
         Endpoints::resolve(self)
     }
 

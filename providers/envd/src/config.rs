@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tether_provider::ProviderError;
 
 /// The sandbox user's home, the workspace of file operations and processes.
 pub const DEFAULT_WORKSPACE: &str = "/home/user";
@@ -80,8 +81,10 @@ fn d_max_delay() -> u64 {
     DEFAULT_RETRY_MAX_DELAY_MS
 }
 
-/// The clocks and settings of the envd client of one sandbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The clocks and settings of the envd client of one sandbox. As a configuration table
+/// (a provider may embed it), every key is optional and defaults to its named constant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct EnvdClientConfig {
     /// The workspace as sandbox paths see it: where relative paths and the default
     /// working directory point. Default `/home/user`.
@@ -151,6 +154,49 @@ impl Default for EnvdClientConfig {
 }
 
 impl EnvdClientConfig {
+    /// Check the settings; `section` names the configuration section in the messages
+    /// (`e2b`, `microvm`). Errors are `INVALID_REQUEST`.
+    pub fn validate(&self, section: &str) -> Result<(), ProviderError> {
+        let invalid = |message: String| ProviderError::InvalidRequest { message };
+        if !self.workspace.starts_with('/') {
+            return Err(invalid(format!(
+                "{section} workspace {:?} must be an absolute path",
+                self.workspace
+            )));
+        }
+        if !self.state_dir().starts_with('/') {
+            return Err(invalid(format!(
+                "{section} state_dir {:?} must be an absolute path",
+                self.state_dir()
+            )));
+        }
+        for (name, v) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("transport_idle_ms", self.transport_idle_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("health_timeout_ms", self.health_timeout_ms),
+            ("max_output_bytes", self.max_output_bytes),
+            ("output_buffer_bytes", self.output_buffer_bytes),
+        ] {
+            if v == 0 {
+                return Err(invalid(format!("{section} {name} must be positive")));
+            }
+        }
+        if self.keepalive_interval_s == 0
+            || u64::from(self.keepalive_interval_s) * 1000 >= self.transport_idle_ms
+        {
+            return Err(invalid(format!(
+                "{section} keepalive_interval_s must be positive and shorter than transport_idle_ms"
+            )));
+        }
+        if self.retry.min_delay_ms > self.retry.max_delay_ms {
+            return Err(invalid(format!(
+                "{section} retry.min_delay_ms must not exceed retry.max_delay_ms"
+            )));
+        }
+        Ok(())
+    }
+
     /// The in-sandbox directory of command output copies.
     pub fn state_dir(&self) -> String {
         match &self.state_dir {

@@ -21,6 +21,54 @@ use crate::error::{Op, from_connect, from_status};
 use crate::fs::{resolve, to_stat, version_of};
 use crate::process::{Window, exit_status};
 
+// --- configuration ---
+
+#[test]
+fn the_client_configuration_defaults_to_its_named_constants_and_is_checked() {
+    use crate::config::{self, EnvdClientConfig};
+    let empty: EnvdClientConfig = serde_json::from_str("{}").unwrap();
+    assert_eq!(empty, EnvdClientConfig::default());
+    assert_eq!(empty.connect_timeout_ms, config::DEFAULT_CONNECT_TIMEOUT_MS);
+    assert_eq!(empty.health_timeout_ms, config::DEFAULT_HEALTH_TIMEOUT_MS);
+    assert_eq!(empty.retry.max_times, config::DEFAULT_RETRY_MAX_TIMES);
+    assert_eq!(empty.state_dir(), "/home/user/.cache/tether");
+    assert!(empty.validate("microvm").is_ok());
+    let some: EnvdClientConfig =
+        serde_json::from_str(r#"{"workspace": "/root", "health_timeout_ms": 500}"#).unwrap();
+    assert_eq!(some.health_timeout(), Duration::from_millis(500));
+    assert_eq!(some.state_dir(), "/root/.cache/tether");
+    assert_eq!(some.request_timeout_ms, config::DEFAULT_REQUEST_TIMEOUT_MS);
+    assert!(serde_json::from_str::<EnvdClientConfig>(r#"{"bogus": 1}"#).is_err());
+    for bad in [
+        EnvdClientConfig {
+            workspace: "rel".into(),
+            ..EnvdClientConfig::default()
+        },
+        EnvdClientConfig {
+            health_timeout_ms: 0,
+            ..EnvdClientConfig::default()
+        },
+        EnvdClientConfig {
+            keepalive_interval_s: 60,
+            ..EnvdClientConfig::default()
+        },
+        EnvdClientConfig {
+            retry: crate::RetryConfig {
+                min_delay_ms: 10,
+                max_delay_ms: 5,
+                max_times: 1,
+            },
+            ..EnvdClientConfig::default()
+        },
+    ] {
+        assert_eq!(
+            bad.validate("microvm").unwrap_err().code(),
+            ErrorCode::InvalidRequest,
+            "{bad:?}"
+        );
+    }
+}
+
 // --- versions ---
 
 #[test]
