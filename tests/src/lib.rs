@@ -15,6 +15,7 @@ use tether_daemon::config::Config;
 use tether_daemon::server::{Daemon, RunningDaemon};
 
 pub mod fault_proxy;
+pub mod http_fault;
 pub mod otlp;
 pub mod promql;
 pub mod ssh_host;

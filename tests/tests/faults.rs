@@ -4,7 +4,11 @@
 //! - a link that drips one byte at a time: no idle clock fires (bytes keep arriving), the
 //!   call's total deadline does, within its limit plus a small margin;
 //! - a connection whose client-bound direction is closed in the middle of a body (a clean
-//!   FIN, not a reset): the read notices the short body and resumes it byte for byte.
+//!   FIN, not a reset): the read notices the short body and resumes it byte for byte;
+//! - at the HTTP level ([`HttpFaultProxy`]): 429s with `Retry-After` are waited out, one
+//!   that outlasts the retries is `RATE_LIMITED` carrying it; a storm of 503s on an
+//!   idempotent call is retried through; a command stream that loses its end frame still
+//!   reports the command's real exit and output, and the command is never started twice.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -16,10 +20,13 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::fs::{ByteRange, WriteGuard};
+use tether_protocol::process::{ProcessEvent, ProcessSpec};
+use tether_provider::StreamOffsets;
 use tether_provider::{CallCtx, Clock, Provider, Sandbox, SandboxSpec};
-use tether_provider_e2b::{E2bConfig, E2bProvider};
+use tether_provider_e2b::{E2bConfig, E2bProvider, RetryConfig};
 use tether_tests::TestDaemon;
 use tether_tests::fault_proxy::FaultProxy;
+use tether_tests::http_fault::HttpFaultProxy;
 use tokio::time::Instant;
 
 fn addr_of(base: &str) -> SocketAddr {
@@ -129,4 +136,112 @@ async fn a_read_half_closed_mid_body_is_resumed_byte_for_byte() {
     assert_eq!(proxy.half_closes(), 1);
     assert_eq!(got.len(), data.len());
     assert!(got == data, "every byte once, in order");
+}
+
+/// A provider with both planes behind one HTTP fault proxy and a short retry policy.
+fn via_http_proxy(proxy: &HttpFaultProxy) -> E2bProvider {
+    let cfg = E2bConfig {
+        api_url: Some(proxy.url()),
+        sandbox_url: Some(proxy.url()),
+        api_key: Some("e2b_tether_test".into()),
+        inherit_env: false,
+        retry: RetryConfig {
+            max_times: 3,
+            min_delay_ms: 50,
+            max_delay_ms: 2_000,
+        },
+        ..E2bConfig::default()
+    };
+    E2bProvider::new(cfg).expect("provider")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_are_waited_out_as_retry_after_says() {
+    let d = TestDaemon::start().await;
+    let proxy = HttpFaultProxy::start(&d.base).await;
+    let p = via_http_proxy(&proxy);
+    proxy.refuse("/v2/sandboxes", 2, 429, Some(1));
+    let t = Instant::now();
+    let sb = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("create");
+    let took = t.elapsed();
+    assert_eq!(proxy.count("/v2/sandboxes", "refused"), 2);
+    assert_eq!(proxy.count("/v2/sandboxes", "forwarded"), 1);
+    assert!(
+        took >= Duration::from_secs(2),
+        "two Retry-After: 1 were honoured: {took:?}"
+    );
+    p.destroy(&ctx(), &sb.info().id).await.expect("destroy");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_that_outlasts_the_retries_is_rate_limited_with_its_retry_after() {
+    let d = TestDaemon::start().await;
+    let proxy = HttpFaultProxy::start(&d.base).await;
+    let p = via_http_proxy(&proxy);
+    proxy.refuse("/v2/sandboxes", 100, 429, Some(1));
+    let t = Instant::now();
+    let err = match p.create(&ctx(), SandboxSpec::default()).await {
+        Ok(_) => panic!(
+            "every attempt is refused, yet after {:?}: {:?}",
+            t.elapsed(),
+            proxy.seen()
+        ),
+        Err(e) => e,
+    };
+    assert_eq!(err.code(), ErrorCode::RateLimited, "{err}");
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
+    // The first attempt and three retries, no more.
+    assert_eq!(proxy.count("/v2/sandboxes", "refused"), 4);
+    assert_eq!(proxy.count("/v2/sandboxes", "forwarded"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_503s_on_an_idempotent_call_is_retried_through() {
+    let d = TestDaemon::start().await;
+    let proxy = HttpFaultProxy::start(&d.base).await;
+    let p = via_http_proxy(&proxy);
+    let (sb, data) = sandbox_with_file(&p, 4096).await;
+    let before = proxy.count("/filesystem.Filesystem/Stat", "forwarded");
+    proxy.refuse("/filesystem.Filesystem/Stat", 3, 503, None);
+    let st = sb.fs().stat(&ctx(), "big.bin").await.expect("stat");
+    assert_eq!(st.size, data.len() as u64);
+    assert_eq!(proxy.count("/filesystem.Filesystem/Stat", "refused"), 3);
+    assert_eq!(
+        proxy.count("/filesystem.Filesystem/Stat", "forwarded"),
+        before + 1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_stream_without_its_end_frame_reports_the_real_exit_without_a_rerun() {
+    let d = TestDaemon::start().await;
+    let proxy = HttpFaultProxy::start(&d.base).await;
+    let p = via_http_proxy(&proxy);
+    let sb = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("create");
+    proxy.drop_end_frame("/process.Process/Start", 1);
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("echo out; sleep 0.3; exit 3"))
+        .await
+        .expect("spawn");
+    let mut events = h.events(StreamOffsets::default());
+    let (mut out, mut exit) = (Vec::new(), None);
+    while let Some(ev) = events.next().await {
+        match ev.expect("no error: the stream is re-attached") {
+            ProcessEvent::Output { data, .. } => out.extend_from_slice(&data),
+            ProcessEvent::Exited { status, .. } => exit = Some(status.code),
+            ProcessEvent::Started { .. } => {}
+        }
+    }
+    assert_eq!(proxy.count("/process.Process/Start", "truncated"), 1);
+    assert_eq!(String::from_utf8_lossy(&out), "out\n", "{:?}", proxy.seen());
+    assert_eq!(exit, Some(Some(3)), "exit {exit:?}: {:?}", proxy.seen());
+    // Found again, never started again.
+    assert_eq!(proxy.count("/process.Process/Start", "forwarded"), 0);
 }

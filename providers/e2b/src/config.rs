@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
+use tether_envd_client::config::{DEFAULT_HEALTH_TIMEOUT_MS, EnvdClientConfig};
+use tether_envd_client::join;
 use tether_provider::ProviderError;
 
 /// `E2B_API_URL`: the control-plane base URL.
@@ -36,8 +38,7 @@ pub const ENV_DEBUG: &str = "E2B_DEBUG";
 pub const DEFAULT_DOMAIN: &str = "e2b.app";
 /// The template of new sandboxes when neither the spec nor the config names one.
 pub const DEFAULT_TEMPLATE: &str = "base";
-/// The sandbox user's home, the workspace of file operations and processes.
-pub const DEFAULT_WORKSPACE: &str = "/home/user";
+pub use tether_envd_client::config::DEFAULT_WORKSPACE;
 /// Control-plane URL in debug mode.
 pub const DEBUG_API_URL: &str = "http://localhost:3000";
 /// envd URL in debug mode.
@@ -57,66 +58,15 @@ pub const SHARED_HOST_DOMAINS: &[&str] = &[
     "foxtrot-2.e2b.dev",
 ];
 
-/// Default limit of the connect / first-byte phase of a remote call.
-pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
-/// Default limit of silence on a transport (no bytes at all, keepalives included).
-pub const DEFAULT_TRANSPORT_IDLE_MS: u64 = 60_000;
-/// Default total limit of one request/response call.
-pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 60_000;
-/// Default interval of envd's keepalive events on streams, seconds.
-pub const DEFAULT_KEEPALIVE_INTERVAL_S: u32 = 15;
+pub use tether_envd_client::RetryConfig;
+pub use tether_envd_client::config::{
+    DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_DRAIN_AFTER_EXIT_MS, DEFAULT_FINISHED_COMMANDS_KEPT,
+    DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_MAX_GRACE_MS, DEFAULT_MAX_OUTPUT_BYTES,
+    DEFAULT_OUTPUT_BUFFER_BYTES, DEFAULT_REATTACH_ATTEMPTS, DEFAULT_REQUEST_TIMEOUT_MS,
+    DEFAULT_TRANSPORT_IDLE_MS,
+};
 /// Default time to live of a new sandbox.
 pub const DEFAULT_TTL_MS: u64 = 300_000;
-/// Default capture cap per output stream.
-pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 64 * 1024 * 1024;
-/// Default bytes of recent output kept in memory per stream (older output is read back
-/// from the in-sandbox copy).
-pub const DEFAULT_OUTPUT_BUFFER_BYTES: u64 = 4 * 1024 * 1024;
-/// Default time to wait for a command's output copies to complete after it exited.
-pub const DEFAULT_DRAIN_AFTER_EXIT_MS: u64 = 500;
-/// Default upper bound of a command's grace period.
-pub const DEFAULT_MAX_GRACE_MS: u64 = 60_000;
-/// Default number of attempts to re-attach to a command after its stream broke.
-pub const DEFAULT_REATTACH_ATTEMPTS: u32 = 5;
-/// Default number of finished commands remembered per sandbox.
-pub const DEFAULT_FINISHED_COMMANDS_KEPT: usize = 256;
-
-/// Retry policy of idempotent calls (reads, stat, list, renew, destroy, and create with
-/// an idempotency key): exponential backoff with jitter, honouring `Retry-After`, never
-/// past the call's deadline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RetryConfig {
-    /// Retries after the first attempt. Default 3 (as the SDKs). 0 disables retries.
-    #[serde(default = "d_retries")]
-    pub max_times: usize,
-    /// First backoff delay, ms. Default 100.
-    #[serde(default = "d_min_delay")]
-    pub min_delay_ms: u64,
-    /// Largest backoff delay (and largest honoured `Retry-After`), ms. Default 10 000.
-    #[serde(default = "d_max_delay")]
-    pub max_delay_ms: u64,
-}
-
-impl Default for RetryConfig {
-    fn default() -> Self {
-        Self {
-            max_times: d_retries(),
-            min_delay_ms: d_min_delay(),
-            max_delay_ms: d_max_delay(),
-        }
-    }
-}
-
-fn d_retries() -> usize {
-    3
-}
-fn d_min_delay() -> u64 {
-    100
-}
-fn d_max_delay() -> u64 {
-    10_000
-}
 
 /// Configuration of one E2B backend (E2B cloud, or a self-hosted E2B-compatible one).
 ///
@@ -387,58 +337,44 @@ impl E2bConfig {
     /// Check the configuration and resolve its endpoints.
     pub fn validate(&self) -> Result<Endpoints, ProviderError> {
         let invalid = |message: String| ProviderError::InvalidRequest { message };
-        if !self.workspace.starts_with('/') {
-            return Err(invalid(format!(
-                "e2b workspace {:?} must be an absolute path",
-                self.workspace
-            )));
-        }
-        if !self.state_dir().starts_with('/') {
-            return Err(invalid(format!(
-                "e2b state_dir {:?} must be an absolute path",
-                self.state_dir()
-            )));
-        }
         if self.template.trim().is_empty() {
             return Err(invalid("e2b template must not be empty".into()));
         }
         if self.ttl_ms < 1000 {
             return Err(invalid("e2b ttl_ms must be at least 1000".into()));
         }
-        for (name, v) in [
-            ("connect_timeout_ms", self.connect_timeout_ms),
-            ("transport_idle_ms", self.transport_idle_ms),
-            ("request_timeout_ms", self.request_timeout_ms),
-            ("max_output_bytes", self.max_output_bytes),
-            ("output_buffer_bytes", self.output_buffer_bytes),
-        ] {
-            if v == 0 {
-                return Err(invalid(format!("e2b {name} must be positive")));
-            }
-        }
-        if self.keepalive_interval_s == 0
-            || u64::from(self.keepalive_interval_s) * 1000 >= self.transport_idle_ms
-        {
-            return Err(invalid(
-                "e2b keepalive_interval_s must be positive and shorter than transport_idle_ms"
-                    .into(),
-            ));
-        }
-        if self.retry.min_delay_ms > self.retry.max_delay_ms {
-            return Err(invalid(
-                "e2b retry.min_delay_ms must not exceed retry.max_delay_ms".into(),
-            ));
-        }
+        self.envd_config().validate("e2b")?;
         Endpoints::resolve(self)
     }
 
-    /// The limits as durations.
-    pub(crate) fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.connect_timeout_ms)
-    }
-
+    /// The total limit of a request/response call.
     pub(crate) fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// The envd client's settings: the clocks, the retry policy, the workspace and the
+    /// command settings of this section (the readiness probe's limit is the client's
+    /// default: this provider's health check goes through the control plane).
+    pub fn envd_config(&self) -> EnvdClientConfig {
+        EnvdClientConfig {
+            workspace: self.workspace.clone(),
+            user: self.user.clone(),
+            state_dir: self.state_dir.clone(),
+            connect_timeout_ms: self.connect_timeout_ms,
+            transport_idle_ms: self.transport_idle_ms,
+            output_idle_ms: self.output_idle_ms,
+            request_timeout_ms: self.request_timeout_ms,
+            health_timeout_ms: DEFAULT_HEALTH_TIMEOUT_MS,
+            keepalive_interval_s: self.keepalive_interval_s,
+            retry: self.retry,
+            max_output_bytes: self.max_output_bytes,
+            output_buffer_bytes: self.output_buffer_bytes,
+            drain_after_exit_ms: self.drain_after_exit_ms,
+            max_grace_ms: self.max_grace_ms,
+            reattach_attempts: self.reattach_attempts,
+            verify_writes: self.verify_writes,
+            finished_commands_kept: self.finished_commands_kept,
+        }
     }
 }
 
@@ -511,13 +447,4 @@ impl Endpoints {
     pub fn api_path(&self, path: &str) -> Url {
         join(&self.api, path)
     }
-}
-
-/// `base` with `path` appended to its path (a base path is kept).
-pub(crate) fn join(base: &Url, path: &str) -> Url {
-    let mut u = base.clone();
-    let joined = format!("{}{}", base.path().trim_end_matches('/'), path);
-    u.set_path(&joined);
-    u.set_query(None);
-    u
 }

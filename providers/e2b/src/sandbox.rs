@@ -7,7 +7,8 @@
 //! lifetime), falling back to v1 and then to the sandbox's details on backends without
 //! it. `destroy` is a kill where a 404 means already gone; `renew` sets the timeout.
 //! What a backend supports is probed on first contact and remembered, so an operation it
-//! lacks fails with `UNSUPPORTED` at once instead of being tried again.
+//! lacks fails with `UNSUPPORTED` at once instead of being tried again. A sandbox's file
+//! system and processes are `tether-envd-client`'s, over its envd.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -16,25 +17,26 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use reqwest::Method;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, EndEvent, ListedSandbox, NewSandboxRequest, ProcessConfig,
-    ProcessEventMsg, ProcessEventResponse, SandboxDetail, SandboxResponse, StartRequest,
-    TimeoutRequest,
+    ConnectSandboxRequest, ENVD_PORT, ListedSandbox, NewSandboxRequest, SandboxDetail,
+    SandboxResponse, TimeoutRequest,
 };
-use tether_protocol::process::ExitStatus;
-use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
     SandboxInfo, SandboxSpec,
 };
 use tokio_util::task::TaskTracker;
 
-use crate::client::{ApiClient, Envd, EnvdVersion, Http, StreamItem, decode, retry};
+use tether_envd_client::error::{Op, from_status, malformed};
+use tether_envd_client::{
+    EnvdClientConfig, EnvdEndpoint, EnvdFs, EnvdProcess, EnvdSandboxClient, EnvdVersion, Http,
+    decode, parse_time_ms, retry,
+};
+
+use crate::client::{ApiClient, build_client};
 use crate::config::{DEBUG_SANDBOX_ID, E2bConfig};
-use crate::error::{Op, from_status};
-use crate::fs::E2bFs;
-use crate::process::{E2bProcess, exit_status};
 use tether_provider::Clock;
 
 /// The provider kind.
@@ -80,13 +82,6 @@ fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Milliseconds since the epoch of an RFC 3339 time.
-pub(crate) fn parse_time_ms(s: &str) -> Option<i64> {
-    let t = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339)
-        .ok()?;
-    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
-}
-
 fn secs_ceil(d: Duration) -> i64 {
     let s = d.as_millis().div_ceil(1000);
     i64::try_from(s).unwrap_or(i64::MAX).max(1)
@@ -103,6 +98,8 @@ pub struct E2bProvider {
 #[derive(Debug)]
 struct ProviderInner {
     cfg: Arc<E2bConfig>,
+    /// The envd client's part of `cfg`, shared by every sandbox.
+    envd_cfg: Arc<EnvdClientConfig>,
     api: ApiClient,
     http: Http,
     probe: Probe,
@@ -116,17 +113,19 @@ impl E2bProvider {
     /// A provider for `cfg` (already merged with the environment, see
     /// [`E2bConfig::with_env`]) with its own HTTP client.
     pub fn new(cfg: E2bConfig) -> Result<Self> {
-        Self::with_client(cfg, Http::build_client()?)
+        Self::with_client(cfg, build_client()?)
     }
 
     /// A provider for `cfg` using a shared HTTP client.
     pub fn with_client(cfg: E2bConfig, client: reqwest::Client) -> Result<Self> {
         let endpoints = cfg.validate()?;
-        let http = Http::new(&cfg, client);
+        let envd_cfg = Arc::new(cfg.envd_config());
+        let http = Http::new(&envd_cfg, client);
         let api = ApiClient::new(&cfg, endpoints, http.clone())?;
         Ok(Self {
             inner: Arc::new(ProviderInner {
                 cfg: Arc::new(cfg),
+                envd_cfg,
                 api,
                 http,
                 probe: Probe::default(),
@@ -168,38 +167,56 @@ impl ProviderInner {
             .read()
             .ok()
             .and_then(|m| m.get(id).and_then(Weak::upgrade))
-            && !shared.core.closed.is_cancelled()
+            && !shared.client.is_closed()
         {
             return Ok(Arc::new(E2bSandbox { shared, info }));
         }
         let version = EnvdVersion::parse(envd_version)
-            .ok_or_else(|| crate::error::malformed(format!("envd version {envd_version:?}")))?;
-        let base = self.api.endpoints.envd_url(id, domain)?;
-        let envd = Envd::new(
-            self.http.clone(),
-            base,
-            id,
-            token,
-            self.cfg.keepalive_interval_s,
-            version,
-        )?;
-        let core = Arc::new(SandboxCore {
-            id: id.to_owned(),
-            cfg: self.cfg.clone(),
-            envd,
-            closed: CancelToken::new(),
-            tasks: TaskTracker::new(),
-        });
+            .ok_or_else(|| malformed(format!("envd version {envd_version:?}")))?;
+        let base_url = self.api.endpoints.envd_url(id, domain)?;
+        let client = self.envd_client(id, base_url, token, version)?;
         let shared = Arc::new(Shared {
-            fs: E2bFs::new(core.clone()),
-            process: E2bProcess::new(core.clone()),
-            core,
+            fs: client.fs(),
+            process: client.process(),
+            client,
         });
         if let Ok(mut m) = self.live.write() {
             m.retain(|_, w| w.strong_count() > 0);
             m.insert(id.to_owned(), Arc::downgrade(&shared));
         }
         Ok(Arc::new(E2bSandbox { shared, info }))
+    }
+
+    /// The envd client of sandbox `id`: E2B's edge routes its calls by the
+    /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
+    fn envd_client(
+        &self,
+        id: &str,
+        base_url: reqwest::Url,
+        token: Option<&str>,
+        version: EnvdVersion,
+    ) -> Result<EnvdSandboxClient> {
+        let mut headers = HeaderMap::new();
+        let sid = HeaderValue::from_str(id)
+            .map_err(|_| malformed("a sandbox id that is not a header value"))?;
+        headers.insert(HeaderName::from_static("e2b-sandbox-id"), sid);
+        headers.insert(
+            HeaderName::from_static("e2b-sandbox-port"),
+            HeaderValue::from(ENVD_PORT),
+        );
+        let endpoint = EnvdEndpoint {
+            base_url,
+            access_token: token.map(str::to_owned),
+            headers,
+            version,
+        };
+        EnvdSandboxClient::with_config(
+            KIND,
+            id,
+            endpoint,
+            self.envd_cfg.clone(),
+            self.http.client.clone(),
+        )
     }
 
     fn forget(&self, id: &str) {
@@ -210,7 +227,7 @@ impl ProviderInner {
             .and_then(|mut m| m.remove(id))
             .and_then(|w| w.upgrade());
         if let Some(shared) = gone {
-            shared.core.closed.cancel(CancelReason::SessionClosed);
+            shared.client.close();
         }
     }
 
@@ -496,15 +513,8 @@ impl Provider for E2bProvider {
         let i = &self.inner;
         if i.debug() {
             let base = i.api.endpoints.envd_url(DEBUG_SANDBOX_ID, None)?;
-            let envd = Envd::new(
-                i.http.clone(),
-                base,
-                DEBUG_SANDBOX_ID,
-                None,
-                i.cfg.keepalive_interval_s,
-                DEBUG_ENVD_VERSION,
-            )?;
-            return retry(ctx, i.http.retry, "health", || envd.health(ctx)).await;
+            let envd = i.envd_client(DEBUG_SANDBOX_ID, base, None, DEBUG_ENVD_VERSION)?;
+            return envd.health(ctx).await;
         }
         // One page of the listing: reachability, credentials and the listing's version.
         retry(ctx, i.http.retry, "healthcheck", || {
@@ -765,98 +775,13 @@ enum Adopted {
     Listed(ListedSandbox),
 }
 
-// === impl SandboxCore ===
-
-/// What every part of one sandbox shares: its envd client, its configuration, and the
-/// token and task tracker that end its background work when it is destroyed.
-#[derive(Debug)]
-pub(crate) struct SandboxCore {
-    pub(crate) id: String,
-    pub(crate) cfg: Arc<E2bConfig>,
-    pub(crate) envd: Envd,
-    pub(crate) closed: CancelToken,
-    pub(crate) tasks: TaskTracker,
-}
-
-/// What a small control command printed and how it ended.
-#[derive(Debug)]
-pub(crate) struct ControlOutcome {
-    pub(crate) status: ExitStatus,
-    pub(crate) stdout: Vec<u8>,
-}
-
-impl SandboxCore {
-    /// The user of file operations.
-    pub(crate) fn user(&self) -> Option<&str> {
-        self.cfg.user.as_deref()
-    }
-
-    /// Run a short control command (`sh -c script tether args...`) to completion, bounded
-    /// by the total limit of a call.
-    pub(crate) async fn control(
-        &self,
-        ctx: &CallCtx,
-        user: Option<&str>,
-        script: &str,
-        args: &[&str],
-    ) -> Result<ControlOutcome> {
-        let tctx = ctx.with_timeout(self.cfg.request_timeout(), Clock::Total);
-        let mut argv = vec!["-c".to_owned(), script.to_owned(), "tether".to_owned()];
-        argv.extend(args.iter().map(|a| (*a).to_owned()));
-        let req = StartRequest {
-            process: Some(ProcessConfig {
-                cmd: "/bin/sh".into(),
-                args: argv,
-                envs: BTreeMap::new(),
-                cwd: Some(self.cfg.workspace.clone()),
-            }),
-            pty: None,
-            tag: None,
-            stdin: Some(false),
-        };
-        let op = Op::Process {
-            op: "control",
-            id: "control",
-        };
-        let mut stream = self
-            .envd
-            .server_stream(
-                &tctx,
-                &tctx.cancel,
-                "process.Process/Start",
-                &req,
-                user.or(self.user()),
-                op,
-            )
-            .await?;
-        let mut stdout = Vec::new();
-        let mut end: Option<EndEvent> = None;
-        while let StreamItem::Message(m) = tctx.run(stream.next::<ProcessEventResponse>()).await? {
-            match m.event {
-                ProcessEventMsg::Data(tether_protocol::e2b::DataEvent::Stdout(b)) => {
-                    stdout.extend_from_slice(&b)
-                }
-                ProcessEventMsg::End(e) => end = Some(e),
-                _ => {}
-            }
-        }
-        let end = end.ok_or_else(|| {
-            crate::error::malformed("a control command ended without an end event")
-        })?;
-        Ok(ControlOutcome {
-            status: exit_status(&end),
-            stdout,
-        })
-    }
-}
-
 // === impl E2bSandbox ===
 
 #[derive(Debug)]
 struct Shared {
-    core: Arc<SandboxCore>,
-    fs: E2bFs,
-    process: E2bProcess,
+    client: EnvdSandboxClient,
+    fs: EnvdFs,
+    process: EnvdProcess,
 }
 
 /// One E2B sandbox.
@@ -869,7 +794,7 @@ pub struct E2bSandbox {
 impl E2bSandbox {
     /// The envd version the backend reported for this sandbox.
     pub fn envd_version(&self) -> EnvdVersion {
-        self.shared.core.envd.version
+        self.shared.client.version()
     }
 }
 

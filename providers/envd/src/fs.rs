@@ -1,4 +1,4 @@
-//! File operations on an E2B sandbox: envd's `/files` for contents (streamed both ways,
+//! File operations in a sandbox through its envd: envd's `/files` for contents (streamed both ways,
 //! never buffered whole) and the `filesystem.Filesystem` service for the rest.
 //!
 //! Writes are atomic: the data is uploaded to a temporary file next to the target and
@@ -155,15 +155,15 @@ fn fs_err(code: ErrorCode, path: &str, message: impl Into<String>) -> ProviderEr
     ProviderError::fs(code, path, message)
 }
 
-// === impl E2bFs ===
+// === impl EnvdFs ===
 
-/// The `Fs` of an E2B sandbox.
+/// The `Fs` of a sandbox with envd.
 #[derive(Debug)]
-pub struct E2bFs {
+pub struct EnvdFs {
     core: Arc<SandboxCore>,
 }
 
-impl E2bFs {
+impl EnvdFs {
     pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
         Self { core }
     }
@@ -809,15 +809,15 @@ pub(crate) async fn open_read(
 }
 
 #[async_trait]
-impl Fs for E2bFs {
-    #[tracing::instrument(name = "fs.stat", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+impl Fs for EnvdFs {
+    #[tracing::instrument(name = "fs.stat", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
         ctx.check()?;
         let path = self.resolve(path);
         Ok(to_stat(&self.stat_entry(ctx, &path).await?))
     }
 
-    #[tracing::instrument(name = "fs.read", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.read", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
         ctx.check()?;
         let path = self.resolve(path);
@@ -831,7 +831,7 @@ impl Fs for E2bFs {
         }
     }
 
-    #[tracing::instrument(name = "fs.write", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.write", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn write(
         &self,
         ctx: &CallCtx,
@@ -844,7 +844,7 @@ impl Fs for E2bFs {
         self.write_inner(ctx, &path, data, guard).await
     }
 
-    #[tracing::instrument(name = "fs.list", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.list", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
         ctx.check()?;
         let path = self.resolve(path);
@@ -889,7 +889,7 @@ impl Fs for E2bFs {
         Ok(out)
     }
 
-    #[tracing::instrument(name = "fs.mkdir", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.mkdir", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat> {
         ctx.check()?;
         let path = self.resolve(path);
@@ -940,7 +940,7 @@ impl Fs for E2bFs {
         }
     }
 
-    #[tracing::instrument(name = "fs.rename", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, from, to))]
+    #[tracing::instrument(name = "fs.rename", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, from, to))]
     async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat> {
         ctx.check()?;
         let (from, to) = (self.resolve(from), self.resolve(to));
@@ -953,7 +953,7 @@ impl Fs for E2bFs {
         }
     }
 
-    #[tracing::instrument(name = "fs.remove", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.remove", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()> {
         ctx.check()?;
         let path = self.resolve(path);
@@ -1004,7 +1004,7 @@ impl Fs for E2bFs {
         Ok(())
     }
 
-    #[tracing::instrument(name = "fs.watch", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, path))]
+    #[tracing::instrument(name = "fs.watch", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, path))]
     async fn watch(
         &self,
         ctx: &CallCtx,

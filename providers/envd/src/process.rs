@@ -1,4 +1,4 @@
-//! Commands in an E2B sandbox: started over envd's `process.Process/Start` stream,
+//! Commands in a sandbox through its envd: started over envd's `process.Process/Start` stream,
 //! resumable after a broken stream, signalled and terminated as a process group.
 //!
 //! Every command runs under a small bash wrapper ([`WRAPPER`]) that
@@ -395,9 +395,9 @@ const STDIN_CLOSED: u8 = 3;
 
 // === impl CommandCore ===
 
-/// One command of an E2B sandbox.
+/// One command of a sandbox with envd.
 #[derive(Debug)]
-pub struct E2bCommand {
+pub struct EnvdCommand {
     id: String,
     pid: u32,
     sandbox: Arc<SandboxCore>,
@@ -416,7 +416,7 @@ pub struct E2bCommand {
     /// Order of completion, for forgetting the oldest finished commands.
     finished_seq: AtomicU64,
     /// This command, for readers that outlive a borrow of it.
-    me: std::sync::Weak<E2bCommand>,
+    me: std::sync::Weak<EnvdCommand>,
 }
 
 static FINISH_SEQ: AtomicU64 = AtomicU64::new(1);
@@ -433,7 +433,7 @@ struct NewCommand {
     stdin: u8,
 }
 
-impl E2bCommand {
+impl EnvdCommand {
     fn new(sandbox: Arc<SandboxCore>, n: NewCommand) -> Arc<Self> {
         let buffer = sandbox.cfg.output_buffer_bytes;
         // Without a copy in the sandbox, everything deliverable stays in memory.
@@ -935,7 +935,7 @@ impl E2bCommand {
 }
 
 #[async_trait]
-impl ProcessHandle for E2bCommand {
+impl ProcessHandle for EnvdCommand {
     fn command_id(&self) -> &str {
         &self.id
     }
@@ -1042,7 +1042,7 @@ impl ProcessHandle for E2bCommand {
         }
     }
 
-    #[tracing::instrument(name = "process.signal", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.sandbox.id, command.id = %self.id))]
+    #[tracing::instrument(name = "process.signal", skip_all, fields(provider.kind = self.sandbox.kind, sandbox.id = %self.sandbox.id, command.id = %self.id))]
     async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()> {
         ctx.check()?;
         let delivered = self.send_signal(ctx, signal_name(signal)).await?;
@@ -1113,7 +1113,7 @@ impl ProcessHandle for E2bCommand {
 
     /// Runs to completion whatever `ctx` says (it is the cleanup after a cancel), bounded
     /// by the grace period, the kill verification and the call limit.
-    #[tracing::instrument(name = "process.terminate", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.sandbox.id, command.id = %self.id))]
+    #[tracing::instrument(name = "process.terminate", skip_all, fields(provider.kind = self.sandbox.kind, sandbox.id = %self.sandbox.id, command.id = %self.id))]
     async fn terminate(&self, ctx: &CallCtx) -> Result<TerminateReport> {
         let mut done = self.terminating.lock().await;
         let tctx = CallCtx::new(ctx.request_id.clone()).with_trace(ctx.trace.clone());
@@ -1186,7 +1186,7 @@ impl ProcessHandle for E2bCommand {
 
 /// One independent reader of a command's events.
 struct Reader {
-    cmd: Arc<E2bCommand>,
+    cmd: Arc<EnvdCommand>,
     rx: watch::Receiver<Progress>,
     pos: [u64; 2],
     started: Option<ProcessEvent>,
@@ -1283,16 +1283,16 @@ impl Reader {
     }
 }
 
-// === impl E2bProcess ===
+// === impl EnvdProcess ===
 
-/// The `Process` of an E2B sandbox.
+/// The `Process` of a sandbox with envd.
 #[derive(Debug)]
-pub struct E2bProcess {
+pub struct EnvdProcess {
     core: Arc<SandboxCore>,
-    table: tokio::sync::Mutex<HashMap<String, Arc<E2bCommand>>>,
+    table: tokio::sync::Mutex<HashMap<String, Arc<EnvdCommand>>>,
 }
 
-impl E2bProcess {
+impl EnvdProcess {
     pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
         Self {
             core,
@@ -1302,7 +1302,7 @@ impl E2bProcess {
 
     /// Remember a command; forget the oldest finished ones beyond the limit (and remove
     /// their output copies).
-    async fn remember(&self, cmd: Arc<E2bCommand>) {
+    async fn remember(&self, cmd: Arc<EnvdCommand>) {
         let mut t = self.table.lock().await;
         t.insert(cmd.id.clone(), cmd);
         let keep = self.core.cfg.finished_commands_kept;
@@ -1323,7 +1323,7 @@ impl E2bProcess {
         }
     }
 
-    fn forget_copies(&self, cmd: &E2bCommand) {
+    fn forget_copies(&self, cmd: &EnvdCommand) {
         let Some(dir) = cmd.dir.clone() else { return };
         let core = self.core.clone();
         let user = cmd.user.clone();
@@ -1338,8 +1338,8 @@ impl E2bProcess {
         });
     }
 
-    fn new_command(&self, n: NewCommand) -> Arc<E2bCommand> {
-        E2bCommand::new(self.core.clone(), n)
+    fn new_command(&self, n: NewCommand) -> Arc<EnvdCommand> {
+        EnvdCommand::new(self.core.clone(), n)
     }
 
     /// After a start whose answer was lost: the command may be running. Look it up by
@@ -1440,7 +1440,7 @@ impl E2bProcess {
         &self,
         ctx: &CallCtx,
         which: &ProcessSelector,
-    ) -> Result<Option<Arc<E2bCommand>>> {
+    ) -> Result<Option<Arc<EnvdCommand>>> {
         let cfg = &self.core.cfg;
         if let Some(p) = self.lookup_running(ctx, which).await? {
             let wrapped = unwrap_config(&p.config);
@@ -1582,8 +1582,8 @@ impl E2bProcess {
 }
 
 #[async_trait]
-impl Process for E2bProcess {
-    #[tracing::instrument(name = "process.start", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id, command.id = tracing::field::Empty))]
+impl Process for EnvdProcess {
+    #[tracing::instrument(name = "process.start", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id, command.id = tracing::field::Empty))]
     async fn spawn(&self, ctx: &CallCtx, spec: ProcessSpec) -> Result<Arc<dyn ProcessHandle>> {
         ctx.check()?;
         let core = &self.core;
@@ -1790,7 +1790,7 @@ impl Process for E2bProcess {
         Ok(cmd)
     }
 
-    #[tracing::instrument(name = "process.attach", skip_all, fields(provider.kind = "e2b", sandbox.id = %self.core.id))]
+    #[tracing::instrument(name = "process.attach", skip_all, fields(provider.kind = self.core.kind, sandbox.id = %self.core.id))]
     async fn attach(
         &self,
         ctx: &CallCtx,

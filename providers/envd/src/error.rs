@@ -52,7 +52,7 @@ pub enum WireError {
 
 /// What a call was doing, to map its errors onto the right codes.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Op<'a> {
+pub enum Op<'a> {
     /// A control-plane call about one sandbox.
     Sandbox {
         /// The operation (`connect`, `kill`, ...).
@@ -113,7 +113,7 @@ impl Op<'_> {
 }
 
 /// A backend error without a more specific code.
-pub(crate) fn backend(message: impl Into<String>, source: WireError) -> ProviderError {
+pub fn backend(message: impl Into<String>, source: WireError) -> ProviderError {
     ProviderError::Backend {
         message: message.into(),
         source: Some(Box::new(source)),
@@ -121,7 +121,7 @@ pub(crate) fn backend(message: impl Into<String>, source: WireError) -> Provider
 }
 
 /// A retryable "cannot reach the backend" error.
-pub(crate) fn unavailable(
+pub fn unavailable(
     message: impl Into<String>,
     retry_after: Option<Duration>,
     source: Option<WireError>,
@@ -134,7 +134,7 @@ pub(crate) fn unavailable(
 }
 
 /// A protocol violation by the backend.
-pub(crate) fn malformed(what: impl Into<String>) -> ProviderError {
+pub fn malformed(what: impl Into<String>) -> ProviderError {
     let what = what.into();
     ProviderError::Backend {
         message: format!("malformed answer: {what}"),
@@ -144,7 +144,7 @@ pub(crate) fn malformed(what: impl Into<String>) -> ProviderError {
 
 /// A transport failure of reqwest. Always retryable as far as the transport goes; the
 /// caller retries only idempotent calls.
-pub(crate) fn from_reqwest(e: reqwest::Error, op: Op<'_>) -> ProviderError {
+pub fn from_reqwest(e: reqwest::Error, op: Op<'_>) -> ProviderError {
     let what = if e.is_connect() {
         "cannot connect to the backend"
     } else if e.is_body() || e.is_decode() {
@@ -162,7 +162,7 @@ pub(crate) fn from_reqwest(e: reqwest::Error, op: Op<'_>) -> ProviderError {
 }
 
 /// `Retry-After` as delta-seconds (an HTTP date is ignored: the backoff applies).
-pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
     v.trim()
         .parse::<f64>()
@@ -193,7 +193,7 @@ fn parse_body(body: &[u8]) -> (String, Option<ConnectCode>) {
 
 /// An error answer of a REST endpoint (control plane, `/files`, `/health`), or a plain
 /// HTTP error in front of an RPC.
-pub(crate) fn from_status(
+pub fn from_status(
     op: Op<'_>,
     status: StatusCode,
     headers: &HeaderMap,
@@ -262,7 +262,7 @@ pub(crate) fn from_status(
 }
 
 /// An envd RPC error (unary error body, or the error of an end-of-stream frame).
-pub(crate) fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> ProviderError {
+pub fn from_connect(op: Op<'_>, code: ConnectCode, message: &str) -> ProviderError {
     use ConnectCode as K;
     let wire = || WireError::Connect {
         code: code.as_str(),
