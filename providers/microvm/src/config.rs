@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tether_envd_client::EnvdClientConfig;
 use tether_provider::ProviderError;
 
 /// Default qemu binary (Debian's `qemu-system-x86`).
@@ -139,6 +140,10 @@ pub struct MicrovmConfig {
     /// Time to live recorded for a new sandbox without its own, ms.
     #[serde(default = "d_ttl")]
     pub default_ttl_ms: u64,
+    /// The envd client's clocks and settings (`[providers.NAME.envd]`): connect, transport
+    /// idle, output idle and total limits of every call to the guest agent.
+    #[serde(default)]
+    pub envd: EnvdClientConfig,
 }
 
 fn d_uid_base() -> u32 {
@@ -218,6 +223,7 @@ impl Default for MicrovmConfig {
             stop_grace_ms: d_grace(),
             init_timeout_ms: d_init(),
             default_ttl_ms: d_ttl(),
+            envd: EnvdClientConfig::default(),
         }
     }
 }
@@ -315,6 +321,6 @@ impl MicrovmConfig {
         if self.probe_timeout_ms >= self.restore_timeout_ms {
             return bad("probe_timeout_ms must be below restore_timeout_ms");
         }
-        Ok(())
+        self.envd.validate("microvm")
     }
 }

@@ -1,60 +1,38 @@
-//! File operations of a microVM sandbox: envd's, spoken to the guest agent.
+//! File operations of a microVM sandbox: envd's, spoken to the guest agent through the
+//! slirp host forward (`tether-envd-client`'s `EnvdFs`: atomic guarded writes with
+//! versions, streamed transfers, resumable reads, watches), every call on the client's
+//! clocks.
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use tether_protocol::fs::{ByteRange, DirEntry, FileStat, WriteGuard, WriteOutcome};
-use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
+use tether_envd_client::{EnvdClientConfig, EnvdEndpoint, EnvdSandboxClient, EnvdVersion};
+use tether_provider::Result;
 
-use crate::sandbox::VmCore;
+use crate::error::internal;
+use crate::sandbox::KIND;
 
-/// Whether `Fs::watch` is offered.
-pub const WATCH: bool = false;
+pub use tether_envd_client::EnvdFs as VmFs;
 
-/// The file system of one VM.
-#[derive(Debug)]
-pub struct VmFs {
-    #[allow(dead_code)]
-    core: Arc<VmCore>,
-}
+/// `Fs::watch` is offered (envd's `WatchDir`).
+pub const WATCH: bool = true;
 
-impl VmFs {
-    pub(crate) fn new(core: Arc<VmCore>) -> Self {
-        Self { core }
-    }
-}
-
-fn unwired() -> ProviderError {
-    ProviderError::Unsupported { op: "fs" }
-}
-
-#[async_trait]
-impl Fs for VmFs {
-    async fn stat(&self, _ctx: &CallCtx, _path: &str) -> Result<FileStat> {
-        Err(unwired())
-    }
-    async fn read(&self, _ctx: &CallCtx, _path: &str, _range: ByteRange) -> Result<ByteStream> {
-        Err(unwired())
-    }
-    async fn write(
-        &self,
-        _ctx: &CallCtx,
-        _path: &str,
-        _data: ByteStream,
-        _guard: WriteGuard,
-    ) -> Result<WriteOutcome> {
-        Err(unwired())
-    }
-    async fn list(&self, _ctx: &CallCtx, _path: &str, _depth: u32) -> Result<Vec<DirEntry>> {
-        Err(unwired())
-    }
-    async fn mkdir(&self, _ctx: &CallCtx, _path: &str, _parents: bool) -> Result<FileStat> {
-        Err(unwired())
-    }
-    async fn rename(&self, _ctx: &CallCtx, _from: &str, _to: &str) -> Result<FileStat> {
-        Err(unwired())
-    }
-    async fn remove(&self, _ctx: &CallCtx, _path: &str, _recursive: bool) -> Result<()> {
-        Err(unwired())
-    }
+/// The envd client of the VM `id` whose agent listens on `127.0.0.1:port`.
+pub(crate) fn envd_client(
+    id: &str,
+    port: u16,
+    token: &str,
+    cfg: Arc<EnvdClientConfig>,
+    http: reqwest::Client,
+) -> Result<EnvdSandboxClient> {
+    let base_url = reqwest::Url::parse(&format!("http://127.0.0.1:{port}"))
+        .map_err(|e| internal("the agent's URL", e))?;
+    let endpoint = EnvdEndpoint {
+        base_url,
+        access_token: Some(token.to_owned()),
+        headers: reqwest::header::HeaderMap::new(),
+        // The guest agent is tether's own envd server.
+        version: EnvdVersion::parse(tether_protocol::e2b::ENVD_VERSION)
+            .unwrap_or(EnvdVersion(0, 0, 0)),
+    };
+    EnvdSandboxClient::with_config(KIND, id, endpoint, cfg, http)
 }

@@ -1,32 +1,6 @@
-//! Processes of a microVM sandbox: envd's, spoken to the guest agent.
+//! Processes of a microVM sandbox: envd's, spoken to the guest agent
+//! (`tether-envd-client`'s `EnvdProcess`: commands in their own process group, output
+//! with byte offsets, re-attach by tag after a broken stream). One per VM: it holds the
+//! VM's command table.
 
-use std::sync::Arc;
-
-use async_trait::async_trait;
-use tether_protocol::process::{ProcessInfo, ProcessSpec};
-use tether_provider::{CallCtx, Process, ProcessHandle, ProviderError, Result};
-
-use crate::sandbox::VmCore;
-
-/// The processes of one VM.
-#[derive(Debug)]
-pub struct VmProcess {
-    #[allow(dead_code)]
-    core: Arc<VmCore>,
-}
-
-impl VmProcess {
-    pub(crate) fn new(core: Arc<VmCore>) -> Self {
-        Self { core }
-    }
-}
-
-#[async_trait]
-impl Process for VmProcess {
-    async fn spawn(&self, _ctx: &CallCtx, _spec: ProcessSpec) -> Result<Arc<dyn ProcessHandle>> {
-        Err(ProviderError::Unsupported { op: "spawn" })
-    }
-    async fn list(&self, _ctx: &CallCtx) -> Result<Vec<ProcessInfo>> {
-        Err(ProviderError::Unsupported { op: "list" })
-    }
-}
+pub use tether_envd_client::EnvdProcess as VmProcess;

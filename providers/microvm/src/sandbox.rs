@@ -27,6 +27,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backon::{ConstantBuilder, Retryable};
 use serde::{Deserialize, Serialize};
+use tether_envd_client::{EnvdClientConfig, EnvdSandboxClient};
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
     SandboxInfo, SandboxMetrics, SandboxSpec,
@@ -37,7 +38,7 @@ use crate::client::{
 };
 use crate::config::MicrovmConfig;
 use crate::error::{internal, unavailable};
-use crate::fs::VmFs;
+use crate::fs::{VmFs, envd_client};
 use crate::image::{GuestImage, GuestProgress, GuestSpec};
 use crate::process::VmProcess;
 
@@ -226,6 +227,9 @@ pub struct VmCore {
     /// Serialises the VM's QMP operations (qemu serves one QMP client at a time).
     op: tokio::sync::Mutex<()>,
     cgroup: Option<Cgroup>,
+    envd: EnvdSandboxClient,
+    fs: VmFs,
+    process: VmProcess,
 }
 
 impl std::fmt::Debug for VmCore {
@@ -291,8 +295,6 @@ impl VmCore {
 #[derive(Debug)]
 pub struct MicrovmSandbox {
     core: Arc<VmCore>,
-    fs: VmFs,
-    process: VmProcess,
 }
 
 impl MicrovmSandbox {
@@ -307,10 +309,10 @@ impl Sandbox for MicrovmSandbox {
         self.core.info()
     }
     fn fs(&self) -> &dyn Fs {
-        &self.fs
+        &self.core.fs
     }
     fn process(&self) -> &dyn Process {
-        &self.process
+        &self.core.process
     }
 }
 
@@ -321,7 +323,12 @@ pub struct MicrovmProvider {
     cfg: Arc<MicrovmConfig>,
     /// This instance's id (in every stamp it writes).
     owner: String,
+    /// Readiness probes and `/init` (no pooled connections: a connection to a guest that
+    /// is not listening yet stalls).
     http: reqwest::Client,
+    /// The envd clients of the VMs.
+    envd_http: reqwest::Client,
+    envd_cfg: Arc<EnvdClientConfig>,
     templates: tokio::sync::Mutex<HashMap<String, SavedTemplate>>,
     live: RwLock<HashMap<String, Arc<VmCore>>>,
     creating: RwLock<HashSet<String>>,
@@ -341,6 +348,7 @@ impl Drop for MicrovmProvider {
         // destructor: its VMs are found in the table by the next one).
         let live = std::mem::take(&mut *self.live.write().unwrap_or_else(|e| e.into_inner()));
         for (_, core) in live {
+            core.envd.close();
             if let Ok(q) = core.qemu.try_lock() {
                 client::kill_pid(q.pid);
             }
@@ -366,10 +374,16 @@ impl MicrovmProvider {
             .pool_max_idle_per_host(0)
             .build()
             .map_err(|e| internal("cannot build the HTTP client", e))?;
+        let envd_http = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| internal("cannot build the HTTP client", e))?;
         let p = Self {
+            envd_cfg: Arc::new(cfg.envd.clone()),
             cfg: Arc::new(cfg),
             owner: uuid::Uuid::new_v4().simple().to_string(),
             http,
+            envd_http,
             templates: tokio::sync::Mutex::new(HashMap::new()),
             live: RwLock::new(HashMap::new()),
             creating: RwLock::new(HashSet::new()),
@@ -794,13 +808,13 @@ impl MicrovmProvider {
             q.kill(self.cfg.stop_grace()).await;
             ctx.check()?;
         }
-        let core = Arc::new(VmCore {
-            dir,
-            stamp: RwLock::new(stamp),
-            qemu: tokio::sync::Mutex::new(q),
-            op: tokio::sync::Mutex::new(()),
-            cgroup,
-        });
+        let core = match self.vm_core(dir, stamp, q, cgroup) {
+            Ok(c) => Arc::new(c),
+            Err((e, mut q)) => {
+                q.kill(self.cfg.stop_grace()).await;
+                return Err(e);
+            }
+        };
         self.live
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -809,11 +823,38 @@ impl MicrovmProvider {
     }
 
     fn sandbox(&self, core: Arc<VmCore>) -> Result<Arc<dyn Sandbox>> {
-        Ok(Arc::new(MicrovmSandbox {
-            fs: VmFs::new(core.clone()),
-            process: VmProcess::new(core.clone()),
-            core,
-        }))
+        Ok(Arc::new(MicrovmSandbox { core }))
+    }
+
+    /// A VM's shared parts, its envd client among them (on failure, the qemu back).
+    #[allow(clippy::result_large_err)]
+    fn vm_core(
+        &self,
+        dir: PathBuf,
+        stamp: VmStamp,
+        qemu: QemuProcess,
+        cgroup: Option<Cgroup>,
+    ) -> std::result::Result<VmCore, (ProviderError, QemuProcess)> {
+        let envd = match envd_client(
+            &stamp.id,
+            stamp.port,
+            &stamp.token,
+            self.envd_cfg.clone(),
+            self.envd_http.clone(),
+        ) {
+            Ok(c) => c,
+            Err(e) => return Err((e, qemu)),
+        };
+        Ok(VmCore {
+            dir,
+            fs: envd.fs(),
+            process: envd.process(),
+            envd,
+            stamp: RwLock::new(stamp),
+            qemu: tokio::sync::Mutex::new(qemu),
+            op: tokio::sync::Mutex::new(()),
+            cgroup,
+        })
     }
 
     /// The live VM `id`: this instance's, or one in the table whose qemu runs.
@@ -833,13 +874,11 @@ impl MicrovmProvider {
         if !client::pid_is_vm(pid, &dir) {
             return None;
         }
-        let core = Arc::new(VmCore {
-            dir,
-            cgroup: Cgroup::find(Path::new(CGROUP_ROOT), id),
-            stamp: RwLock::new(stamp),
-            qemu: tokio::sync::Mutex::new(QemuProcess::adopt(pid)),
-            op: tokio::sync::Mutex::new(()),
-        });
+        let cgroup = Cgroup::find(Path::new(CGROUP_ROOT), id);
+        let core = Arc::new(
+            self.vm_core(dir, stamp, QemuProcess::adopt(pid), cgroup)
+                .ok()?,
+        );
         let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
         Some(live.entry(id.to_owned()).or_insert(core).clone())
     }
@@ -848,6 +887,8 @@ impl MicrovmProvider {
     async fn stop(&self, core: &VmCore) {
         let _op = core.op.lock().await;
         let grace = self.cfg.stop_grace();
+        core.envd.close();
+        core.envd.drain(grace).await;
         let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(self.cfg.qmp_timeout()))
             .await;
         let mut q = core.qemu.lock().await;

@@ -271,3 +271,205 @@ async fn a_killed_owner_leaves_vms_that_a_fresh_provider_stops() {
     assert!(qemus_of(&vmdir).is_empty(), "the orphan's qemu survived");
     assert!(!vmdir.exists());
 }
+
+// === through the guest agent (envd) ===
+
+async fn run(sb: &dyn tether_provider::Sandbox, cmd: &str) -> (Option<i32>, String) {
+    use futures_util::StreamExt;
+    use tether_protocol::process::{ProcessEvent, ProcessSpec};
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell(cmd))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let mut code = None;
+    let mut events = h.events(Default::default());
+    while let Some(ev) = events.next().await {
+        match ev.unwrap() {
+            ProcessEvent::Output { data, .. } => out.extend_from_slice(&data),
+            ProcessEvent::Exited { status, .. } => code = status.code,
+            ProcessEvent::Started { .. } => {}
+        }
+    }
+    (code, String::from_utf8_lossy(&out).into_owned())
+}
+
+async fn write_file(sb: &dyn tether_provider::Sandbox, path: &str, data: &[u8]) {
+    sb.fs()
+        .write(
+            &ctx(),
+            path,
+            tether_provider::util::once_bytes(bytes::Bytes::copy_from_slice(data)),
+            tether_protocol::fs::WriteGuard::None,
+        )
+        .await
+        .unwrap();
+}
+
+async fn read_file(sb: &dyn tether_provider::Sandbox, path: &str) -> Vec<u8> {
+    use futures_util::StreamExt;
+    let mut s = sb
+        .fs()
+        .read(&ctx(), path, tether_protocol::fs::ByteRange::default())
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(c) = s.next().await {
+        out.extend_from_slice(&c.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_and_files_run_in_the_guest() {
+    let Some(cfg) = config() else { return };
+    let p = provider(&cfg);
+    let mut spec = SandboxSpec::default();
+    spec.env
+        .insert("TETHER_TEST_VAR".into(), "from-create".into());
+    let sb = p.create(&ctx(), spec).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let (code, out) = run(sb.as_ref(), "echo $TETHER_TEST_VAR; uname -r; id -un; pwd").await;
+    eprintln!("first command after restore: {:?}", started.elapsed());
+    assert_eq!(code, Some(0), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "from-create");
+    assert!(
+        lines[1].contains("cloud-amd64"),
+        "not the guest kernel: {out}"
+    );
+    assert_eq!(lines[3], "/home/user");
+    write_file(sb.as_ref(), "/home/user/hello.txt", b"hello from the host").await;
+    assert_eq!(
+        read_file(sb.as_ref(), "/home/user/hello.txt").await,
+        b"hello from the host"
+    );
+    let (code, out) = run(sb.as_ref(), "cat /home/user/hello.txt").await;
+    assert_eq!((code, out.as_str()), (Some(0), "hello from the host"));
+    // Clones restored from one saved state differ: /init re-seeded each.
+    let sb2 = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let (_, r1) = run(sb.as_ref(), "head -c 16 /dev/urandom | od -An -tx1").await;
+    let (_, r2) = run(sb2.as_ref(), "head -c 16 /dev/urandom | od -An -tx1").await;
+    assert_ne!(r1, r2);
+    let (_, b1) = run(sb.as_ref(), "cat /proc/sys/kernel/random/boot_id").await;
+    let (_, t) = run(sb2.as_ref(), "date +%s").await;
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let guest_now: i64 = t.trim().parse().unwrap();
+    assert!(
+        (guest_now - host_now).abs() < 30,
+        "the guest clock was not set: {guest_now} vs {host_now}"
+    );
+    assert!(!b1.trim().is_empty());
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+    p.destroy(&ctx(), &sb2.info().id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_resume_keep_a_running_process_and_its_files() {
+    let Some(cfg) = config() else { return };
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let id = sb.info().id.clone();
+    write_file(sb.as_ref(), "/home/user/kept.txt", b"kept").await;
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            tether_protocol::process::ProcessSpec::shell(
+                "for i in 1 2 3 4 5 6; do echo tick$i; sleep 0.5; done",
+            ),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    p.pause(&ctx(), &id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(h.try_status().is_none(), "the command ended while paused");
+    let sb = p.resume(&ctx(), &id).await.unwrap();
+    let status = h.wait(&ctx()).await.unwrap();
+    assert!(status.success());
+    use futures_util::StreamExt;
+    let mut out = Vec::new();
+    let mut ev = h.events(Default::default());
+    while let Some(e) = ev.next().await {
+        if let tether_protocol::process::ProcessEvent::Output { data, .. } = e.unwrap() {
+            out.extend_from_slice(&data);
+        }
+    }
+    let out = String::from_utf8_lossy(&out).into_owned();
+    assert_eq!(out.lines().count(), 6, "{out}");
+    assert_eq!(read_file(sb.as_ref(), "/home/user/kept.txt").await, b"kept");
+    p.destroy(&ctx(), &id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_keeps_the_files_of_its_source_and_diverges() {
+    let Some(cfg) = config() else { return };
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let id = sb.info().id.clone();
+    write_file(sb.as_ref(), "/home/user/forked.txt", b"before the fork").await;
+    let snap = p.snapshot(&ctx(), &id).await.unwrap();
+    write_file(sb.as_ref(), "/home/user/forked.txt", b"after the fork").await;
+    let fork = p
+        .create_from_snapshot(&ctx(), &snap, SandboxSpec::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        read_file(fork.as_ref(), "/home/user/forked.txt").await,
+        b"before the fork"
+    );
+    assert_eq!(
+        read_file(sb.as_ref(), "/home/user/forked.txt").await,
+        b"after the fork"
+    );
+    // Each has its own token: the source's client does not open the fork.
+    let a = p.vm(&id).unwrap().stamp().token;
+    let b = p.vm(&fork.info().id).unwrap().stamp().token;
+    assert_ne!(a, b);
+    p.destroy(&ctx(), &id).await.unwrap();
+    p.destroy(&ctx(), &fork.info().id).await.unwrap();
+    p.delete_snapshot(&ctx(), &snap).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_stops_answering_ends_calls_within_their_limit() {
+    let Some(mut cfg) = config() else { return };
+    cfg.envd.request_timeout_ms = 2_000;
+    cfg.envd.connect_timeout_ms = 1_000;
+    cfg.envd.retry.max_times = 0;
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let id = sb.info().id.clone();
+    p.pause(&ctx(), &id).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let err = sb.fs().stat(&ctx(), "/home/user").await.unwrap_err();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    assert!(
+        matches!(
+            err.code(),
+            tether_protocol::ErrorCode::DeadlineExceeded
+                | tether_protocol::ErrorCode::ConnectTimeout
+                | tether_protocol::ErrorCode::TransportIdleTimeout
+        ),
+        "{err:?}"
+    );
+    // A start that got no answer may have started: OUTCOME_UNKNOWN, never a retry.
+    let started = tokio::time::Instant::now();
+    let err = sb
+        .process()
+        .spawn(&ctx(), tether_protocol::process::ProcessSpec::shell("true"))
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(6));
+    assert!(
+        err.code() == tether_protocol::ErrorCode::OutcomeUnknown || err.clock().is_some(),
+        "{err:?}"
+    );
+    p.destroy(&ctx(), &id).await.unwrap();
+}
