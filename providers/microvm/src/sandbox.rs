@@ -9,7 +9,8 @@
 //!   `state` (its RAM and devices, `migrate` to `exec:cat > state`), `disk.qcow2` (its
 //!   overlay at that moment), `template.json` (what it was booted with);
 //! - `vms/<id>/`: one sandbox VM: `vm.json` (the stamp: [`VmStamp`], with the owner's
-//!   pid and instance id, the ports and the access token; mode 0600), `qemu.pid`,
+//!   pid and instance id, the ports and the access token; mode 0600), `owner.pid` (the
+//!   process that made the directory, written first), `qemu.pid`,
 //!   `qmp.sock`, `console.log`, `qemu.log`, `disk.qcow2` (its own overlay);
 //! - `snapshots/<id>/`: `state`, `disk.qcow2` and `snapshot.json`.
 //!
@@ -56,6 +57,8 @@ pub const WORKSPACE: &str = "/home/user";
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// How often a state save is polled.
 const SAVE_POLL: Duration = Duration::from_millis(50);
+/// The pid of the process that made a VM directory (written first).
+const OWNER_FILE: &str = "owner.pid";
 /// Attempts at starting a VM when the picked host port was taken meanwhile.
 const PORT_ATTEMPTS: usize = 3;
 
@@ -349,6 +352,10 @@ impl Drop for MicrovmProvider {
         let live = std::mem::take(&mut *self.live.write().unwrap_or_else(|e| e.into_inner()));
         for (_, core) in live {
             core.envd.close();
+            // A VM this instance only found in the table is its starter's.
+            if core.stamp().owner != self.owner {
+                continue;
+            }
             if let Ok(q) = core.qemu.try_lock() {
                 client::kill_pid(q.pid);
             }
@@ -403,20 +410,32 @@ impl MicrovmProvider {
 
     /// Kill unfinished template boots and remove VM dirs whose qemu is gone.
     fn sweep(&self) {
+        // A boot in progress holds the templates' lock: only a dead process's is swept.
         let tdir = self.cfg.root.join("templates");
-        for e in std::fs::read_dir(&tdir).into_iter().flatten().flatten() {
-            let p = e.path();
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.contains(".building-") {
-                let boot = p.join("boot");
-                if let Some(pid) = client::read_pidfile(&boot.join("qemu.pid"))
-                    && client::pid_is_vm(pid, &boot)
-                {
-                    client::kill_pid(pid);
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(tdir.join(".lock"))
+            .ok()
+            .and_then(|f| {
+                nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok()
+            });
+        if lock.is_some() {
+            for e in std::fs::read_dir(&tdir).into_iter().flatten().flatten() {
+                let p = e.path();
+                if e.file_name().to_string_lossy().contains(".building-") {
+                    let boot = p.join("boot");
+                    if let Some(pid) = client::read_pidfile(&boot.join("qemu.pid"))
+                        && client::pid_is_vm(pid, &boot)
+                    {
+                        client::kill_pid(pid);
+                    }
+                    let _ = std::fs::remove_dir_all(&p);
                 }
-                let _ = std::fs::remove_dir_all(&p);
             }
         }
+        drop(lock);
         for e in std::fs::read_dir(self.vms())
             .into_iter()
             .flatten()
@@ -425,7 +444,16 @@ impl MicrovmProvider {
             let dir = e.path();
             let alive = client::read_pidfile(&dir.join("qemu.pid"))
                 .is_some_and(|pid| client::pid_is_vm(pid, &dir));
-            if !alive {
+            // A VM being started by a live process has no running qemu yet.
+            let owner_alive = match client::read_pidfile(&dir.join(OWNER_FILE)) {
+                Some(pid) => client::pid_alive(pid),
+                None => std::fs::metadata(&dir)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_none_or(|age| age < Duration::from_secs(60)),
+            };
+            if !alive && !owner_alive {
                 let id = e.file_name().to_string_lossy().into_owned();
                 if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
                     cg.remove();
@@ -679,6 +707,8 @@ impl MicrovmProvider {
                 .create(&dir)
                 .map_err(|e| internal("cannot create the VM dir", e))?;
         }
+        std::fs::write(dir.join(OWNER_FILE), std::process::id().to_string())
+            .map_err(|e| internal("cannot write the VM's owner", e))?;
         let disk = dir.join("disk.qcow2");
         if origin.copy_disk {
             tokio::fs::copy(&origin.disk, &disk)
