@@ -356,7 +356,9 @@ impl Drop for MicrovmProvider {
             if core.stamp().owner != self.owner {
                 continue;
             }
-            if let Ok(q) = core.qemu.try_lock() {
+            if let Ok(q) = core.qemu.try_lock()
+                && client::pid_is_vm(q.pid, &core.dir)
+            {
                 client::kill_pid(q.pid);
             }
             if let Some(cg) = &core.cgroup {

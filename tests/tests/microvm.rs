@@ -1,0 +1,247 @@
+//! tetherd with the microVM provider, as a user runs it (a `tetherd serve` child with a
+//! config file): sessions on microVMs, a `kill -9` of the daemon, and the restart that
+//! finds its VMs again: a live session goes on in its VM, an expired one's VM is stopped,
+//! and a VM stamped with the daemon's id that no session owns (a crash between create and
+//! the log's `sandbox/leased`) is stopped by the reconciler. No qemu survives.
+//!
+//! Skipped, with the reason printed, where qemu, the guest agent
+//! (`TETHER_GUEST_BIN`, default `target/x86_64-unknown-linux-gnu/release/tether-guest`) or
+//! the base template (`TETHER_TEMPLATE_DIR`, default `target/tether-templates`) is missing.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tether_provider::{CallCtx, Provider, SandboxSpec};
+use tether_provider_microvm::{MicrovmConfig, MicrovmProvider};
+use tether_tests::{free_port, wait_healthy, wait_until, workspace_bin, workspace_root};
+
+/// The microVM section for this host, or `None` with the reason printed.
+fn microvm_config() -> Option<MicrovmConfig> {
+    let ws = workspace_root();
+    let agent = std::env::var_os("TETHER_GUEST_BIN").map_or_else(
+        || ws.join("target/x86_64-unknown-linux-gnu/release/tether-guest"),
+        PathBuf::from,
+    );
+    let base = std::env::var_os("TETHER_TEMPLATE_DIR")
+        .map_or_else(|| ws.join("target/tether-templates"), PathBuf::from)
+        .join("base");
+    let have = |p: &str| {
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .any(|d| d.join(p).is_file())
+    };
+    let skip = |why: String| {
+        eprintln!("SKIPPED: {why}");
+        None
+    };
+    if !have("qemu-system-x86_64") || !have("qemu-img") {
+        return skip("qemu is not installed".into());
+    }
+    if !agent.is_file() {
+        return skip(format!("no guest agent at {}", agent.display()));
+    }
+    if !base.join(".tether-template-complete").exists() {
+        return skip(format!("no base template at {}", base.display()));
+    }
+    // The provider tests' cache: the image and the saved template are reused.
+    let root = ws.join("target/microvm-test");
+    std::fs::create_dir_all(&root).unwrap();
+    let mut cfg = MicrovmConfig::with_root(root.canonicalize().unwrap());
+    cfg.agent_binary = Some(agent);
+    cfg.base_template = Some(base);
+    cfg.memory_mib = 256;
+    Some(cfg)
+}
+
+/// qemu processes of the VM directory `dir`.
+fn qemus_of(dir: &Path) -> usize {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c).into_owned();
+                c.contains("qemu-system") && c.contains(&needle)
+            })
+        })
+        .filter(|pid| tether_provider_microvm::client::pid_alive(*pid))
+        .count()
+}
+
+/// `tetherd serve --config FILE` on `port` over `state`; killed and reaped on drop.
+struct Tetherd(std::process::Child);
+
+impl Tetherd {
+    fn spawn(config: &Path, state: &Path, port: u16) -> Self {
+        let child = std::process::Command::new(workspace_bin("tetherd"))
+            .arg("serve")
+            .arg("--config")
+            .arg(config)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
+            .arg(state)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn tetherd");
+        Self(child)
+    }
+}
+
+impl Drop for Tetherd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
+    let r = http.post(url).json(&body).send().await.unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn session(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    http.get(format!("{base}/v1/sessions/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn bash(http: &reqwest::Client, base: &str, sid: &str, cmd: &str) -> Value {
+    let (st, out) = post(
+        http,
+        format!("{base}/v1/sessions/{sid}/tool-calls"),
+        json!({"calls": [{"id": uuid::Uuid::new_v4().to_string(), "name": "bash", "arguments": {"command": cmd}}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{out}");
+    out["results"][0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() {
+    let Some(vm) = microvm_config() else { return };
+    // The template is booted here, once, so that the daemon only restores.
+    let direct = MicrovmProvider::new(vm.clone()).unwrap();
+    direct.prepare(&CallCtx::new("t")).await.unwrap();
+
+    let state = tempfile::tempdir().unwrap();
+    let config = state.path().join("tetherd.toml");
+    let q = |p: &Path| format!("{:?}", p.display().to_string());
+    std::fs::write(
+        &config,
+        format!(
+            "default_provider = \"vm\"\n\n[leases]\nreconcile_interval_s = 1\n\n\
+             [providers.vm]\nkind = \"microvm\"\nroot = {}\nagent_binary = {}\n\
+             base_template = {}\nmemory_mib = {}\n",
+            q(&vm.root),
+            q(vm.agent_binary.as_deref().unwrap()),
+            q(vm.base_template.as_deref().unwrap()),
+            vm.memory_mib
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let mut child = Tetherd::spawn(&config, state.path(), port);
+    wait_healthy(&http, &base).await;
+
+    let (st, kept) = post(&http, format!("{base}/v1/sessions"), json!({})).await;
+    assert_eq!(st, 201, "{kept}");
+    let kept_id = kept["id"].as_str().unwrap().to_owned();
+    let kept_vm = vm
+        .root
+        .join("vms")
+        .join(kept["sandbox_id"].as_str().unwrap());
+    let (st, exp) = post(&http, format!("{base}/v1/sessions"), json!({"ttl_s": 3})).await;
+    assert_eq!(st, 201, "{exp}");
+    let exp_id = exp["id"].as_str().unwrap().to_owned();
+    let exp_vm = vm
+        .root
+        .join("vms")
+        .join(exp["sandbox_id"].as_str().unwrap());
+    let out = bash(
+        &http,
+        &base,
+        &kept_id,
+        "echo before > /home/user/mark; uname -r",
+    )
+    .await;
+    assert_eq!(out["is_error"], false, "{out}");
+    assert!(
+        out["content"].as_str().unwrap().contains("cloud-amd64"),
+        "{out}"
+    );
+
+    // A VM the daemon made but never recorded in a session log.
+    let daemon_id = std::fs::read_to_string(state.path().join("daemon-id")).unwrap();
+    let mut spec = SandboxSpec::default();
+    spec.metadata
+        .insert("tether.daemon".into(), daemon_id.trim().to_owned());
+    spec.metadata
+        .insert("tether.session".into(), "no-such-session".into());
+    let orphan = direct.create(&CallCtx::new("t"), spec).await.unwrap();
+    let orphan_vm = vm.root.join("vms").join(orphan.info().id);
+    drop(orphan);
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.0.wait().unwrap();
+    for d in [&kept_vm, &exp_vm, &orphan_vm] {
+        assert_eq!(qemus_of(d), 1, "a VM died with its daemon: {}", d.display());
+    }
+
+    let _child = Tetherd::spawn(&config, state.path(), port);
+    wait_healthy(&http, &base).await;
+    wait_until("the orphan stopped", Duration::from_secs(30), || async {
+        qemus_of(&orphan_vm) == 0
+    })
+    .await;
+    wait_until(
+        "the expired session closed",
+        Duration::from_secs(30),
+        || async { session(&http, &base, &exp_id).await["state"] == "closed" },
+    )
+    .await;
+    wait_until(
+        "the expired session's VM stopped",
+        Duration::from_secs(30),
+        || async { qemus_of(&exp_vm) == 0 },
+    )
+    .await;
+    // The live session goes on in the same VM, found again in the VM table.
+    assert_eq!(session(&http, &base, &kept_id).await["state"], "active");
+    let out = bash(&http, &base, &kept_id, "cat /home/user/mark").await;
+    assert_eq!(out["is_error"], false, "{out}");
+    assert!(out["content"].as_str().unwrap().contains("before"), "{out}");
+    assert_eq!(qemus_of(&kept_vm), 1);
+
+    let r = http
+        .delete(format!("{base}/v1/sessions/{kept_id}"))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    wait_until(
+        "the closed session's VM stopped",
+        Duration::from_secs(30),
+        || async { qemus_of(&kept_vm) == 0 },
+    )
+    .await;
+    assert!(!orphan_vm.exists() && !exp_vm.exists());
+}
