@@ -1,0 +1,214 @@
+//! The microVM provider's figures from one run: a cold boot (template boot, save, first
+//! restore) to the first command, restore to first command, `exec true`, a 64 MiB write and
+//! read, and the memory of an idle VM, next to the host's fork/exec of `true`.
+//!
+//! `cargo bench -p tether-provider-microvm --bench figures` (root; needs what the
+//! integration tests need: qemu, the guest agent, the base template). The guest image
+//! comes from the tests' cache (`target/microvm-test/image`); the template is booted
+//! afresh in a temporary state directory, so the cold figure is a real boot.
+
+// Bench code: a failed unwrap is a failed run.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_types)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use tether_protocol::fs::{ByteRange, WriteGuard};
+use tether_protocol::process::ProcessSpec;
+use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec};
+use tether_provider_microvm::{MicrovmConfig, MicrovmProvider};
+
+const RESTORES: usize = 5;
+const EXECS: usize = 20;
+const MIB_64: usize = 64 << 20;
+
+fn summary(name: &str, mut v: Vec<f64>) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let med = v[v.len() / 2];
+    let p99 = v[((v.len() as f64 * 0.99) as usize).min(v.len() - 1)];
+    println!(
+        "{name:<44} median {med:>8.1} ms   p99 {p99:>8.1} ms   (n={})",
+        v.len()
+    );
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+fn ctx() -> CallCtx {
+    CallCtx::new("bench")
+}
+
+async fn exec(sb: &Arc<dyn Sandbox>, cmd: &str) -> f64 {
+    let t = Instant::now();
+    let h = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell(cmd))
+        .await
+        .unwrap();
+    assert!(h.wait(&ctx()).await.unwrap().success());
+    ms(t)
+}
+
+fn pss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn config() -> Option<MicrovmConfig> {
+    let ws = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let agent = std::env::var_os("TETHER_GUEST_BIN").map_or_else(
+        || ws.join("target/x86_64-unknown-linux-gnu/release/tether-guest"),
+        PathBuf::from,
+    );
+    let base = std::env::var_os("TETHER_TEMPLATE_DIR")
+        .map_or_else(|| ws.join("target/tether-templates"), PathBuf::from)
+        .join("base");
+    if !agent.is_file() || !base.join(".tether-template-complete").exists() {
+        println!(
+            "SKIPPED: no guest agent at {} or no base template at {}",
+            agent.display(),
+            base.display()
+        );
+        return None;
+    }
+    let image = ws.join("target/microvm-test/image");
+    std::fs::create_dir_all(&image).unwrap();
+    let mut cfg = MicrovmConfig::with_root("/");
+    cfg.image_dir = Some(image.canonicalize().unwrap());
+    cfg.agent_binary = Some(agent);
+    cfg.base_template = Some(base);
+    Some(cfg)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let Some(mut cfg) = config() else { return };
+    let state = tempfile::Builder::new()
+        .prefix("tether-microvm-bench-")
+        .tempdir()
+        .unwrap();
+    cfg.root = state.path().to_owned();
+    let kvm = tether_provider_microvm::client::use_kvm(&cfg);
+    println!(
+        "microVM figures ({}, {} MiB, {} vCPU), load {}",
+        if kvm { "KVM" } else { "TCG" },
+        cfg.memory_mib,
+        cfg.vcpus,
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    let p: Arc<dyn Provider> = Arc::new(MicrovmProvider::new(cfg.clone()).unwrap());
+
+    // Cold: boot the template, save it, restore the first sandbox, run a command.
+    let t = Instant::now();
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let create = ms(t);
+    let first = exec(&sb, "true").await;
+    summary(
+        "cold boot + save + restore + first command",
+        vec![create + first],
+    );
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+
+    // Restore to first command.
+    let (mut restore, mut to_first) = (Vec::new(), Vec::new());
+    let mut sandboxes = Vec::new();
+    for _ in 0..RESTORES {
+        let t = Instant::now();
+        let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+        restore.push(ms(t));
+        exec(&sb, "true").await;
+        to_first.push(ms(t));
+        sandboxes.push(sb);
+    }
+    summary("restore (create) to agent ready", restore);
+    summary("restore (create) to first command done", to_first);
+
+    // exec true, hot, interleaved with the host's fork/exec.
+    let sb = sandboxes[0].clone();
+    let (mut vm, mut host) = (Vec::new(), Vec::new());
+    for _ in 0..EXECS {
+        vm.push(exec(&sb, "true").await);
+        let t = Instant::now();
+        assert!(
+            std::process::Command::new("true")
+                .status()
+                .unwrap()
+                .success()
+        );
+        host.push(ms(t));
+    }
+    summary("exec true (microVM)", vm);
+    summary("exec true (host fork/exec floor)", host);
+
+    // 64 MiB write and read through envd.
+    let data = bytes::Bytes::from(vec![0x5au8; MIB_64]);
+    let t = Instant::now();
+    sb.fs()
+        .write(
+            &ctx(),
+            "/home/user/big.bin",
+            tether_provider::util::once_bytes(data),
+            WriteGuard::None,
+        )
+        .await
+        .unwrap();
+    summary("write 64 MiB", vec![ms(t)]);
+    let t = Instant::now();
+    let mut s = sb
+        .fs()
+        .read(&ctx(), "/home/user/big.bin", ByteRange::default())
+        .await
+        .unwrap();
+    let mut n = 0;
+    while let Some(c) = s.next().await {
+        n += c.unwrap().len();
+    }
+    assert_eq!(n, MIB_64);
+    summary("read 64 MiB", vec![ms(t)]);
+
+    // Memory of idle VMs (the ones restored above, idle for 5 s).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut rss = Vec::new();
+    let mut pss = Vec::new();
+    for sb in &sandboxes {
+        let id = sb.info().id;
+        let m = p.metrics(&ctx(), &id).await.unwrap();
+        rss.push(m.memory_bytes as f64 / (1 << 20) as f64);
+    }
+    for sb in &sandboxes {
+        let pid = state_pid(state.path(), &sb.info().id);
+        pss.push(pss_kib(pid) as f64 / 1024.0);
+    }
+    rss.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    pss.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "{:<44} RSS median {:>6.0} MiB   PSS median {:>6.0} MiB   (n={})",
+        "memory per idle restored VM",
+        rss[rss.len() / 2],
+        pss[pss.len() / 2],
+        rss.len()
+    );
+    for sb in sandboxes {
+        p.destroy(&ctx(), &sb.info().id).await.unwrap();
+    }
+}
+
+fn state_pid(root: &std::path::Path, id: &str) -> u32 {
+    std::fs::read_to_string(root.join("vms").join(id).join("qemu.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
