@@ -245,3 +245,111 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
     .await;
     assert!(!orphan_vm.exists() && !exp_vm.exists());
 }
+
+/// The official E2B Python SDK suite of the project (`tests/e2b_sdk/python`) against
+/// tetherd's E2B front with every sandbox a microVM (all but the one case that needs
+/// extended attributes on the guest's files). Needs `tests/e2b_sdk/setup.sh`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let Some(vm) = microvm_config() else { return };
+    let py = workspace_root().join(".venv-e2b/bin/python");
+    if !py.exists() {
+        eprintln!("SKIPPED: no {} (run tests/e2b_sdk/setup.sh)", py.display());
+        return;
+    }
+    MicrovmProvider::new(vm.clone())
+        .unwrap()
+        .prepare(&CallCtx::new("t"))
+        .await
+        .unwrap();
+    let key = |p: &str| format!("e2b_{p}_{}", uuid::Uuid::new_v4().simple());
+    let (main_key, other_key) = (key("main"), key("other"));
+    let keys = vec![
+        tether_daemon::config::ApiKey {
+            key: main_key.clone(),
+            tenant: Some("main".into()),
+        },
+        tether_daemon::config::ApiKey {
+            key: other_key.clone(),
+            tenant: Some("other".into()),
+        },
+    ];
+    let d = tether_tests::TestDaemon::start_with(|cfg| {
+        cfg.providers.insert(
+            "vm".into(),
+            tether_daemon::config::ProviderConfig::Microvm(vm.clone()),
+        );
+        cfg.default_provider = "vm".into();
+        cfg.e2b_front.api_keys = keys;
+    })
+    .await;
+    let mut child = tokio::process::Command::new("bash")
+        .arg(workspace_root().join("tests/e2b_sdk/run.sh"))
+        .arg("python")
+        .env("E2B_API_URL", &d.base)
+        .env("E2B_SANDBOX_URL", &d.base)
+        .env("E2B_API_KEY", &main_key)
+        .env("TETHER_E2B_OTHER_KEY", &other_key)
+        .env("TETHER_E2B_BAD_KEY", key("bad"))
+        .env_remove("E2B_DEBUG")
+        .env_remove("E2B_DOMAIN")
+        // File metadata as `user.e2b.*` extended attributes needs `Fs::xattrs`, which
+        // the envd client (envd's protocol) does not have: the front keeps the metadata
+        // itself, so the SDK sees it but the guest's files do not carry it.
+        .env(
+            "PYTEST_ADDOPTS",
+            "--deselect test_sdk.py::test_files_metadata_is_xattrs",
+        )
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut summary = None;
+    while let Ok(Some(l)) = lines.next_line().await {
+        println!("[python] {l}");
+        if l.contains("passed") && (l.contains("failed") || l.contains(" in ")) {
+            summary = Some(l);
+        }
+    }
+    let status = child.wait().await.unwrap();
+    assert!(status.success(), "the SDK suite failed: {summary:?}");
+    assert!(
+        summary
+            .as_deref()
+            .is_some_and(|s| !s.contains("failed") || s.contains(" 0 failed")),
+        "{summary:?}"
+    );
+    let daemon_id = d
+        .daemon
+        .as_ref()
+        .unwrap()
+        .state
+        .sessions
+        .daemon_id()
+        .to_owned();
+    // The suite kills what it creates; a kill is synchronous, an expiry takes a second.
+    let ours = || -> Vec<std::ffi::OsString> {
+        std::fs::read_dir(vm.root.join("vms"))
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("vm.json"))
+                    .is_ok_and(|s| s.contains(&daemon_id))
+                    && qemus_of(&e.path()) > 0
+            })
+            .map(|e| e.file_name())
+            .collect()
+    };
+    wait_until(
+        "the suite's VMs stopped",
+        Duration::from_secs(30),
+        || async { ours().is_empty() },
+    )
+    .await;
+    d.stop().await;
+    let leftover = ours();
+    assert!(leftover.is_empty(), "VMs left running: {leftover:?}");
+}
