@@ -140,6 +140,11 @@ pub struct MicrovmConfig {
     /// Time to live recorded for a new sandbox without its own, ms.
     #[serde(default = "d_ttl")]
     pub default_ttl_ms: u64,
+    /// Allow sandboxes that ask for network. slirp without `restrict` gives the guest
+    /// egress, and the host's loopback as 10.0.2.2 with it, so such a sandbox reports
+    /// `partial` enforcement; without this, asking for network is `ISOLATION_UNAVAILABLE`.
+    #[serde(default)]
+    pub allow_weaker_isolation: bool,
     /// The envd client's clocks and settings (`[providers.NAME.envd]`): connect, transport
     /// idle, output idle and total limits of every call to the guest agent.
     #[serde(default)]
@@ -223,6 +228,7 @@ impl Default for MicrovmConfig {
             stop_grace_ms: d_grace(),
             init_timeout_ms: d_init(),
             default_ttl_ms: d_ttl(),
+            allow_weaker_isolation: false,
             envd: EnvdClientConfig::default(),
         }
     }

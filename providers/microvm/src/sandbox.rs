@@ -269,9 +269,9 @@ impl VmCore {
             provider: KIND.into(),
             template: s.template,
             workspace: WORKSPACE.into(),
-            // The VM is the boundary; the host-side memory limit of qemu itself is the
-            // part that may be missing.
-            enforcement: if s.cgroup {
+            // The VM is the boundary; what may be missing is the host-side memory limit
+            // of qemu itself, or (with egress) the host's loopback kept out of reach.
+            enforcement: if s.cgroup && !s.network {
                 Enforcement::Full
             } else {
                 Enforcement::Partial
@@ -494,6 +494,20 @@ impl MicrovmProvider {
             .map_err(|e| internal("the image build panicked", e))?
     }
 
+    /// A sandbox with egress is refused unless weaker isolation is allowed: slirp without
+    /// `restrict` also gives the guest the host's loopback (10.0.2.2).
+    fn check_network(&self, spec: &SandboxSpec) -> Result<()> {
+        if spec.network && !self.cfg.allow_weaker_isolation {
+            return Err(ProviderError::IsolationUnavailable {
+                requested: "network egress without the host's loopback".into(),
+                why: "slirp gives a guest with egress the host's loopback as 10.0.2.2 \
+                      (set allow_weaker_isolation to accept it)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Build the guest image and boot and save the template of the default size, unless
     /// they are there: later creates only restore.
     pub async fn prepare(&self, ctx: &CallCtx) -> Result<()> {
@@ -508,6 +522,7 @@ impl MicrovmProvider {
     }
 
     fn size_of(&self, spec: &SandboxSpec) -> Result<(u64, u32)> {
+        self.check_network(spec)?;
         let mem = spec
             .limits
             .memory_bytes
@@ -1150,6 +1165,7 @@ impl Provider for MicrovmProvider {
         let not_found = || ProviderError::InvalidRequest {
             message: format!("microvm: no snapshot {snapshot:?}"),
         };
+        self.check_network(&spec)?;
         let dir = self.snapshot_dir(snapshot).ok_or_else(not_found)?;
         let meta: SnapshotMeta = read_json(&dir.join("snapshot.json")).ok_or_else(not_found)?;
         if meta.format != SNAPSHOT {

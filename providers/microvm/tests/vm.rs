@@ -430,3 +430,35 @@ async fn a_guest_that_stops_answering_ends_calls_within_their_limit() {
     );
     p.destroy(&ctx(), &id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_is_refused_unless_weaker_isolation_is_allowed() {
+    let Some(mut cfg) = config() else { return };
+    let spec = SandboxSpec {
+        network: true,
+        ..SandboxSpec::default()
+    };
+    let p = provider(&cfg);
+    let err = p.create(&ctx(), spec.clone()).await.unwrap_err();
+    assert_eq!(err.code(), tether_protocol::ErrorCode::IsolationUnavailable);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    if sb.info().enforcement == tether_provider::Enforcement::Partial {
+        eprintln!("this host gives qemu no memory cgroup: enforcement is partial");
+    }
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+
+    cfg.allow_weaker_isolation = true;
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), spec).await.unwrap();
+    let info = sb.info();
+    assert!(info.network);
+    assert_eq!(info.enforcement, tether_provider::Enforcement::Partial);
+    // slirp's DNS answers the guest (egress beyond the host is not tried here).
+    let (code, out) = run(sb.as_ref(), "cat /etc/resolv.conf; ip route | head -1").await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("nameserver 10.0.2.3") && out.contains("via 10.0.2.2"),
+        "{out}"
+    );
+    p.destroy(&ctx(), &info.id).await.unwrap();
+}
