@@ -13,3 +13,7 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast "$@"
 fi
+
+# Coverage-guided fuzzing, bounded (TETHER_FUZZ_SECONDS per target; skipped without
+# nightly Rust and cargo-fuzz).
+bash tests/fuzz/run.sh

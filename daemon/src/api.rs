@@ -48,6 +48,8 @@ pub fn router() -> Router<Arc<AppState>> {
             post(post_message).get(get_messages),
         )
         .route("/v1/sessions/{id}/fork", post(fork))
+        .route("/v1/sessions/{id}/pause", post(pause_session))
+        .route("/v1/sessions/{id}/resume", post(resume_session))
         .route(
             "/v1/sessions/{id}/processes",
             post(start_process).get(list_processes),
@@ -169,6 +171,44 @@ async fn delete_session(
         .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Pause the session's sandbox (frozen, or its VM stopped); logged, so it stays paused
+/// across a restart. `CONFLICT` when already paused, `UNSUPPORTED` when its provider
+/// cannot pause.
+async fn pause_session(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+) -> Result<ApiJson<SessionInfo>> {
+    let s = session(&state, &id, &who).await?;
+    let pctx = ctx.with_timeout(state.config.limits.deadlines().sandbox_op, Clock::Total);
+    let s2 = Arc::clone(&s);
+    state
+        .tasks
+        .spawn(async move { s2.pause(&pctx).await }.in_current_span())
+        .await
+        .map_err(|e| DaemonError::internal(e.to_string()))??;
+    Ok(ApiJson(s.info()))
+}
+
+/// Resume a paused session's sandbox. `CONFLICT` when it is not paused.
+async fn resume_session(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+) -> Result<ApiJson<SessionInfo>> {
+    let s = session(&state, &id, &who).await?;
+    let rctx = ctx.with_timeout(state.config.limits.deadlines().sandbox_op, Clock::Total);
+    let s2 = Arc::clone(&s);
+    state
+        .tasks
+        .spawn(async move { s2.resume(&rctx).await }.in_current_span())
+        .await
+        .map_err(|e| DaemonError::internal(e.to_string()))??;
+    Ok(ApiJson(s.info()))
 }
 
 async fn tool_calls(

@@ -109,6 +109,10 @@ pub struct Session {
     expires_ms: AtomicI64,
     idle_ttl_ms: AtomicI64,
     closed: AtomicBool,
+    /// The sandbox is paused (`sandbox/paused` logged, no `sandbox/resumed` since).
+    paused: AtomicBool,
+    /// One pause or resume at a time.
+    pause_lock: tokio::sync::Mutex<()>,
     /// Creation time, ms since the epoch.
     pub created_ms: i64,
     /// One tool-call batch at a time (turns are sequential).
@@ -116,8 +120,14 @@ pub struct Session {
 }
 
 impl Session {
-    /// The sandbox, or `SANDBOX_NOT_FOUND` when detached or closed.
+    /// The sandbox, or `SANDBOX_NOT_FOUND` when detached or closed, `CONFLICT` while it
+    /// is paused (nothing runs in a paused sandbox: a call would only wait).
     pub fn sandbox(&self) -> Result<Arc<dyn Sandbox>> {
+        if self.is_paused() {
+            return Err(DaemonError::Conflict {
+                message: format!("session {} is paused: resume it first", self.id),
+            });
+        }
         let guard = self
             .sandbox
             .read()
@@ -160,6 +170,55 @@ impl Session {
         if ttl > 0 {
             self.expires_ms.store(now + ttl, Ordering::Relaxed);
         }
+    }
+
+    /// Whether the sandbox is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
+    }
+
+    /// Pause the sandbox through its provider. Durable on return: `sandbox/paused` is in
+    /// the log, so a restarted daemon knows it is paused (its processes are frozen).
+    /// Pausing a paused sandbox is `CONFLICT`; a provider that cannot pause answers
+    /// `UNSUPPORTED`.
+    pub async fn pause(&self, ctx: &CallCtx) -> Result<()> {
+        let _one = self.pause_lock.lock().await;
+        if self.is_paused() {
+            return Err(DaemonError::Conflict {
+                message: format!("session {} is already paused", self.id),
+            });
+        }
+        let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
+        self.provider.pause(ctx, &sandbox_id).await?;
+        self.paused.store(true, Ordering::Release);
+        self.log
+            .append(EventBody::SandboxPaused { sandbox_id })
+            .await?;
+        Ok(())
+    }
+
+    /// Resume a paused sandbox; durable on return (`sandbox/resumed`). Resuming a running
+    /// sandbox is `CONFLICT`.
+    pub async fn resume(&self, ctx: &CallCtx) -> Result<()> {
+        let _one = self.pause_lock.lock().await;
+        if !self.is_paused() {
+            return Err(DaemonError::Conflict {
+                message: format!("session {} is not paused", self.id),
+            });
+        }
+        let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
+        // The provider may hand out a new handle; the sandbox id stays.
+        let sandbox = self.provider.resume(ctx, &sandbox_id).await?;
+        if let Ok(mut g) = self.sandbox.write()
+            && g.is_some()
+        {
+            *g = Some(sandbox);
+        }
+        self.paused.store(false, Ordering::Release);
+        self.log
+            .append(EventBody::SandboxResumed { sandbox_id })
+            .await?;
+        Ok(())
     }
 
     /// Set a fixed expiry (E2B `set_timeout`): `at_ms` since the epoch. Durable on
@@ -275,9 +334,10 @@ impl Session {
     /// The API view.
     pub fn info(&self) -> SessionInfo {
         let enforcement = self
-            .sandbox()
+            .sandbox
+            .read()
             .ok()
-            .map(|s| s.info().enforcement.as_str().to_owned());
+            .and_then(|g| g.as_ref().map(|s| s.info().enforcement.as_str().to_owned()));
         SessionInfo {
             id: self.id.clone(),
             provider: self.provider_name.clone(),
@@ -288,6 +348,7 @@ impl Session {
             parent_session: self.log.header().parent_session.clone(),
             enforcement,
             metadata: self.params.metadata.clone(),
+            paused: self.is_paused(),
         }
     }
 }
@@ -473,6 +534,15 @@ impl SessionManager {
                 _ => None,
             })
             .unwrap_or(params.expiry);
+        let paused = events
+            .iter()
+            .rev()
+            .find_map(|e| match e.body {
+                EventBody::SandboxPaused { .. } => Some(true),
+                EventBody::SandboxResumed { .. } | EventBody::SandboxLeased { .. } => Some(false),
+                _ => None,
+            })
+            .unwrap_or(false);
         let s = Session {
             id,
             provider_kind: provider.kind().to_owned(),
@@ -495,6 +565,8 @@ impl SessionManager {
             expires_ms: AtomicI64::new(0),
             idle_ttl_ms: AtomicI64::new(0),
             closed: AtomicBool::new(false),
+            paused: AtomicBool::new(paused),
+            pause_lock: tokio::sync::Mutex::new(()),
             batch_lock: tokio::sync::Mutex::new(()),
         };
         s.apply_expiry(expiry, last_activity_ms);
@@ -743,6 +815,7 @@ impl SessionManager {
                         parent_session: c.header.parent_session.clone(),
                         enforcement: None,
                         metadata: c.header.params.metadata.clone(),
+                        paused: false,
                     }),
             );
         }

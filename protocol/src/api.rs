@@ -74,6 +74,10 @@ pub struct SessionInfo {
     /// Metadata.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
+    /// The sandbox is paused (`POST /v1/sessions/{id}/pause`): calls are refused with
+    /// `CONFLICT` until it is resumed.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 /// `GET /v1/sessions`.

@@ -289,6 +289,19 @@ pub enum EventBody {
         /// The new expiry.
         expiry: Expiry,
     },
+    /// The session's sandbox was paused (frozen, or its VM stopped): commands do not run
+    /// until a `sandbox/resumed`.
+    #[serde(rename = "sandbox/paused")]
+    SandboxPaused {
+        /// Sandbox id.
+        sandbox_id: String,
+    },
+    /// The session's sandbox runs again after a `sandbox/paused`.
+    #[serde(rename = "sandbox/resumed")]
+    SandboxResumed {
+        /// Sandbox id.
+        sandbox_id: String,
+    },
     /// The session was closed.
     #[serde(rename = "session/closed")]
     SessionClosed {

@@ -1,7 +1,8 @@
 //! Crash safety: tetherd as a child process, 200 concurrent tool calls, `kill -9` in the
 //! middle, restart on the same state dir. Every acknowledged result must be in the log,
 //! the log must parse, every call must have exactly one result (real or repaired), and
-//! seq must be contiguous.
+//! seq must be contiguous. And a loop of such kills, round after round on the same state
+//! dir, after which every session still works.
 
 // Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -110,10 +111,25 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
     let _child2 = TetherdChild::spawn(state.path(), port2);
     wait_healthy(&http, &base2).await;
 
+    let (calls, repaired) = check_logs(&http, &base2, state.path(), &ids, &acked).await;
+    eprintln!("calls logged: {calls}, repaired results: {repaired}");
+}
+
+/// Check the sessions' logs through a running daemon at `base`: seq contiguous, every line
+/// parses (on disk too), no turn left open, every logged call has exactly one result, and
+/// every acknowledged result is there, identical. Returns the calls logged and the
+/// results repaired.
+async fn check_logs(
+    http: &reqwest::Client,
+    base2: &str,
+    state: &std::path::Path,
+    ids: &[String],
+    acked: &[(String, String, Value)],
+) -> (usize, usize) {
     let mut results_by_call: BTreeMap<String, Vec<Value>> = BTreeMap::new();
     let mut calls_logged: BTreeSet<String> = BTreeSet::new();
     let mut repaired = 0;
-    for sid in &ids {
+    for sid in ids {
         let text = http
             .get(format!("{base2}/v1/sessions/{sid}/events"))
             .send()
@@ -162,8 +178,7 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         );
         // The file on disk parses line by line too.
         let disk =
-            std::fs::read_to_string(state.path().join("sessions").join(sid).join("events.jsonl"))
-                .unwrap();
+            std::fs::read_to_string(state.join("sessions").join(sid).join("events.jsonl")).unwrap();
         assert!(disk.ends_with('\n'));
         for l in disk.lines() {
             serde_json::from_str::<Value>(l).expect("disk line parses");
@@ -181,7 +196,7 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         assert_eq!(r.len(), 1, "call {c} has {} results", r.len());
     }
     // Every acknowledged result is present, identical.
-    for (_, cid, res) in &acked {
+    for (_, cid, res) in acked {
         let logged = &results_by_call
             .get(cid)
             .unwrap_or_else(|| panic!("acknowledged call {cid} missing"))[0];
@@ -191,8 +206,123 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         );
         assert_eq!(logged["is_error"], res["is_error"]);
     }
+    (calls_logged.len(), repaired)
+}
+
+/// Rounds of the crash loop.
+const LOOP_ROUNDS: usize = 20;
+/// Sessions of the crash loop (created in the first round, used in every round).
+const LOOP_SESSIONS: usize = 4;
+/// Calls per session per round.
+const LOOP_CALLS: usize = 3;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_works() {
+    let state = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let mut ids: Vec<String> = Vec::new();
+    let mut acked: Vec<(String, String, Value)> = Vec::new();
+    let mut killed_mid_flight = 0;
+    for round in 0..LOOP_ROUNDS {
+        let port = free_port();
+        let base = format!("http://127.0.0.1:{port}");
+        let child = TetherdChild::spawn(state.path(), port);
+        wait_healthy(&http, &base).await;
+        if ids.is_empty() {
+            for _ in 0..LOOP_SESSIONS {
+                let r: Value = http
+                    .post(format!("{base}/v1/sessions"))
+                    .json(&json!({}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                ids.push(r["id"].as_str().unwrap().to_owned());
+            }
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Value)>();
+        let mut handles = Vec::new();
+        for (si, sid) in ids.iter().enumerate() {
+            for ci in 0..LOOP_CALLS {
+                let (http, tx, sid) = (http.clone(), tx.clone(), sid.clone());
+                let url = format!("{base}/v1/sessions/{sid}/tool-calls");
+                let call_id = format!("r{round}s{si}c{ci}");
+                let (name, args) = if ci % 2 == 0 {
+                    (
+                        "bash",
+                        json!({"command": format!("echo out-{call_id}; sleep 0.1")}),
+                    )
+                } else {
+                    (
+                        "write_file",
+                        json!({"path": format!("r{round}c{ci}.txt"), "content": call_id.clone()}),
+                    )
+                };
+                handles.push(tokio::spawn(async move {
+                    let body = json!({"calls": [{"id": call_id, "name": name, "arguments": args}]});
+                    if let Ok(r) = http.post(url).json(&body).send().await
+                        && r.status().is_success()
+                        && let Ok(v) = r.json::<Value>().await
+                    {
+                        let _ = tx.send((sid, call_id, v["results"][0].clone()));
+                    }
+                }));
+            }
+        }
+        drop(tx);
+        // A different moment of the round each time: 30 to 300 ms in.
+        tokio::time::sleep(Duration::from_millis(30 + (round as u64 * 137) % 270)).await;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.0.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        let mut child = child;
+        let _ = child.0.wait();
+        let before = acked.len();
+        while let Some(a) = rx.recv().await {
+            acked.push(a);
+        }
+        for h in handles {
+            let _ = h.await;
+        }
+        if acked.len() - before < LOOP_SESSIONS * LOOP_CALLS {
+            killed_mid_flight += 1;
+        }
+    }
+    assert!(
+        killed_mid_flight >= LOOP_ROUNDS / 2,
+        "most kills must land mid-flight ({killed_mid_flight} of {LOOP_ROUNDS} did)"
+    );
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
+    let (calls, repaired) = check_logs(&http, &base, state.path(), &ids, &acked).await;
+    // Every session survived every kill and still runs a command.
+    for sid in &ids {
+        let r: Value = http
+            .post(format!("{base}/v1/sessions/{sid}/tool-calls"))
+            .json(&json!({"calls": [{"id": "after", "name": "bash", "arguments": {"command": "echo alive"}}]}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["results"][0]["is_error"], json!(false), "{sid}: {r}");
+        assert!(
+            r["results"][0]["content"].to_string().contains("alive"),
+            "{r}"
+        );
+    }
     eprintln!(
-        "calls logged: {}, repaired results: {repaired}",
-        calls_logged.len()
+        "{LOOP_ROUNDS} rounds: {} acknowledged, {calls} calls logged, {repaired} repaired, {killed_mid_flight} kills mid-flight",
+        acked.len()
     );
 }

@@ -766,3 +766,67 @@ async fn a_session_output_cap_ends_the_command_that_passes_it() {
     assert_eq!(r["error"]["code"], "LIMIT_EXCEEDED", "{r}");
     d.stop().await;
 }
+
+#[tokio::test]
+async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
+    let d = TestDaemon::start().await;
+    let (st, body) = d.post("/v1/sessions", json!({})).await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let r = bash(&d, &sid, "echo kept > /home/user/p.txt").await;
+    assert_eq!(r["is_error"], json!(false), "{r}");
+    let (st, body) = d
+        .post(&format!("/v1/sessions/{sid}/pause"), json!({}))
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body["paused"], json!(true));
+    // Nothing runs in a paused sandbox: calls are refused at once, not left to wait.
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "c", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
+    assert_eq!(st, 409, "{body}");
+    assert_eq!(body["error"]["code"], "CONFLICT");
+    let (st, body) = d
+        .post(&format!("/v1/sessions/{sid}/pause"), json!({}))
+        .await;
+    assert_eq!(
+        (st, body["error"]["code"].clone()),
+        (409, json!("CONFLICT"))
+    );
+    // A restart knows from the log that the sandbox is paused.
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    let info: Value = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["paused"], json!(true), "{info}");
+    assert_eq!(info["state"], "active");
+    let (st, _) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "c2", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
+    assert_eq!(st, 409);
+    let (st, body) = d
+        .post(&format!("/v1/sessions/{sid}/resume"), json!({}))
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body["paused"], json!(false));
+    let r = bash(&d, &sid, "cat /home/user/p.txt").await;
+    assert_eq!(r["is_error"], json!(false), "{r}");
+    assert!(r["content"].to_string().contains("kept"), "{r}");
+    let (_, events) = read_log(d.dir.path(), &sid);
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert!(kinds.contains(&"sandbox/paused") && kinds.contains(&"sandbox/resumed"));
+    d.stop().await;
+}

@@ -83,6 +83,17 @@ fn serve(listen: &str, state_dir: &str) -> ExitCode {
         }
     };
     rt.block_on(async move {
+        // Logs go to stderr: the VM's console.
+        let telemetry = match tether_daemon::telemetry::init(
+            &cfg.telemetry,
+            &tether_daemon::telemetry::ProcessEnv,
+        ) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("tether-guest: telemetry: {e}");
+                return ExitCode::from(64);
+            }
+        };
         let daemon = match tether_daemon::server::Daemon::start(cfg).await {
             Ok(d) => d,
             Err(e) => {
@@ -101,6 +112,7 @@ fn serve(listen: &str, state_dir: &str) -> ExitCode {
             };
         term.recv().await;
         daemon.shutdown().await;
+        telemetry.shutdown().await;
         ExitCode::SUCCESS
     })
 }

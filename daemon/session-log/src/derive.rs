@@ -32,6 +32,8 @@ pub fn project(body: &EventBody) -> Option<Message> {
         | EventBody::FsOp { .. }
         | EventBody::EndSeed { .. }
         | EventBody::ExpirySet { .. }
+        | EventBody::SandboxPaused { .. }
+        | EventBody::SandboxResumed { .. }
         | EventBody::SessionClosed { .. } => None,
     }
 }

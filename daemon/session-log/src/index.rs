@@ -208,6 +208,8 @@ impl Index {
             | EventBody::FsOp { .. }
             | EventBody::EndSeed { .. }
             | EventBody::ExpirySet { .. }
+            | EventBody::SandboxPaused { .. }
+            | EventBody::SandboxResumed { .. }
             | EventBody::SessionClosed { .. } => {}
         }
         Ok(())

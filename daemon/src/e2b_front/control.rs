@@ -18,11 +18,12 @@ use axum::routing::{any, get, post};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
+use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
     SandboxDetail, SandboxLifecycle, SandboxResponse, SandboxState, TimeoutRequest,
 };
-use tether_provider::{CallCtx, ProviderError};
+use tether_provider::CallCtx;
 use tracing::Instrument;
 
 use super::auth::Tenant;
@@ -147,8 +148,8 @@ fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> Sand
     }
 }
 
-fn state_of(extra: &SandboxExtra) -> SandboxState {
-    if extra.is_paused() {
+fn state_of(session: &Session) -> SandboxState {
+    if session.is_paused() {
         SandboxState::Paused
     } else {
         SandboxState::Running
@@ -398,7 +399,7 @@ fn listed(state: &AppState, s: &Session, extra: &SandboxExtra) -> ListedSandbox 
         cpu_count: cpu,
         memory_mb: mem,
         disk_size_mb: disk,
-        state: state_of(extra),
+        state: state_of(s),
         envd_version: ENVD_VERSION.into(),
         alias: Some(extra.template.clone()),
         metadata: s.params.metadata.clone(),
@@ -424,7 +425,7 @@ fn matching(
             q.metadata
                 .iter()
                 .all(|(k, v)| s.params.metadata.get(k) == Some(v))
-                && (q.states.is_empty() || q.states.contains(&state_of(extra)))
+                && (q.states.is_empty() || q.states.contains(&state_of(s)))
                 && q.started_after_ms.is_none_or(|t| s.created_ms >= t)
                 && q.template.as_ref().is_none_or(|t| &extra.template == t)
         })
@@ -466,7 +467,7 @@ async fn list_v2(
         let tenant = tenant(&state, &headers)?;
         let q = ListQuery::parse(raw.as_deref())?;
         let all = matching(&state, &tenant, &q);
-        let total_running = all.iter().filter(|(_, e)| !e.is_paused()).count();
+        let total_running = all.iter().filter(|(s, _)| !s.is_paused()).count();
         // The cursor is the last returned sandbox's id: continue after it.
         let start = match &q.next_token {
             Some(tok) => match all.iter().position(|(s, _)| &s.id == tok) {
@@ -517,7 +518,7 @@ async fn get_one(
             cpu_count: cpu,
             memory_mb: mem,
             disk_size_mb: disk,
-            state: state_of(&extra),
+            state: state_of(&s),
             alias: Some(extra.template.clone()),
             envd_access_token: Some(state.e2b.access_token(&s.id)),
             allow_internet_access: Some(extra.allow_internet),
@@ -645,8 +646,8 @@ async fn connect(
         let req: ConnectSandboxRequest = json_body(&body, v1)?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
         let secs = check_timeout(&state, req.timeout.unwrap_or(default), 1)?;
-        let resumed = if extra.is_paused() {
-            resume_sandbox(&state, &ctx, &s, &extra).await?;
+        let resumed = if s.is_paused() {
+            resume_sandbox(&state, &ctx, &s).await?;
             true
         } else {
             false
@@ -679,43 +680,25 @@ async fn pause(
     let span = tracing::info_span!("e2b.sandbox.pause", sandbox.id = %id, session.id = %id);
     let r = async {
         let tenant = tenant(&state, &headers)?;
-        let (s, extra) = owned(&state, &tenant, &id)?;
-        if extra.is_paused() {
-            return Err(RestError::new(
-                StatusCode::CONFLICT,
-                format!("sandbox {id} is already paused"),
-            ));
-        }
-        let provider = state
-            .sessions
-            .providers()
-            .get(&s.provider_name)
-            .ok_or_else(|| {
-                RestError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the sandbox's provider is gone",
-                )
-            })?;
-        let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
+        let (s, _) = owned(&state, &tenant, &id)?;
         let pctx = ctx.with_timeout(
             Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
             Clock::Total,
         );
-        match provider.pause(&pctx, &sid).await {
-            Ok(()) => {
-                extra
-                    .paused
-                    .store(true, std::sync::atomic::Ordering::Release);
-                Ok(StatusCode::NO_CONTENT.into_response())
-            }
-            Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
+        match s.pause(&pctx).await {
+            Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
+            Err(crate::error::DaemonError::Conflict { .. }) => Err(RestError::new(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} is already paused"),
+            )),
+            Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
                 StatusCode::NOT_IMPLEMENTED,
                 format!(
                     "pause is not supported by the {} provider this sandbox runs on",
                     s.provider_kind
                 ),
             )),
-            Err(e) => Err(crate::error::DaemonError::from(e).into()),
+            Err(e) => Err(e.into()),
         }
     }
     .instrument(span)
@@ -723,43 +706,21 @@ async fn pause(
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn resume_sandbox(
-    state: &AppState,
-    ctx: &CallCtx,
-    s: &Session,
-    extra: &SandboxExtra,
-) -> Result<(), RestError> {
-    let provider = state
-        .sessions
-        .providers()
-        .get(&s.provider_name)
-        .ok_or_else(|| {
-            RestError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the sandbox's provider is gone",
-            )
-        })?;
-    let sid = s.sandbox_id().unwrap_or_else(|| s.id.clone());
+async fn resume_sandbox(state: &AppState, ctx: &CallCtx, s: &Session) -> Result<(), RestError> {
     let rctx = ctx.with_timeout(
         Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
         Clock::Total,
     );
-    match provider.resume(&rctx, &sid).await {
-        // The session keeps its handle: the provider's sandbox id does not change.
-        Ok(_) => {
-            extra
-                .paused
-                .store(false, std::sync::atomic::Ordering::Release);
-            Ok(())
-        }
-        Err(ProviderError::Unsupported { .. }) => Err(RestError::new(
+    match s.resume(&rctx).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
             format!(
                 "resume is not supported by the {} provider",
                 s.provider_kind
             ),
         )),
-        Err(e) => Err(crate::error::DaemonError::from(e).into()),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -777,13 +738,13 @@ async fn resume(
         let tenant = tenant(&state, &headers)?;
         let (s, extra) = owned(&state, &tenant, &id)?;
         let req: ConnectSandboxRequest = json_body(&body, false)?;
-        if !extra.is_paused() {
+        if !s.is_paused() {
             return Err(RestError::new(
                 StatusCode::CONFLICT,
                 format!("sandbox {id} is already running"),
             ));
         }
-        resume_sandbox(&state, &ctx, &s, &extra).await?;
+        resume_sandbox(&state, &ctx, &s).await?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
         s.set_expiry(ms_after(check_timeout(
             &state,

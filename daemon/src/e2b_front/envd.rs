@@ -160,10 +160,10 @@ pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
         state.e2b.forget(id);
         return None;
     }
-    let extra = state.e2b.extra(id, session.params.template.as_deref());
-    if extra.is_paused() {
+    if session.is_paused() {
         return None;
     }
+    let extra = state.e2b.extra(id, session.params.template.as_deref());
     Some(Target {
         session,
         extra,

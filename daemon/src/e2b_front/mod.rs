@@ -29,7 +29,6 @@ mod tests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use axum::Router;
@@ -196,7 +195,6 @@ struct SandboxExtra {
     /// Template id as the SDK gave it.
     template: String,
     allow_internet: bool,
-    paused: AtomicBool,
     init: RwLock<InitState>,
     /// Command ids that the client chose (E2B tags), as opposed to generated ones.
     tags: RwLock<HashSet<String>>,
@@ -232,7 +230,6 @@ impl SandboxExtra {
             fs_op,
             template: template.to_owned(),
             allow_internet,
-            paused: AtomicBool::new(false),
             init: RwLock::new(InitState::default()),
             tags: RwLock::new(HashSet::new()),
             file_meta: RwLock::new(HashMap::new()),
@@ -269,10 +266,6 @@ impl SandboxExtra {
             .ok()
             .and_then(|u| u.get(path).copied())
             .is_some_and(|until| until.is_none_or(|t| t > tokio::time::Instant::now()))
-    }
-
-    fn is_paused(&self) -> bool {
-        self.paused.load(Ordering::Acquire)
     }
 
     fn init(&self) -> InitState {
