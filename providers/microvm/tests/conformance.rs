@@ -36,10 +36,10 @@ const NEEDS_KVM: &[&str] = &["process_deadline_mid_stream", "process_idle_watchd
 
 /// Cases left out, and why.
 ///
-/// `process_capture_cap`: the guest agent runs commands as `user` through envd's wrapper,
-/// whose capped copy re-opens the output pipe as `/dev/fd/4`; that pipe belongs to root
-/// (the agent), so `tee` gets EACCES and the command dies of it. A guest-agent fix, not
-/// one of this provider.
+/// `process_capture_cap`: in the guest, envd's command wrapper's capped copy
+/// (`tee -p /dev/fd/4 | head -c CAP`) fails with `tee: /dev/fd/4: Permission denied` and
+/// the command ends without an exit code; a plain `tee /dev/fd/4` of a command works there.
+/// To be fixed between the wrapper and the guest agent, not in this provider.
 const LEFT_OUT: &[&str] = &["process_capture_cap"];
 
 macro_rules! cases {
