@@ -565,19 +565,42 @@ impl MicrovmProvider {
         if let Some(t) = map.get(&size) {
             return Ok(t.clone());
         }
-        let image = self
-            .build_image(|p| {
-                if let GuestProgress::Step(s) = p {
-                    tracing::info!(step = %s, "Building the microVM guest image");
-                }
-            })
-            .await?;
+        // One build and one boot per template across processes too (parallel test
+        // processes, two daemons on one state directory); finding them built needs no lock.
+        let lock_path = self.cfg.root.join("templates").join(".lock");
+        let spec = self.guest_spec()?;
+        let found = tokio::task::spawn_blocking(move || crate::image::find_guest(&spec))
+            .await
+            .map_err(|e| internal("the image check panicked", e))?;
+        let (image, held) = match found {
+            Some(image) => (image, None),
+            None => {
+                let lock = lock_file(lock_path.clone()).await?;
+                let image = self
+                    .build_image(|p| {
+                        if let GuestProgress::Step(s) = p {
+                            tracing::info!(step = %s, "Building the microVM guest image");
+                        }
+                    })
+                    .await?;
+                (image, Some(lock))
+            }
+        };
         let kvm = client::use_kvm(&self.cfg);
         let key = format!("{}-{size}-{}", image.key, if kvm { "kvm" } else { "tcg" });
-        // One boot per template across processes too (parallel test processes, two
-        // daemons on one state directory).
-        let _lock = lock_file(self.cfg.root.join("templates").join(".lock")).await?;
         let dir = self.cfg.root.join("templates").join(&key);
+        if let Some(mut t) = read_json::<SavedTemplate>(&dir.join("template.json"))
+            && t.format == TEMPLATE
+            && dir.join("state").exists()
+        {
+            t.dir = dir;
+            map.insert(size, t.clone());
+            return Ok(t);
+        }
+        let _lock = match held {
+            Some(l) => l,
+            None => lock_file(lock_path).await?,
+        };
         if let Some(mut t) = read_json::<SavedTemplate>(&dir.join("template.json"))
             && t.format == TEMPLATE
             && dir.join("state").exists()
