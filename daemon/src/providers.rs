@@ -285,4 +285,17 @@ mod e2b_env_tests {
         assert_eq!(r.default_name(), "e2b");
         assert!(Config::from_toml_str("default_provider = \"nope\"").is_err());
     }
+
+    #[test]
+    fn a_microvm_section_builds_the_microvm_provider_under_the_state_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let toml =
+            "default_provider = \"vm\"\n\n[providers.vm]\nkind = \"microvm\"\nmemory_mib = 256\n";
+        let mut cfg = Config::from_toml_str(toml).unwrap();
+        cfg.server.state_dir = dir.path().to_owned();
+        let r = ProviderRegistry::from_config_with_env(&cfg, &env_of(&[])).unwrap();
+        assert_eq!(r.get("vm").map(|p| p.kind()), Some("microvm"));
+        assert!(dir.path().join("sandboxes/vm/vms").is_dir());
+        assert!(Config::from_toml_str("[providers.vm]\nkind = \"microvm\"\nmemory = 1\n").is_err());
+    }
 }
