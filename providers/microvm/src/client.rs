@@ -270,6 +270,16 @@ impl QemuProcess {
         self.wait_exit(limit).await
     }
 
+    /// [`Self::kill`], for an adopted qemu only while its pid is still the qemu of the VM
+    /// directory `dir` (never a reused pid; our own child's pid cannot be reused before
+    /// it is reaped).
+    pub async fn kill_vm(&mut self, dir: &Path, limit: Duration) -> bool {
+        if self.child.is_none() && !pid_is_vm(self.pid, dir) {
+            return true;
+        }
+        self.kill(limit).await
+    }
+
     /// Wait up to `limit` for it to exit.
     pub async fn wait_exit(&mut self, limit: Duration) -> bool {
         let end = Instant::now() + limit;

@@ -963,10 +963,7 @@ impl MicrovmProvider {
             .await;
         let mut q = core.qemu.lock().await;
         if !q.wait_exit(grace).await {
-            // Never a reused pid: the process must still be this VM's qemu.
-            if client::pid_is_vm(q.pid, &core.dir) || !q.exited() {
-                q.kill(grace).await;
-            }
+            q.kill_vm(&core.dir, grace).await;
         }
         if let Some(cg) = &core.cgroup {
             cg.remove();
