@@ -547,15 +547,43 @@ fn check_tools() -> Result<()> {
     }
 }
 
-/// A statically linked busybox (the initramfs has no libc).
+/// A statically linked busybox (the initramfs has no libc): Debian's `busybox` package
+/// installs a dynamic one at the same path.
 fn busybox() -> Result<PathBuf> {
     for p in ["/bin/busybox", "/usr/bin/busybox"] {
         let p = Path::new(p);
         if p.exists() {
-            return Ok(p.to_owned());
+            return match std::fs::read(p).ok().and_then(|b| elf_interpreter(&b)) {
+                Some(false) => Ok(p.to_owned()),
+                _ => Err(unavailable(
+                    "busybox is not statically linked: apt-get install busybox-static",
+                )),
+            };
         }
     }
     Err(unavailable("busybox is missing"))
+}
+
+/// Whether the 64-bit little-endian ELF image `b` asks for a program interpreter
+/// (`PT_INTERP`: dynamically linked); `None` if it is not such an ELF file. Hand-written
+/// because it reads three header fields, less than a dependency would cost.
+pub(crate) fn elf_interpreter(b: &[u8]) -> Option<bool> {
+    if b.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?));
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    for i in 0..phnum {
+        let off = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        let p_type = u32::from_le_bytes(b.get(off..off + 4)?.try_into().ok()?);
+        if p_type == 3 {
+            return Some(true);
+        }
+    }
+    Some(false)
 }
 
 /// `prog` on `PATH`.
@@ -708,6 +736,21 @@ mod tests {
         assert_eq!((m.uid(), m.gid()), (7, 7));
         let m = std::fs::metadata(&plain).unwrap();
         assert_eq!((m.uid(), m.gid()), (5, 5));
+    }
+
+    #[test]
+    fn a_dynamically_linked_program_is_told_from_a_static_one() {
+        // This test binary is dynamically linked (or static-pie without an interpreter):
+        // either way it is an ELF file the check reads.
+        let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert!(elf_interpreter(&me).is_some());
+        let sh = std::fs::read("/bin/sh").unwrap();
+        assert_eq!(elf_interpreter(&sh), Some(true));
+        assert_eq!(elf_interpreter(b"#!/bin/sh\n"), None);
+        assert_eq!(elf_interpreter(b"\x7fELF"), None);
+        if let Ok(bb) = std::fs::read("/bin/busybox") {
+            assert!(elf_interpreter(&bb).is_some());
+        }
     }
 
     #[test]
