@@ -2309,7 +2309,7 @@ async fn run(opts: Opts) {
                 dest: format!("{}@{}", h.user, h.addr.ip()),
                 port: h.addr.port(),
                 ws,
-                dir: ssh_dir,
+                dir: ssh_dir.clone(),
             },
         });
         // The CLI's best case: one master connection, every call multiplexed over it.
