@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 LABELS = {
     "exec_true": "exec true",
@@ -53,8 +54,7 @@ def main(src, dst):
                 err.append(max(st["p99_s"] - st["median_s"], 0) * 1e3)
                 ys.append(i + (k - 0.5) * h)
                 cols.append("0.6" if name in floors else color)
-            ax.barh(ys, med, height=h, color=cols, xerr=[[0] * len(err), err], capsize=2,
-                    label=f"{mode} (median, p99 whisker)")
+            ax.barh(ys, med, height=h, color=cols, xerr=[[0] * len(err), err], capsize=2)
         ax.set_yticks(y)
         ax.set_yticklabels(paths, fontsize=8)
         ax.invert_yaxis()
@@ -62,7 +62,10 @@ def main(src, dst):
         ax.set_xlabel("ms (log scale)")
         ax.set_title(LABELS[op], fontsize=10)
         ax.grid(axis="x", which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        handles = [Patch(color=c, label=f"{m} (median, p99 whisker)")
+                   for m, c in (("hot", "tab:blue"), ("cold", "tab:orange")) if m in modes]
+        handles.append(Patch(color="0.6", label="floor"))
+        ax.legend(handles=handles, fontsize=7, loc="lower right")
     m = rep.get("machine", {})
     fig.suptitle(f"tether bench: latency per path ({m.get('cpu', '')}, {m.get('cpus', '?')} CPUs, "
                  f"{m.get('kernel', '')}); grey = floor", fontsize=10)
