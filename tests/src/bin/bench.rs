@@ -446,8 +446,7 @@ impl Tetherd {
     fn stop(mut self) {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let t = std::time::Instant::now();
-        while t.elapsed() < Duration::from_secs(60) {
+        for _ in 0..1200 {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return;
             }
@@ -642,7 +641,7 @@ enum Kind {
         dir: PathBuf,
     },
     /// An official E2B SDK's long-lived driver.
-    Sdk(Mutex<Option<Driver>>),
+    Sdk(Box<Mutex<Option<Driver>>>),
     /// OpenSSH's `ssh` and `sftp` command-line clients, one connection per call.
     SshCli {
         args: Vec<String>,
@@ -817,7 +816,7 @@ impl BPath {
             })?,
             Kind::Tcp { conn } => {
                 let mut c = conn.lock().await;
-                c.write_all(&[b'W']).await.map_err(|e| e.to_string())?;
+                c.write_all(b"W").await.map_err(|e| e.to_string())?;
                 c.write_all(&(data.len() as u64).to_be_bytes())
                     .await
                     .map_err(|e| e.to_string())?;
@@ -910,7 +909,7 @@ impl BPath {
                 .len(),
             Kind::Tcp { conn } => {
                 let mut c = conn.lock().await;
-                c.write_all(&[b'R']).await.map_err(|e| e.to_string())?;
+                c.write_all(b"R").await.map_err(|e| e.to_string())?;
                 c.write_all(&(want as u64).to_be_bytes())
                     .await
                     .map_err(|e| e.to_string())?;
@@ -2270,7 +2269,7 @@ async fn run(opts: Opts) {
                     Ok(d) => paths.push(BPath {
                         name: P_PY,
                         floor: false,
-                        kind: Kind::Sdk(Mutex::new(Some(d))),
+                        kind: Kind::Sdk(Box::new(Mutex::new(Some(d)))),
                     }),
                     Err(e) => report.skipped.push(format!("{P_PY}: {e}")),
                 }
@@ -2286,7 +2285,7 @@ async fn run(opts: Opts) {
                 Ok(d) => paths.push(BPath {
                     name: P_JS,
                     floor: false,
-                    kind: Kind::Sdk(Mutex::new(Some(d))),
+                    kind: Kind::Sdk(Box::new(Mutex::new(Some(d)))),
                 }),
                 Err(e) => report.skipped.push(format!("{P_JS}: {e}")),
             }
@@ -2391,10 +2390,10 @@ async fn run(opts: Opts) {
     if opts.wants("memory") {
         measure_memory(&w, reps, &mut report, &rss, idle).await;
     }
-    if opts.wants("log") {
-        if let Err(e) = measure_log(reps, &mut report).await {
-            report.skipped.push(format!("session log: {e}"));
-        }
+    if opts.wants("log")
+        && let Err(e) = measure_log(reps, &mut report).await
+    {
+        report.skipped.push(format!("session log: {e}"));
     }
     if opts.wants("microvm") {
         let why = if root.join("providers/microvm/Cargo.toml").exists() {
