@@ -107,6 +107,7 @@ async fn the_endpoint_headers_and_token_reach_init_and_health() {
         default_user: Some("root".into()),
         default_workdir: Some("/work".into()),
         timestamp: None,
+        tether_entropy: Some("00".repeat(32)),
     };
     client.init(&ctx, &req).await.unwrap();
     client.probe_health(&ctx).await.unwrap();
