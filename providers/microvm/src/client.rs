@@ -61,6 +61,40 @@ pub fn use_kvm(cfg: &MicrovmConfig) -> bool {
 
 // === command line ===
 
+/// How a VM's network is attached. The guest's side is the same for all (10.0.2.15/24,
+/// gateway 10.0.2.2, DNS 10.0.2.3), so one saved state restores into each of them, as
+/// long as it was not saved under slirp (whose connection state is part of the saved
+/// state, which only a slirp VM loads): templates are booted under `passt` where it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NetBackend {
+    /// slirp, `restrict=on`: the host forward to the agent and nothing else.
+    #[default]
+    Slirp,
+    /// slirp, `restrict=off`: egress, and the host's loopback as 10.0.2.2 with it.
+    SlirpOpen,
+    /// `passt` on a socket pair: egress and the host forward to the agent; the gateway
+    /// is not mapped to the host (`--no-map-gw`), so the host's loopback is out of reach.
+    Passt,
+}
+
+impl NetBackend {
+    /// Whether the guest has egress.
+    pub fn egress(self) -> bool {
+        !matches!(self, Self::Slirp)
+    }
+    /// Whether a saved state of a VM attached so loads into a VM attached as `to`.
+    pub fn restores_into(self, to: Self) -> bool {
+        match self {
+            Self::Slirp | Self::SlirpOpen => to != Self::Passt,
+            Self::Passt => true,
+        }
+    }
+}
+
+/// The fd number of qemu's end of the socket pair with `passt`, in both processes.
+const PASST_FD: i32 = 3;
+
 /// What one qemu process is.
 #[derive(Debug, Clone)]
 pub struct VmLaunch {
@@ -70,8 +104,8 @@ pub struct VmLaunch {
     pub disk: PathBuf,
     /// The host port forwarded to the agent's port.
     pub port: u16,
-    /// Guest network egress (slirp `restrict=off`).
-    pub network: bool,
+    /// How the guest's network is attached.
+    pub net: NetBackend,
     /// Memory, MiB.
     pub memory_mib: u64,
     /// vCPUs.
@@ -109,7 +143,8 @@ pub fn kernel_cmdline(kvm: bool) -> String {
 }
 
 /// Every argument of qemu for `l`. A restore must use the same machine and devices as
-/// the boot it was saved from; only paths, the forwarded port and `restrict` differ.
+/// the boot it was saved from; only paths, the forwarded port and the network backend
+/// differ.
 pub fn qemu_args(
     cfg: &MicrovmConfig,
     image: &GuestImage,
@@ -153,11 +188,20 @@ pub fn qemu_args(
     push("-append");
     push(cmdline);
     push("-netdev");
-    push(&format!(
-        "user,id=n0,restrict={},hostfwd=tcp:127.0.0.1:{}-:{AGENT_PORT}",
-        if l.network { "off" } else { "on" },
-        l.port
-    ));
+    match l.net {
+        NetBackend::Slirp | NetBackend::SlirpOpen => push(&format!(
+            "user,id=n0,restrict={},hostfwd=tcp:127.0.0.1:{}-:{AGENT_PORT}",
+            if l.net == NetBackend::SlirpOpen {
+                "off"
+            } else {
+                "on"
+            },
+            l.port
+        )),
+        NetBackend::Passt => push(&format!(
+            "stream,id=n0,server=off,addr.type=fd,addr.str={PASST_FD}"
+        )),
+    }
     push("-device");
     push("virtio-net-device,netdev=n0");
     push("-drive");
@@ -193,12 +237,81 @@ pub fn free_port() -> Result<u16> {
 
 // === the qemu process ===
 
+/// Every argument of `passt` for `l`: one guest on the socket pair's fd, the guest's
+/// addresses as its initramfs sets them (IPv4 only), DNS forwarded to the host's
+/// resolver, the agent's port forwarded from the host's loopback, and the gateway not
+/// mapped to the host, so that nothing of the host's loopback is reachable.
+pub fn passt_args(l: &VmLaunch) -> Vec<OsString> {
+    let fwd = format!("127.0.0.1/{}:{AGENT_PORT}", l.port);
+    let fd = PASST_FD.to_string();
+    [
+        "--foreground",
+        "--quiet",
+        "--ipv4-only",
+        "--fd",
+        &fd,
+        "--address",
+        "10.0.2.15",
+        "--netmask",
+        "24",
+        "--gateway",
+        "10.0.2.2",
+        "--no-map-gw",
+        "--dns-forward",
+        "10.0.2.3",
+        "--tcp-ports",
+        &fwd,
+        "--udp-ports",
+        "none",
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect()
+}
+
+/// `passt` as configured, else on `PATH`.
+pub fn passt_binary(cfg: &MicrovmConfig) -> Option<PathBuf> {
+    match &cfg.passt {
+        Some(p) => crate::image::which(&p.to_string_lossy()),
+        None => crate::image::which("passt"),
+    }
+}
+
 /// A running qemu.
 #[derive(Debug)]
 pub struct QemuProcess {
     /// Its pid.
     pub pid: u32,
     child: Option<tokio::process::Child>,
+    /// Its `passt`, when this process started it. It ends by itself when qemu's end of
+    /// their socket pair closes (qemu exited); it is killed with qemu all the same.
+    passt: Option<tokio::process::Child>,
+}
+
+/// `prog` in `cgroup` (when given): a shell enters the cgroup and execs it, so that
+/// there is no moment outside it.
+fn command_in(prog: &Path, cgroup: Option<&Cgroup>) -> tokio::process::Command {
+    match cgroup {
+        Some(cg) => {
+            let mut c = tokio::process::Command::new("/bin/sh");
+            c.arg("-c")
+                .arg(r#"echo $$ > "$0" && exec "$@""#)
+                .arg(cg.procs())
+                .arg(prog);
+            c
+        }
+        None => tokio::process::Command::new(prog),
+    }
+}
+
+/// Logs of a child: one file for stdout and stderr.
+fn log_to(cmd: &mut tokio::process::Command, path: &Path) -> Result<()> {
+    let log = std::fs::File::create(path).map_err(|e| internal("cannot create a log", e))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| internal("cannot dup a log", e))?;
+    cmd.stdout(log).stderr(log2);
+    Ok(())
 }
 
 impl QemuProcess {
@@ -212,48 +325,85 @@ impl QemuProcess {
         cmdline: &str,
         cgroup: Option<&Cgroup>,
     ) -> Result<Self> {
-        let log =
-            std::fs::File::create(l.log()).map_err(|e| internal("cannot create qemu.log", e))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| internal("cannot dup qemu.log", e))?;
-        let args = qemu_args(cfg, image, l, cmdline);
-        let mut cmd = match cgroup {
-            // The shell enters the cgroup and execs qemu: no moment outside it.
-            Some(cg) => {
-                let mut c = tokio::process::Command::new("/bin/sh");
-                c.arg("-c")
-                    .arg(r#"echo $$ > "$0" && exec "$@""#)
-                    .arg(cg.procs())
-                    .arg(&cfg.qemu);
-                c
-            }
-            None => tokio::process::Command::new(&cfg.qemu),
-        };
-        cmd.args(&args)
-            .current_dir(&l.dir)
-            .stdin(std::process::Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .process_group(0)
-            .kill_on_drop(false);
-        let child = cmd.spawn().map_err(|e| ProviderError::Unavailable {
-            message: format!("microvm: cannot start {}: {e}", cfg.qemu),
+        use command_fds::{CommandFdExt, FdMapping};
+        let spawn_failed = |what: &str, e: std::io::Error| ProviderError::Unavailable {
+            message: format!("microvm: cannot start {what}: {e}"),
             retry_after: None,
             source: Some(Box::new(e)),
-        })?;
+        };
+        let mut cmd = command_in(Path::new(&cfg.qemu), cgroup);
+        cmd.args(qemu_args(cfg, image, l, cmdline))
+            .current_dir(&l.dir)
+            .stdin(std::process::Stdio::null())
+            .process_group(0)
+            .kill_on_drop(false);
+        log_to(&mut cmd, &l.log())?;
+        let mut passt = None;
+        if l.net == NetBackend::Passt {
+            let prog = passt_binary(cfg).ok_or_else(|| unavailable("microvm: passt is missing"))?;
+            // Close-on-exec both: each reaches its child only through its mapping.
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+                .map_err(|e| internal("cannot create the network's socket pair", e))?;
+            let (ours, theirs) = (
+                std::os::fd::OwnedFd::from(ours),
+                std::os::fd::OwnedFd::from(theirs),
+            );
+            let mut p = command_in(&prog, cgroup);
+            p.args(passt_args(l))
+                .current_dir(&l.dir)
+                .stdin(std::process::Stdio::null())
+                .process_group(0)
+                .kill_on_drop(false);
+            log_to(&mut p, &l.dir.join("passt.log"))?;
+            p.fd_mappings(vec![FdMapping {
+                parent_fd: theirs,
+                child_fd: PASST_FD,
+            }])
+            .map_err(|e| internal("cannot pass the socket to passt", e))?;
+            passt = Some(
+                p.spawn()
+                    .map_err(|e| spawn_failed(&prog.display().to_string(), e))?,
+            );
+            cmd.fd_mappings(vec![FdMapping {
+                parent_fd: ours,
+                child_fd: PASST_FD,
+            }])
+            .map_err(|e| internal("cannot pass the socket to qemu", e))?;
+        }
+        let child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(p) = &mut passt {
+                    let _ = p.start_kill();
+                }
+                return Err(spawn_failed(&cfg.qemu, e));
+            }
+        };
         let pid = child
             .id()
             .ok_or_else(|| unavailable("microvm: qemu exited at once"))?;
         Ok(Self {
             pid,
             child: Some(child),
+            passt,
         })
+    }
+
+    /// Whether the `passt` this process started has exited (it could not bind the
+    /// agent's host port, say).
+    pub fn passt_exited(&mut self) -> bool {
+        self.passt
+            .as_mut()
+            .is_some_and(|p| !matches!(p.try_wait(), Ok(None)))
     }
 
     /// A qemu this process did not start (found in the VM table).
     pub fn adopt(pid: u32) -> Self {
-        Self { pid, child: None }
+        Self {
+            pid,
+            child: None,
+            passt: None,
+        }
     }
 
     /// Whether it has exited (reaping it if it is our child).
@@ -267,6 +417,9 @@ impl QemuProcess {
     /// SIGKILL it and wait (up to `limit`) until it is gone.
     pub async fn kill(&mut self, limit: Duration) -> bool {
         kill_pid(self.pid);
+        if let Some(p) = &mut self.passt {
+            let _ = p.start_kill();
+        }
         self.wait_exit(limit).await
     }
 

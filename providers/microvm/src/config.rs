@@ -94,6 +94,11 @@ pub struct MicrovmConfig {
     /// The `qemu-img` binary.
     #[serde(default = "d_qemu_img")]
     pub qemu_img: String,
+    /// The userspace network of sandboxes with egress (`passt`, on a socket pair with
+    /// qemu): egress and the agent's host forward, the host's loopback out of reach.
+    /// Default: `passt` on `PATH`; without it, egress needs `allow_weaker_isolation`.
+    #[serde(default)]
+    pub passt: Option<PathBuf>,
     /// `auto` (KVM only where it is real hardware virtualisation), `kvm` or `tcg`.
     #[serde(default)]
     pub accel: Accel,
@@ -140,9 +145,10 @@ pub struct MicrovmConfig {
     /// Time to live recorded for a new sandbox without its own, ms.
     #[serde(default = "d_ttl")]
     pub default_ttl_ms: u64,
-    /// Allow sandboxes that ask for network. slirp without `restrict` gives the guest
-    /// egress, and the host's loopback as 10.0.2.2 with it, so such a sandbox reports
-    /// `partial` enforcement; without this, asking for network is `ISOLATION_UNAVAILABLE`.
+    /// Allow sandboxes that ask for network where `passt` is missing. slirp without
+    /// `restrict` gives the guest egress, and the host's loopback as 10.0.2.2 with it, so
+    /// such a sandbox reports `partial` enforcement; without this, asking for network
+    /// without `passt` is `ISOLATION_UNAVAILABLE`.
     #[serde(default)]
     pub allow_weaker_isolation: bool,
     /// The envd client's clocks and settings (`[providers.NAME.envd]`): connect, transport
@@ -213,6 +219,7 @@ impl Default for MicrovmConfig {
             agent_binary: None,
             qemu: d_qemu(),
             qemu_img: d_qemu_img(),
+            passt: None,
             accel: Accel::Auto,
             memory_mib: d_memory(),
             vcpus: d_vcpus(),

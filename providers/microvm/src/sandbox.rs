@@ -35,7 +35,7 @@ use tether_provider::{
 };
 
 use crate::client::{
-    self, Cgroup, Empty, QemuProcess, StatusInfo, VmLaunch, create_overlay, qmp_call,
+    self, Cgroup, Empty, NetBackend, QemuProcess, StatusInfo, VmLaunch, create_overlay, qmp_call,
 };
 use crate::config::MicrovmConfig;
 use crate::error::{internal, unavailable};
@@ -89,6 +89,9 @@ pub struct VmStamp {
     /// Guest network egress.
     #[serde(default)]
     pub network: bool,
+    /// How its network is attached (absent in stamps older than `passt`: slirp).
+    #[serde(default)]
+    pub net: Option<NetBackend>,
     /// The host port forwarded to the agent.
     pub port: u16,
     /// Memory, MiB.
@@ -119,6 +122,9 @@ struct SavedTemplate {
     vcpus: u32,
     /// Seconds the boot took until the agent answered.
     boot_seconds: f64,
+    /// The network it was booted and saved with.
+    #[serde(default)]
+    net: NetBackend,
     #[serde(skip)]
     dir: PathBuf,
 }
@@ -137,6 +143,9 @@ struct SnapshotMeta {
     token: String,
     env: BTreeMap<String, String>,
     network: bool,
+    /// The network its source ran with (the saved state's).
+    #[serde(default)]
+    net: NetBackend,
 }
 
 /// A failed start of qemu; `clash`: the host port was taken meanwhile.
@@ -157,6 +166,8 @@ struct Origin {
     vcpus: u32,
     /// The token the saved guest holds already (a snapshot's source's).
     prev_token: Option<String>,
+    /// The network the state was saved with.
+    net: NetBackend,
 }
 
 fn now_ms() -> i64 {
@@ -243,6 +254,17 @@ impl std::fmt::Debug for VmCore {
     }
 }
 
+impl VmStamp {
+    /// How its network is attached.
+    pub fn net(&self) -> NetBackend {
+        self.net.unwrap_or(if self.network {
+            NetBackend::SlirpOpen
+        } else {
+            NetBackend::Slirp
+        })
+    }
+}
+
 impl VmCore {
     /// The stamp now.
     pub fn stamp(&self) -> VmStamp {
@@ -264,14 +286,15 @@ impl VmCore {
 
     fn info(&self) -> SandboxInfo {
         let s = self.stamp();
+        let net = s.net();
         SandboxInfo {
             id: s.id,
             provider: KIND.into(),
             template: s.template,
             workspace: WORKSPACE.into(),
             // The VM is the boundary; what may be missing is the host-side memory limit
-            // of qemu itself, or (with egress) the host's loopback kept out of reach.
-            enforcement: if s.cgroup && !s.network {
+            // of qemu itself, or (egress through slirp) the host's loopback out of reach.
+            enforcement: if s.cgroup && net != NetBackend::SlirpOpen {
                 Enforcement::Full
             } else {
                 Enforcement::Partial
@@ -497,15 +520,37 @@ impl MicrovmProvider {
     /// A sandbox with egress is refused unless weaker isolation is allowed: slirp without
     /// `restrict` also gives the guest the host's loopback (10.0.2.2).
     fn check_network(&self, spec: &SandboxSpec) -> Result<()> {
-        if spec.network && !self.cfg.allow_weaker_isolation {
-            return Err(ProviderError::IsolationUnavailable {
-                requested: "network egress without the host's loopback".into(),
-                why: "slirp gives a guest with egress the host's loopback as 10.0.2.2 \
-                      (set allow_weaker_isolation to accept it)"
-                    .into(),
-            });
+        self.net_for(spec.network, NetBackend::Passt).map(|_| ())
+    }
+
+    /// The network of a VM with egress or not (`network`), restored from a state saved
+    /// with `saved`: `passt` for egress where it is installed and the state loads into
+    /// it, slirp with egress (the host's loopback in reach) only where weaker isolation
+    /// is allowed, else `ISOLATION_UNAVAILABLE`.
+    fn net_for(&self, network: bool, saved: NetBackend) -> Result<NetBackend> {
+        if !network {
+            return Ok(NetBackend::Slirp);
         }
-        Ok(())
+        let passt = client::passt_binary(&self.cfg).is_some();
+        if passt && saved.restores_into(NetBackend::Passt) {
+            return Ok(NetBackend::Passt);
+        }
+        if self.cfg.allow_weaker_isolation {
+            return Ok(NetBackend::SlirpOpen);
+        }
+        Err(ProviderError::IsolationUnavailable {
+            requested: "network egress without the host's loopback".into(),
+            why: if passt {
+                "the snapshot was saved under slirp, which only slirp restores, and slirp \
+                 gives a guest with egress the host's loopback as 10.0.2.2 (set \
+                 allow_weaker_isolation to accept it)"
+            } else {
+                "passt is not installed, and slirp gives a guest with egress the host's \
+                 loopback as 10.0.2.2 (install passt, or set allow_weaker_isolation to \
+                 accept it)"
+            }
+            .into(),
+        })
     }
 
     /// Build the guest image and boot and save the template of the default size, unless
@@ -587,7 +632,22 @@ impl MicrovmProvider {
             }
         };
         let kvm = client::use_kvm(&self.cfg);
-        let key = format!("{}-{size}-{}", image.key, if kvm { "kvm" } else { "tcg" });
+        // Booted under passt where it is: such a state restores under either network.
+        let net = if client::passt_binary(&self.cfg).is_some() {
+            NetBackend::Passt
+        } else {
+            NetBackend::Slirp
+        };
+        let key = format!(
+            "{}-{size}-{}{}",
+            image.key,
+            if kvm { "kvm" } else { "tcg" },
+            if net == NetBackend::Passt {
+                "-passt"
+            } else {
+                ""
+            }
+        );
         let dir = self.cfg.root.join("templates").join(&key);
         if let Some(mut t) = read_json::<SavedTemplate>(&dir.join("template.json"))
             && t.format == TEMPLATE
@@ -610,7 +670,9 @@ impl MicrovmProvider {
             return Ok(t);
         }
         ctx.check()?;
-        let t = self.boot_template(&image, &dir, mem, cpus, kvm).await?;
+        let t = self
+            .boot_template(&image, &dir, mem, cpus, kvm, net)
+            .await?;
         map.insert(size, t.clone());
         Ok(t)
     }
@@ -622,6 +684,7 @@ impl MicrovmProvider {
         mem: u64,
         cpus: u32,
         kvm: bool,
+        net: NetBackend,
     ) -> Result<SavedTemplate> {
         let started = tokio::time::Instant::now();
         let tmp = dir.with_file_name(format!(
@@ -640,7 +703,7 @@ impl MicrovmProvider {
                 dir: boot.clone(),
                 disk: disk.clone(),
                 port: client::free_port()?,
-                network: false,
+                net,
                 memory_mib: mem,
                 vcpus: cpus,
                 incoming: None,
@@ -687,6 +750,7 @@ impl MicrovmProvider {
                 memory_mib: mem,
                 vcpus: cpus,
                 boot_seconds,
+                net,
                 dir: dir.to_owned(),
             };
             write_json(&tmp.join("template.json"), &t)?;
@@ -766,6 +830,7 @@ impl MicrovmProvider {
         } else {
             None
         };
+        let net = self.net_for(spec.network, origin.net)?;
         let token = random_token()?;
         let created = now_ms();
         let ttl = spec
@@ -782,6 +847,7 @@ impl MicrovmProvider {
             metadata: spec.metadata.clone(),
             env: spec.env.clone(),
             network: spec.network,
+            net: Some(net),
             port: 0,
             memory_mib: origin.memory_mib,
             vcpus: origin.vcpus,
@@ -807,7 +873,7 @@ impl MicrovmProvider {
                     dir: dir.clone(),
                     disk: disk.clone(),
                     port,
-                    network: stamp.network,
+                    net,
                     memory_mib: origin.memory_mib,
                     vcpus: origin.vcpus,
                     incoming: Some(origin.state.clone()),
@@ -827,11 +893,13 @@ impl MicrovmProvider {
                 {
                     Ok(()) => Ok((q, stamp)),
                     Err(error) => {
+                        // passt ends at once when it cannot bind the host port.
+                        let passt_gone = q.passt_exited();
                         q.kill(self.cfg.stop_grace()).await;
                         let log = std::fs::read_to_string(launch.log()).unwrap_or_default();
                         Err(StartFail {
                             error,
-                            clash: log.contains("host forwarding"),
+                            clash: log.contains("host forwarding") || passt_gone,
                         })
                     }
                 }
@@ -1050,6 +1118,7 @@ impl Provider for MicrovmProvider {
             memory_mib: mem,
             vcpus: cpus,
             prev_token: None,
+            net: t.net,
         };
         let core = self.start_vm(ctx, origin, spec).await?;
         tracing::info!(sandbox.id = %core.stamp().id, port = core.port(), "Created a microVM sandbox");
@@ -1159,6 +1228,7 @@ impl Provider for MicrovmProvider {
             return Err(e);
         }
         let s = core.stamp();
+        let net = s.net();
         let meta = SnapshotMeta {
             format: SNAPSHOT.into(),
             id: sid.clone(),
@@ -1168,6 +1238,7 @@ impl Provider for MicrovmProvider {
             memory_mib: s.memory_mib,
             vcpus: s.vcpus,
             token: s.token,
+            net,
             env: s.env,
             network: s.network,
         };
@@ -1203,6 +1274,7 @@ impl Provider for MicrovmProvider {
             memory_mib: meta.memory_mib,
             vcpus: meta.vcpus,
             prev_token: Some(meta.token),
+            net: meta.net,
         };
         let core = self.start_vm(ctx, origin, spec).await?;
         self.sandbox(core)

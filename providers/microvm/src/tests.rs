@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use tether_protocol::ErrorCode;
 
-use crate::client::{self, VmLaunch};
+use crate::client::{self, NetBackend, VmLaunch};
 use crate::config::{Accel, MicrovmConfig};
 use crate::image::GuestImage;
 
@@ -25,12 +25,12 @@ fn image() -> GuestImage {
     }
 }
 
-fn launch(network: bool, incoming: Option<&str>) -> VmLaunch {
+fn launch(net: NetBackend, incoming: Option<&str>) -> VmLaunch {
     VmLaunch {
         dir: "/s/vms/vm-1".into(),
         disk: "/s/vms/vm-1/disk.qcow2".into(),
         port: 40001,
-        network,
+        net,
         memory_mib: 512,
         vcpus: 2,
         incoming: incoming.map(PathBuf::from),
@@ -92,7 +92,7 @@ fn bad_config_values_are_invalid_requests() {
 fn the_command_line_is_a_microvm_with_slirp_restricted_to_the_agent_forward() {
     let mut cfg = MicrovmConfig::with_root("/s");
     cfg.accel = Accel::Tcg;
-    let a = args(&cfg, &launch(false, None));
+    let a = args(&cfg, &launch(NetBackend::Slirp, None));
     assert_eq!(after(&a, "-M"), ["microvm,pit=on,pic=on,rtc=on"]);
     assert_eq!(after(&a, "-accel"), ["tcg,tb-size=64"]);
     assert_eq!(after(&a, "-m"), ["512"]);
@@ -111,11 +111,42 @@ fn the_command_line_is_a_microvm_with_slirp_restricted_to_the_agent_forward() {
 }
 
 #[test]
+fn passt_attaches_over_a_socket_pair_and_keeps_the_host_loopback_out_of_reach() {
+    let mut cfg = MicrovmConfig::with_root("/s");
+    cfg.accel = Accel::Tcg;
+    let l = launch(NetBackend::Passt, Some("/s/templates/t/state"));
+    let a = args(&cfg, &l);
+    assert_eq!(
+        after(&a, "-netdev"),
+        ["stream,id=n0,server=off,addr.type=fd,addr.str=3"]
+    );
+    let p: Vec<String> = client::passt_args(&l)
+        .into_iter()
+        .map(|a: OsString| a.into_string().unwrap())
+        .collect();
+    assert_eq!(after(&p, "--fd"), ["3"]);
+    assert_eq!(after(&p, "--tcp-ports"), ["127.0.0.1/40001:49983"]);
+    assert_eq!(after(&p, "--udp-ports"), ["none"]);
+    assert_eq!(after(&p, "--address"), ["10.0.2.15"]);
+    assert_eq!(after(&p, "--gateway"), ["10.0.2.2"]);
+    assert!(p.iter().any(|x| x == "--no-map-gw") && p.iter().any(|x| x == "--ipv4-only"));
+    // A state saved under slirp carries slirp's own section: only slirp loads it.
+    assert!(NetBackend::Passt.restores_into(NetBackend::Slirp));
+    assert!(NetBackend::Passt.restores_into(NetBackend::Passt));
+    assert!(!NetBackend::Slirp.restores_into(NetBackend::Passt));
+    assert!(NetBackend::Slirp.restores_into(NetBackend::SlirpOpen));
+    assert!(!NetBackend::Slirp.egress() && NetBackend::Passt.egress());
+}
+
+#[test]
 fn a_restore_differs_from_its_boot_only_in_paths_port_and_egress() {
     let mut cfg = MicrovmConfig::with_root("/s");
     cfg.accel = Accel::Tcg;
-    let boot = args(&cfg, &launch(false, None));
-    let restore = args(&cfg, &launch(true, Some("/s/templates/t/state")));
+    let boot = args(&cfg, &launch(NetBackend::Slirp, None));
+    let restore = args(
+        &cfg,
+        &launch(NetBackend::SlirpOpen, Some("/s/templates/t/state")),
+    );
     assert_eq!(
         after(&restore, "-incoming"),
         ["exec:cat '/s/templates/t/state'"]
@@ -156,7 +187,7 @@ fn kvm_is_used_only_where_it_is_real_hardware_virtualisation() {
     }
     let mut cfg = MicrovmConfig::with_root("/s");
     cfg.accel = Accel::Kvm;
-    let a = args(&cfg, &launch(false, None));
+    let a = args(&cfg, &launch(NetBackend::Slirp, None));
     assert_eq!(after(&a, "-accel"), ["kvm"]);
     assert_eq!(after(&a, "-cpu"), ["host"]);
 }

@@ -431,34 +431,125 @@ async fn a_guest_that_stops_answering_ends_calls_within_their_limit() {
     p.destroy(&ctx(), &id).await.unwrap();
 }
 
+/// The host's own address on its default route (no packet is sent to find it).
+fn host_address() -> Option<std::net::IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("192.0.2.1:9").ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+/// The live (not zombie) `passt` children of this test process (nextest runs each test
+/// in a process of its own).
+fn live_passts() -> Vec<u32> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if head.ends_with("(passt") && f.get(1) == Some(&me.as_str()) && f.first() != Some(&"Z") {
+            found.extend(e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()));
+        }
+    }
+    found
+}
+
+/// A host listener that counts what connects to it.
+async fn listener(addr: &str) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    let l = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((_s, _)) = l.accept().await {
+            h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    (port, hits)
+}
+
+/// Whether the guest can open a TCP connection to `host:port` (bash's `/dev/tcp`).
+async fn guest_connects(sb: &dyn tether_provider::Sandbox, host: &str, port: u16) -> bool {
+    let (code, _) = run(
+        sb,
+        &format!("timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{port}' 2>/dev/null"),
+    )
+    .await;
+    code == Some(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn egress_is_refused_unless_weaker_isolation_is_allowed() {
+async fn egress_goes_through_passt_and_never_reaches_the_host_loopback() {
     let Some(mut cfg) = config() else { return };
+    if tether_provider_microvm::client::passt_binary(&cfg).is_none() {
+        eprintln!("SKIPPED: passt is not installed");
+        return;
+    }
     let spec = SandboxSpec {
         network: true,
         ..SandboxSpec::default()
     };
+    // tetherd's API and every other loopback service of the host: out of reach.
+    let (lo_port, lo_hits) = listener("127.0.0.1:0").await;
+    let (any_port, any_hits) = listener("0.0.0.0:0").await;
     let p = provider(&cfg);
-    let err = p.create(&ctx(), spec.clone()).await.unwrap_err();
-    assert_eq!(err.code(), tether_protocol::ErrorCode::IsolationUnavailable);
-    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
-    if sb.info().enforcement == tether_provider::Enforcement::Partial {
-        eprintln!("this host gives qemu no memory cgroup: enforcement is partial");
-    }
-    p.destroy(&ctx(), &sb.info().id).await.unwrap();
-
-    cfg.allow_weaker_isolation = true;
-    let p = provider(&cfg);
-    let sb = p.create(&ctx(), spec).await.unwrap();
+    let sb = p.create(&ctx(), spec.clone()).await.unwrap();
     let info = sb.info();
     assert!(info.network);
-    assert_eq!(info.enforcement, tether_provider::Enforcement::Partial);
-    // slirp's DNS answers the guest (egress beyond the host is not tried here).
+    let pid = p.vm(&info.id).unwrap().pid().await;
+    if std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .contains("tether-microvm")
+    {
+        assert_eq!(info.enforcement, tether_provider::Enforcement::Full);
+    }
     let (code, out) = run(sb.as_ref(), "cat /etc/resolv.conf; ip route | head -1").await;
     assert_eq!(code, Some(0), "{out}");
     assert!(
         out.contains("nameserver 10.0.2.3") && out.contains("via 10.0.2.2"),
         "{out}"
     );
+    assert!(!guest_connects(sb.as_ref(), "10.0.2.2", lo_port).await);
+    assert!(!guest_connects(sb.as_ref(), "10.0.2.2", any_port).await);
+    assert_eq!(lo_hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    if let Some(ip) = host_address() {
+        // Egress: the host's own address (as any other host's) is reachable.
+        assert!(guest_connects(sb.as_ref(), &ip.to_string(), any_port).await);
+        assert!(any_hits.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    }
+    // A no-network sandbox restored from the same template has no egress at all.
+    let plain = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    assert!(!plain.info().network);
+    if let Some(ip) = host_address() {
+        let before = any_hits.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(!guest_connects(plain.as_ref(), &ip.to_string(), any_port).await);
+        assert_eq!(any_hits.load(std::sync::atomic::Ordering::SeqCst), before);
+    }
+    p.destroy(&ctx(), &plain.info().id).await.unwrap();
+    p.destroy(&ctx(), &info.id).await.unwrap();
+    // No passt outlives its VM.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(live_passts(), Vec::<u32>::new());
+
+    // Without passt, egress is slirp's, which gives the guest the host's loopback as
+    // 10.0.2.2: refused unless weaker isolation is allowed, and then `partial` (and the
+    // loopback listener is indeed reached, which is what passt prevents).
+    cfg.passt = Some("/nonexistent/passt".into());
+    let p = provider(&cfg);
+    let err = p.create(&ctx(), spec.clone()).await.unwrap_err();
+    assert_eq!(err.code(), tether_protocol::ErrorCode::IsolationUnavailable);
+    cfg.allow_weaker_isolation = true;
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), spec).await.unwrap();
+    let info = sb.info();
+    assert!(info.network);
+    assert_eq!(info.enforcement, tether_provider::Enforcement::Partial);
+    assert!(guest_connects(sb.as_ref(), "10.0.2.2", lo_port).await);
+    assert!(lo_hits.load(std::sync::atomic::Ordering::SeqCst) >= 1);
     p.destroy(&ctx(), &info.id).await.unwrap();
 }
