@@ -56,13 +56,18 @@ fn local_provider(ws: &std::path::Path, state: &std::path::Path) -> Option<Arc<d
     let helper = std::env::var_os("TETHER_CONFINE_BIN")
         .map(PathBuf::from)
         .or_else(|| {
-            ["target/debug/tether-confine", "target/release/tether-confine"]
-                .into_iter()
-                .map(|p| ws.join(p))
-                .find(|p| p.is_file())
+            [
+                "target/debug/tether-confine",
+                "target/release/tether-confine",
+            ]
+            .into_iter()
+            .map(|p| ws.join(p))
+            .find(|p| p.is_file())
         });
     let Some(helper) = helper else {
-        println!("local provider rows SKIPPED: no tether-confine built (cargo build -p tether-provider-local)");
+        println!(
+            "local provider rows SKIPPED: no tether-confine built (cargo build -p tether-provider-local)"
+        );
         return None;
     };
     let mut cfg = LocalConfig::with_root(state.join("local"));
