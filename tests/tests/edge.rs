@@ -121,7 +121,18 @@ async fn slowloris_connections_are_closed_within_the_header_read_timeout() {
         worst.as_millis(),
         health.as_millis()
     );
-    assert_eq!(d.get("/v1/health").await.0, 200);
+    // On a new connection: the client's pooled one from above sat idle past the
+    // header-read timeout too, which closes idle keep-alive connections as well.
+    let fresh = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let r = fresh
+        .get(format!("{}/v1/health", d.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
     d.stop().await;
 }
 
