@@ -397,6 +397,11 @@ impl QemuProcess {
             .is_some_and(|p| !matches!(p.try_wait(), Ok(None)))
     }
 
+    /// No qemu (a VM saved to disk).
+    pub fn none() -> Self {
+        Self::adopt(0)
+    }
+
     /// A qemu this process did not start (found in the VM table).
     pub fn adopt(pid: u32) -> Self {
         Self {
@@ -837,6 +842,25 @@ pub async fn save_state(socket: &Path, file: &Path, limit: Duration, poll: Durat
     })
     .await
     .map_err(|_| timeout(Clock::Total, limit))?
+}
+
+/// Wait until the incoming migration of the qemu at `socket` (just started with
+/// `-incoming`) is loaded: its status is no longer `inmigrate` (its QMP socket may not be
+/// there yet at first).
+pub async fn wait_incoming(socket: &Path, limit: Duration, poll: Duration) -> Result<StatusInfo> {
+    let end = Instant::now() + limit;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timeout(Clock::Total, limit));
+        }
+        if let Ok(s) = qmp_call::<(), StatusInfo>(socket, "query-status", None, left).await
+            && s.status != "inmigrate"
+        {
+            return Ok(s);
+        }
+        tokio::time::sleep(poll).await;
+    }
 }
 
 // === the guest agent ===

@@ -39,6 +39,9 @@ pub const DEFAULT_SAVE_TIMEOUT_MS: u64 = 120_000;
 pub const DEFAULT_STOP_GRACE_MS: u64 = 3_000;
 /// Default limit of the guest agent's `/init` call after a restore.
 pub const DEFAULT_INIT_TIMEOUT_MS: u64 = 10_000;
+/// Default time a sandbox stays paused in memory before its state is saved to its
+/// directory and its qemu stopped (its memory given back); resume restores it.
+pub const DEFAULT_PAUSE_TO_DISK_AFTER_MS: u64 = 300_000;
 /// Default time to live recorded for a new sandbox (the daemon's leases enforce it).
 pub const DEFAULT_TTL_MS: u64 = 3_600_000;
 /// Default translation-cache size of TCG, MiB (qemu's own default is 1 GiB per VM).
@@ -145,6 +148,10 @@ pub struct MicrovmConfig {
     /// Time to live recorded for a new sandbox without its own, ms.
     #[serde(default = "d_ttl")]
     pub default_ttl_ms: u64,
+    /// Time a sandbox stays paused in memory (QMP `stop`) before its state is saved to
+    /// disk and its qemu stopped, ms; 0: never. Resume restores a saved one.
+    #[serde(default = "d_pause_to_disk")]
+    pub pause_to_disk_after_ms: u64,
     /// Allow sandboxes that ask for network where `passt` is missing. slirp without
     /// `restrict` gives the guest egress, and the host's loopback as 10.0.2.2 with it, so
     /// such a sandbox reports `partial` enforcement; without this, asking for network
@@ -202,6 +209,9 @@ fn d_save() -> u64 {
 fn d_grace() -> u64 {
     DEFAULT_STOP_GRACE_MS
 }
+fn d_pause_to_disk() -> u64 {
+    DEFAULT_PAUSE_TO_DISK_AFTER_MS
+}
 fn d_init() -> u64 {
     DEFAULT_INIT_TIMEOUT_MS
 }
@@ -235,6 +245,7 @@ impl Default for MicrovmConfig {
             stop_grace_ms: d_grace(),
             init_timeout_ms: d_init(),
             default_ttl_ms: d_ttl(),
+            pause_to_disk_after_ms: d_pause_to_disk(),
             allow_weaker_isolation: false,
             envd: EnvdClientConfig::default(),
         }
@@ -292,6 +303,11 @@ impl MicrovmConfig {
     /// Limit of `/init`.
     pub fn init_timeout(&self) -> Duration {
         Duration::from_millis(self.init_timeout_ms)
+    }
+    /// Time paused in memory before a save to disk, if ever.
+    pub fn pause_to_disk_after(&self) -> Option<Duration> {
+        (self.pause_to_disk_after_ms > 0)
+            .then(|| Duration::from_millis(self.pause_to_disk_after_ms))
     }
 
     /// Check the section; a bad value is an `INVALID_REQUEST` naming the field.

@@ -61,6 +61,8 @@ const SAVE_POLL: Duration = Duration::from_millis(50);
 const OWNER_FILE: &str = "owner.pid";
 /// Attempts at starting a VM when the picked host port was taken meanwhile.
 const PORT_ATTEMPTS: usize = 3;
+/// The saved state of a VM paused long enough to be stopped (in its directory).
+const SUSPEND_STATE: &str = "suspend.state";
 
 /// What the VM table keeps about a sandbox VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,6 +112,10 @@ pub struct VmStamp {
     /// Paused (QMP `stop`).
     #[serde(default)]
     pub paused: bool,
+    /// Paused long enough to be saved to [`SUSPEND_STATE`] and its qemu stopped: resume
+    /// restores it (same disk, port and token).
+    #[serde(default)]
+    pub suspended: bool,
 }
 
 /// A saved template VM.
@@ -240,6 +246,9 @@ pub struct VmCore {
     qemu: tokio::sync::Mutex<QemuProcess>,
     /// Serialises the VM's QMP operations (qemu serves one QMP client at a time).
     op: tokio::sync::Mutex<()>,
+    /// Counts pauses and resumes: a save to disk armed by a pause runs only if no
+    /// resume (or later pause) came since.
+    pause_epoch: std::sync::atomic::AtomicU64,
     cgroup: Option<Cgroup>,
     envd: EnvdSandboxClient,
     fs: VmFs,
@@ -358,6 +367,9 @@ pub struct MicrovmProvider {
     templates: tokio::sync::Mutex<HashMap<String, SavedTemplate>>,
     live: RwLock<HashMap<String, Arc<VmCore>>>,
     creating: RwLock<HashSet<String>>,
+    /// Saves to disk armed by pauses, cancelled when the provider goes.
+    tasks: tokio_util::task::TaskTracker,
+    cancel: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for MicrovmProvider {
@@ -370,6 +382,8 @@ impl std::fmt::Debug for MicrovmProvider {
 
 impl Drop for MicrovmProvider {
     fn drop(&mut self) {
+        self.cancel.cancel();
+        self.tasks.close();
         // No qemu outlives the provider that started it (a daemon killed with -9 runs no
         // destructor: its VMs are found in the table by the next one).
         let live = std::mem::take(&mut *self.live.write().unwrap_or_else(|e| e.into_inner()));
@@ -419,6 +433,8 @@ impl MicrovmProvider {
             templates: tokio::sync::Mutex::new(HashMap::new()),
             live: RwLock::new(HashMap::new()),
             creating: RwLock::new(HashSet::new()),
+            tasks: tokio_util::task::TaskTracker::new(),
+            cancel: tokio_util::sync::CancellationToken::new(),
         };
         p.sweep();
         Ok(p)
@@ -478,7 +494,9 @@ impl MicrovmProvider {
                     .and_then(|t| t.elapsed().ok())
                     .is_none_or(|age| age < Duration::from_secs(60)),
             };
-            if !alive && !owner_alive {
+            // A suspended VM has no qemu on purpose: its lease decides.
+            let suspended = read_json::<VmStamp>(&dir.join("vm.json")).is_some_and(|s| s.suspended);
+            if !alive && !owner_alive && !suspended {
                 let id = e.file_name().to_string_lossy().into_owned();
                 if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
                     cg.remove();
@@ -856,6 +874,7 @@ impl MicrovmProvider {
             cmdline: origin.cmdline.clone(),
             cgroup: cgroup.is_some(),
             paused: false,
+            suspended: false,
         };
         // Start, and start again on a new port if the one picked was taken meanwhile.
         let attempt = || {
@@ -991,6 +1010,7 @@ impl MicrovmProvider {
             stamp: RwLock::new(stamp),
             qemu: tokio::sync::Mutex::new(qemu),
             op: tokio::sync::Mutex::new(()),
+            pause_epoch: std::sync::atomic::AtomicU64::new(0),
             cgroup,
         })
     }
@@ -1008,15 +1028,14 @@ impl MicrovmProvider {
         if stamp.stamp != STAMP || stamp.id != id {
             return None;
         }
-        let pid = client::read_pidfile(&dir.join("qemu.pid"))?;
-        if !client::pid_is_vm(pid, &dir) {
-            return None;
-        }
+        let qemu = match client::read_pidfile(&dir.join("qemu.pid")) {
+            Some(pid) if client::pid_is_vm(pid, &dir) => QemuProcess::adopt(pid),
+            // Saved to disk, no qemu until resumed.
+            _ if stamp.suspended => QemuProcess::none(),
+            _ => return None,
+        };
         let cgroup = Cgroup::find(Path::new(CGROUP_ROOT), id);
-        let core = Arc::new(
-            self.vm_core(dir, stamp, QemuProcess::adopt(pid), cgroup)
-                .ok()?,
-        );
+        let core = Arc::new(self.vm_core(dir, stamp, qemu, cgroup).ok()?);
         let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
         Some(live.entry(id.to_owned()).or_insert(core).clone())
     }
@@ -1058,6 +1077,71 @@ impl MicrovmProvider {
             }
         }
         Ok(out)
+    }
+
+    /// Start the qemu of a VM saved to disk by a long pause, from its saved state, over
+    /// its own disk, on its port, in its cgroup; continue it; wait for the agent; `/init`
+    /// with its token re-sets the guest's clock. On failure it stays suspended.
+    async fn restore_suspended(&self, core: &VmCore) -> Result<()> {
+        let s = core.stamp();
+        let state = core.dir.join(SUSPEND_STATE);
+        let launch = VmLaunch {
+            dir: core.dir.clone(),
+            disk: core.dir.join("disk.qcow2"),
+            port: s.port,
+            net: s.net(),
+            memory_mib: s.memory_mib,
+            vcpus: s.vcpus,
+            incoming: Some(state.clone()),
+        };
+        let mut q = core.qemu.lock().await;
+        q.kill_vm(&core.dir, self.cfg.stop_grace()).await;
+        *q = QemuProcess::spawn(
+            &self.cfg,
+            &s.image,
+            &launch,
+            &s.cmdline,
+            core.cgroup.as_ref(),
+        )?;
+        let r = async {
+            // The state was saved stopped, so the restored VM is stopped until `cont`.
+            client::wait_incoming(&core.qmp(), self.cfg.restore_timeout(), SAVE_POLL).await?;
+            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+            client::wait_ready(
+                &self.http,
+                s.port,
+                &mut q,
+                self.cfg.probe_timeout(),
+                self.cfg.restore_timeout(),
+                &launch.console(),
+            )
+            .await?;
+            let body = tether_protocol::e2b::InitRequest {
+                env_vars: None,
+                access_token: Some(s.token.clone()),
+                default_user: None,
+                default_workdir: None,
+                timestamp: Some(rfc3339_now()),
+                tether_entropy: Some(client::entropy()?),
+            };
+            client::init_agent(
+                &self.http,
+                s.port,
+                &body,
+                Some(&s.token),
+                self.cfg.init_timeout(),
+            )
+            .await
+        }
+        .await;
+        if let Err(e) = r {
+            q.kill(self.cfg.stop_grace()).await;
+            *q = QemuProcess::none();
+            return Err(e);
+        }
+        let _ = std::fs::remove_file(&state);
+        tracing::info!(sandbox.id = %s.id, "Restored a microVM saved to disk by a long pause");
+        Ok(())
     }
 
     async fn status(&self, core: &VmCore) -> Result<StatusInfo> {
@@ -1183,16 +1267,50 @@ impl Provider for MicrovmProvider {
     async fn pause(&self, _ctx: &CallCtx, id: &str) -> Result<()> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
         let _op = core.op.lock().await;
+        if core.stamp().suspended {
+            return Ok(());
+        }
         qmp_call::<(), Empty>(&core.qmp(), "stop", None, self.cfg.qmp_timeout()).await?;
-        core.update(|s| s.paused = true)
+        core.update(|s| s.paused = true)?;
+        let epoch = core
+            .pause_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        if let Some(after) = self.cfg.pause_to_disk_after() {
+            let (cfg, core, cancel) = (self.cfg.clone(), core.clone(), self.cancel.clone());
+            self.tasks.spawn(async move {
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    () = tokio::time::sleep(after) => {
+                        if let Err(e) = suspend_to_disk(&cfg, &core, epoch).await {
+                            tracing::warn!(
+                                sandbox.id = %core.stamp().id,
+                                error = %e,
+                                "Could not save a paused microVM to disk; it stays paused in memory"
+                            );
+                        }
+                    }
+                }
+            });
+        }
+        Ok(())
     }
 
     async fn resume(&self, _ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
         {
             let _op = core.op.lock().await;
-            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
-            core.update(|s| s.paused = false)?;
+            core.pause_epoch
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if core.stamp().suspended {
+                self.restore_suspended(&core).await?;
+            } else {
+                qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+            }
+            core.update(|s| {
+                s.paused = false;
+                s.suspended = false;
+            })?;
         }
         self.sandbox(core)
     }
@@ -1289,9 +1407,13 @@ impl Provider for MicrovmProvider {
 
     async fn metrics(&self, _ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
-        let pid = core.pid().await;
-        let (cpu_us, rss) = client::proc_usage(pid).ok_or_else(|| Self::not_found(id))?;
         let s = core.stamp();
+        let (cpu_us, rss) = if s.suspended {
+            // Saved to disk: no process, no memory.
+            (0, 0)
+        } else {
+            client::proc_usage(core.pid().await).ok_or_else(|| Self::not_found(id))?
+        };
         let disk_used = {
             use std::os::unix::fs::MetadataExt;
             std::fs::metadata(core.dir.join("disk.qcow2")).map_or(0, |m| m.blocks() * 512)
@@ -1306,4 +1428,31 @@ impl Provider for MicrovmProvider {
             disk_limit_bytes: Some(s.image.disk_bytes),
         })
     }
+}
+
+/// Save `core`, paused since pause number `epoch`, to its directory and stop its qemu
+/// (its memory given back), unless it was resumed or paused again meanwhile. The stamp
+/// says `suspended` only once the state is complete; a crash before qemu stops leaves a
+/// stopped qemu that resume kills before it restores.
+async fn suspend_to_disk(cfg: &MicrovmConfig, core: &VmCore, epoch: u64) -> Result<()> {
+    let _op = core.op.lock().await;
+    let s = core.stamp();
+    if !s.paused
+        || s.suspended
+        || core.pause_epoch.load(std::sync::atomic::Ordering::SeqCst) != epoch
+    {
+        return Ok(());
+    }
+    let state = core.dir.join(SUSPEND_STATE);
+    client::save_state(&core.qmp(), &state, cfg.save_timeout(), SAVE_POLL).await?;
+    core.update(|s| s.suspended = true)?;
+    let grace = cfg.stop_grace();
+    let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(cfg.qmp_timeout())).await;
+    let mut q = core.qemu.lock().await;
+    if !q.wait_exit(grace).await {
+        q.kill_vm(&core.dir, grace).await;
+    }
+    *q = QemuProcess::none();
+    tracing::info!(sandbox.id = %s.id, "Saved a long-paused microVM to disk and stopped it");
+    Ok(())
 }

@@ -364,6 +364,83 @@ async fn pause_and_resume_keep_a_running_process_and_its_files() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_pause_saves_the_vm_to_disk_and_resume_restores_its_processes_and_files() {
+    let Some(mut cfg) = config() else { return };
+    cfg.pause_to_disk_after_ms = 300;
+    let p = provider(&cfg);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let id = sb.info().id.clone();
+    let dir = cfg.root.join("vms").join(&id);
+    let first_qemu = qemus_of(&dir);
+    assert_eq!(first_qemu.len(), 1);
+
+    // A short pause stays in memory: the resume cancels the save it armed.
+    p.pause(&ctx(), &id).await.unwrap();
+    p.resume(&ctx(), &id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(qemus_of(&dir), first_qemu);
+    assert!(!dir.join("suspend.state").exists());
+
+    write_file(sb.as_ref(), "/home/user/kept.txt", b"kept").await;
+    let (code, out) = run(
+        sb.as_ref(),
+        "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /home/user/count; sleep 0.2; done' \
+         >/dev/null 2>&1 & echo $!",
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    let pid = out.trim().to_owned();
+
+    // A long pause: saved to disk, qemu gone, its memory given back.
+    p.pause(&ctx(), &id).await.unwrap();
+    let end = tokio::time::Instant::now() + Duration::from_secs(90);
+    while !(qemus_of(&dir).is_empty() && dir.join("suspend.state").exists()) {
+        assert!(
+            tokio::time::Instant::now() < end,
+            "the paused VM was not saved to disk"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(p.metrics(&ctx(), &id).await.unwrap().memory_bytes, 0);
+    // A fresh provider over the same table (a restarted daemon) keeps it and lists it.
+    {
+        let again = MicrovmProvider::new(cfg.clone()).unwrap();
+        let listed = again.list(&ctx()).await.unwrap();
+        assert!(listed.iter().any(|i| i.id == id), "{listed:?}");
+    }
+    assert!(dir.join("suspend.state").exists());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let sb = p.resume(&ctx(), &id).await.unwrap();
+    assert_eq!(qemus_of(&dir).len(), 1);
+    assert!(!dir.join("suspend.state").exists());
+    assert_eq!(read_file(sb.as_ref(), "/home/user/kept.txt").await, b"kept");
+    let (_, a) = run(sb.as_ref(), "cat /home/user/count").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (_, b) = run(sb.as_ref(), "cat /home/user/count").await;
+    let (a, b): (u64, u64) = (a.trim().parse().unwrap(), b.trim().parse().unwrap());
+    assert!(
+        b > a,
+        "the background process does not run on: {a} then {b}"
+    );
+    let (code, _) = run(sb.as_ref(), &format!("kill -0 {pid}")).await;
+    assert_eq!(code, Some(0), "the background process {pid} is gone");
+    // `/init` after the restore set the guest's clock to the host's.
+    let (_, t) = run(sb.as_ref(), "date +%s").await;
+    let guest: i64 = t.trim().parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest - host).abs() < 10,
+        "guest clock {guest}, host {host}"
+    );
+    p.destroy(&ctx(), &id).await.unwrap();
+    assert!(qemus_of(&dir).is_empty() && !dir.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_keeps_the_files_of_its_source_and_diverges() {
     let Some(cfg) = config() else { return };
     let p = provider(&cfg);
