@@ -185,7 +185,14 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         "{out}"
     );
 
-    // A VM the daemon made but never recorded in a session log.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.0.wait().unwrap();
+    // A VM the daemon made but never recorded in a session log (made while the daemon
+    // is down: a running daemon's reconciler, every second here, would stop it at once).
     let daemon_id = std::fs::read_to_string(state.path().join("daemon-id")).unwrap();
     let mut spec = SandboxSpec::default();
     spec.metadata
@@ -196,12 +203,6 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
     let orphan_vm = vm.root.join("vms").join(orphan.info().id);
     drop(orphan);
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    child.0.wait().unwrap();
     for d in [&kept_vm, &exp_vm, &orphan_vm] {
         assert_eq!(qemus_of(d), 1, "a VM died with its daemon: {}", d.display());
     }
