@@ -283,6 +283,9 @@ async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
         );
         cfg.default_provider = "vm".into();
         cfg.e2b_front.api_keys = keys;
+        // A 64 MiB upload into an emulated (TCG) guest on a 2-core host busy with the
+        // rest of the suite has taken over the default minute per file operation.
+        cfg.limits.fs_op_timeout_ms = 300_000;
     })
     .await;
     let mut child = tokio::process::Command::new("bash")
