@@ -56,8 +56,8 @@ fn microvm_config() -> Option<MicrovmConfig> {
     Some(cfg)
 }
 
-/// qemu processes of the VM directory `dir`.
-fn qemus_of(dir: &Path) -> usize {
+/// The pids of the qemu processes of the VM directory `dir`.
+fn qemu_pids_of(dir: &Path) -> Vec<u32> {
     let needle = dir.display().to_string();
     std::fs::read_dir("/proc")
         .unwrap()
@@ -70,7 +70,53 @@ fn qemus_of(dir: &Path) -> usize {
             })
         })
         .filter(|pid| tether_provider_microvm::client::pid_alive(*pid))
-        .count()
+        .collect()
+}
+
+/// qemu processes of the VM directory `dir`.
+fn qemus_of(dir: &Path) -> usize {
+    qemu_pids_of(dir).len()
+}
+
+/// The VM directories under `root` whose VM table entry names the daemon `daemon_id`.
+fn vm_dirs_of_daemon(root: &Path, daemon_id: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(root.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("vm.json")).is_ok_and(|s| s.contains(daemon_id))
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Kills, when dropped, every qemu still running for the VM directories it holds, and for
+/// those of the daemon it names. A test that fails after killing tetherd with -9 (or whose
+/// in-process daemon ends with the test's process) would otherwise leave its VMs running:
+/// they outlive their daemon by design, and no daemon is left to stop them.
+#[derive(Default)]
+struct VmReaper {
+    dirs: Vec<PathBuf>,
+    daemon: Option<(PathBuf, String)>,
+}
+
+impl Drop for VmReaper {
+    fn drop(&mut self) {
+        let of_daemon = self
+            .daemon
+            .as_ref()
+            .map(|(root, id)| vm_dirs_of_daemon(root, id))
+            .unwrap_or_default();
+        for dir in self.dirs.iter().chain(&of_daemon) {
+            for pid in qemu_pids_of(dir) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
 }
 
 /// `tetherd serve --config FILE` on `port` over `state`; killed and reaped on drop.
@@ -133,6 +179,8 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
     let direct = MicrovmProvider::new(vm.clone()).unwrap();
     direct.prepare(&CallCtx::new("t")).await.unwrap();
 
+    // Declared before the daemons, so dropped after them.
+    let mut reaper = VmReaper::default();
     let state = tempfile::tempdir().unwrap();
     let config = state.path().join("tetherd.toml");
     let q = |p: &Path| format!("{:?}", p.display().to_string());
@@ -165,6 +213,7 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         .root
         .join("vms")
         .join(kept["sandbox_id"].as_str().unwrap());
+    reaper.dirs.push(kept_vm.clone());
     let (st, exp) = post(&http, format!("{base}/v1/sessions"), json!({"ttl_s": 3})).await;
     assert_eq!(st, 201, "{exp}");
     let exp_id = exp["id"].as_str().unwrap().to_owned();
@@ -172,6 +221,7 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         .root
         .join("vms")
         .join(exp["sandbox_id"].as_str().unwrap());
+    reaper.dirs.push(exp_vm.clone());
     let out = bash(
         &http,
         &base,
@@ -201,6 +251,7 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         .insert("tether.session".into(), "no-such-session".into());
     let orphan = direct.create(&CallCtx::new("t"), spec).await.unwrap();
     let orphan_vm = vm.root.join("vms").join(orphan.info().id);
+    reaper.dirs.push(orphan_vm.clone());
     drop(orphan);
 
     for d in [&kept_vm, &exp_vm, &orphan_vm] {
@@ -288,6 +339,18 @@ async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
         cfg.limits.fs_op_timeout_ms = 300_000;
     })
     .await;
+    let daemon_id = d
+        .daemon
+        .as_ref()
+        .unwrap()
+        .state
+        .sessions
+        .daemon_id()
+        .to_owned();
+    let _reaper = VmReaper {
+        dirs: Vec::new(),
+        daemon: Some((vm.root.clone(), daemon_id.clone())),
+    };
     let mut child = tokio::process::Command::new("bash")
         .arg(workspace_root().join("tests/e2b_sdk/run.sh"))
         .arg("python")
@@ -326,25 +389,11 @@ async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
             .is_some_and(|s| !s.contains("failed") || s.contains(" 0 failed")),
         "{summary:?}"
     );
-    let daemon_id = d
-        .daemon
-        .as_ref()
-        .unwrap()
-        .state
-        .sessions
-        .daemon_id()
-        .to_owned();
     // The suite kills what it creates; a kill is synchronous, an expiry takes a second.
-    let ours = || -> Vec<std::ffi::OsString> {
-        std::fs::read_dir(vm.root.join("vms"))
-            .unwrap()
-            .flatten()
-            .filter(|e| {
-                std::fs::read_to_string(e.path().join("vm.json"))
-                    .is_ok_and(|s| s.contains(&daemon_id))
-                    && qemus_of(&e.path()) > 0
-            })
-            .map(|e| e.file_name())
+    let ours = || -> Vec<PathBuf> {
+        vm_dirs_of_daemon(&vm.root, &daemon_id)
+            .into_iter()
+            .filter(|d| qemus_of(d) > 0)
             .collect()
     };
     wait_until(
