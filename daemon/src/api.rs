@@ -245,10 +245,19 @@ struct EventsQuery {
 fn ndjson<S, T>(stream: S) -> Response
 where
     S: futures_util::Stream<Item = T> + Send + 'static,
-    T: serde::Serialize,
+    T: serde::Serialize + 'static,
+{
+    try_ndjson(stream.map(Ok))
+}
+
+/// [`ndjson`] over a stream whose error ends the body.
+fn try_ndjson<S, T>(stream: S) -> Response
+where
+    S: futures_util::Stream<Item = std::io::Result<T>> + Send + 'static,
+    T: serde::Serialize + 'static,
 {
     let body = stream.map(|item| {
-        let mut line = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
+        let mut line = serde_json::to_vec(&item?).map_err(std::io::Error::other)?;
         line.push(b'\n');
         Ok::<_, std::io::Error>(Bytes::from(line))
     });
@@ -267,13 +276,20 @@ async fn events(
 ) -> Result<Response> {
     let Query(q) = q.map_err(|e| DaemonError::invalid(e.body_text()))?;
     let s = state.sessions.lookup(&id, who.scope()).await?;
-    if q.follow {
-        Ok(ndjson(s.log.follow(q.after)))
+    let events = if q.follow {
+        s.log.follow(q.after)
     } else {
-        Ok(ndjson(futures_util::stream::iter(
-            s.log.events_after(q.after),
-        )))
-    }
+        s.log.replay(q.after)
+    };
+    // A log that cannot be read back ends the body with an error (the client sees a cut
+    // stream, never a silently short one).
+    let id = s.id.clone();
+    Ok(try_ndjson(events.map(move |r| {
+        r.map_err(|e| {
+            tracing::error!(session.id = %id, error = %e, "Reading a session's events failed");
+            std::io::Error::other(e)
+        })
+    })))
 }
 
 async fn post_message(
@@ -317,7 +333,7 @@ async fn get_messages(
 ) -> Result<ApiJson<MessagesResponse>> {
     let s = state.sessions.lookup(&id, who.scope()).await?;
     Ok(ApiJson(MessagesResponse {
-        messages: s.log.derive_messages(),
+        messages: s.log.derive_messages().await?,
     }))
 }
 

@@ -35,6 +35,8 @@ pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 512;
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// The smallest `max_header_bytes` accepted (hyper's smallest HTTP/1.1 read buffer).
 pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
+/// The smallest `session_log_memory_bytes` accepted.
+pub const MIN_SESSION_LOG_MEMORY_BYTES: u64 = 4 * 1024;
 
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -134,6 +136,11 @@ pub struct ServerConfig {
     /// and hourly. 0 keeps them forever. Default 0.
     #[serde(default)]
     pub closed_retention_s: u64,
+    /// The most bytes of a live session's newest events kept in memory; older events are
+    /// read back from its log file when asked for (event replays, history, fork). At
+    /// least 4 096. Default 1 048 576.
+    #[serde(default = "default_session_log_memory_bytes")]
+    pub session_log_memory_bytes: u64,
     /// Time a client has to send a request's complete headers, ms; a slower one is
     /// disconnected. An HTTP/1.1 connection waiting for its next request is bound by it
     /// too. Default 10 000.
@@ -165,6 +172,10 @@ impl ServerConfig {
     pub fn closed_retention(&self) -> Option<Duration> {
         (self.closed_retention_s > 0).then(|| Duration::from_secs(self.closed_retention_s))
     }
+}
+
+fn default_session_log_memory_bytes() -> u64 {
+    crate::session_log::DEFAULT_HELD_BYTES
 }
 
 fn default_listen() -> SocketAddr {
@@ -217,6 +228,7 @@ impl Default for ServerConfig {
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             on_shutdown: ShutdownPolicy::Keep,
             closed_retention_s: 0,
+            session_log_memory_bytes: default_session_log_memory_bytes(),
             max_request_timeout_ms: default_max_request_timeout(),
             header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
             idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
@@ -641,6 +653,11 @@ impl Config {
         if s.max_header_bytes < MIN_MAX_HEADER_BYTES {
             return Err(ConfigError::Invalid(format!(
                 "server.max_header_bytes must be at least {MIN_MAX_HEADER_BYTES}"
+            )));
+        }
+        if s.session_log_memory_bytes < MIN_SESSION_LOG_MEMORY_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "server.session_log_memory_bytes must be at least {MIN_SESSION_LOG_MEMORY_BYTES}"
             )));
         }
         if s.max_body_bytes == 0 || s.max_file_bytes == 0 {

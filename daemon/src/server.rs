@@ -122,7 +122,8 @@ impl Daemon {
                 invariants.clone(),
                 config.limits.deadlines(),
             )
-            .await?,
+            .await?
+            .with_log_memory(config.server.session_log_memory_bytes),
         );
         let recovery = sessions.recover(config.server.closed_retention()).await?;
         let pipeline = Arc::new(

@@ -18,7 +18,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tether_protocol::api::SessionInfo;
-use tether_protocol::events::{Event, EventBody, Expiry, SessionHeader, SessionParams};
+use tether_protocol::events::{EventBody, Expiry, SessionHeader, SessionParams};
 use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec};
 use tokio_util::task::TaskTracker;
@@ -436,6 +436,13 @@ impl SessionManager {
         })
     }
 
+    /// Keep at most `bytes` of each live session's newest events in memory (see
+    /// `server.session_log_memory_bytes`).
+    pub fn with_log_memory(mut self, bytes: u64) -> Self {
+        self.log_config.held_bytes = bytes;
+        self
+    }
+
     /// The daemon's persistent id (stamped on every sandbox).
     pub fn daemon_id(&self) -> &str {
         &self.daemon_id
@@ -480,7 +487,7 @@ impl SessionManager {
         let created_ms = header.created_ms;
         let log =
             SessionLog::create(&self.session_dir(&id), header, self.log_config.clone()).await?;
-        let session = self.build_session(id, provider, log, created_ms);
+        let session = self.build_session(id, provider, log, &LogFacts::default(), created_ms);
         self.lease(ctx, &session).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
@@ -511,38 +518,13 @@ impl SessionManager {
         id: String,
         provider: Arc<dyn Provider>,
         log: Arc<SessionLog>,
+        facts: &LogFacts,
         last_activity_ms: i64,
     ) -> Arc<Session> {
         let params = log.header().params.clone();
-        let events = log.events_after(None);
-        let journaled = events
-            .iter()
-            .map(|e| match e.body {
-                EventBody::ProcessExited {
-                    stdout_bytes,
-                    stderr_bytes,
-                    ..
-                } => stdout_bytes.saturating_add(stderr_bytes),
-                _ => 0,
-            })
-            .sum();
-        let expiry = events
-            .iter()
-            .rev()
-            .find_map(|e| match e.body {
-                EventBody::ExpirySet { expiry } => Some(expiry),
-                _ => None,
-            })
-            .unwrap_or(params.expiry);
-        let paused = events
-            .iter()
-            .rev()
-            .find_map(|e| match e.body {
-                EventBody::SandboxPaused { .. } => Some(true),
-                EventBody::SandboxResumed { .. } | EventBody::SandboxLeased { .. } => Some(false),
-                _ => None,
-            })
-            .unwrap_or(false);
+        let journaled = facts.journaled;
+        let expiry = facts.expiry.unwrap_or(params.expiry);
+        let paused = facts.paused;
         let s = Session {
             id,
             provider_kind: provider.kind().to_owned(),
@@ -777,7 +759,8 @@ impl SessionManager {
             ))
         })?;
         let last = last_time(&log);
-        let s = self.build_session(id.to_owned(), provider, log, last);
+        let facts = LogFacts::of(&log).await?;
+        let s = self.build_session(id.to_owned(), provider, log, &facts, last);
         s.closed.store(true, Ordering::Release);
         set(&s.detached_why, Some("the session is closed".into()));
         Ok(s)
@@ -896,7 +879,8 @@ impl SessionManager {
             .log
             .fork(&self.session_dir(&new), &new, at_seq, params)
             .await?;
-        let session = self.build_session(new, Arc::clone(&parent.provider), log, now_ms());
+        let facts = LogFacts::of(&log).await?;
+        let session = self.build_session(new, Arc::clone(&parent.provider), log, &facts, now_ms());
         self.lease(ctx, &session).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
@@ -959,10 +943,24 @@ impl SessionManager {
                 report.failed.push(id);
                 continue;
             };
-            let events = log.events_after(None);
-            let session =
-                self.build_session(id.clone(), provider, Arc::clone(&log), last_time(&log));
-            match leased_sandbox(&events) {
+            let facts = match LogFacts::of(&log).await {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::error!(session.id = %id, error = %e, "Cannot read a session log back; leaving it and its sandbox alone");
+                    log.close().await;
+                    self.mark_unreadable(&id);
+                    report.failed.push(id);
+                    continue;
+                }
+            };
+            let session = self.build_session(
+                id.clone(),
+                provider,
+                Arc::clone(&log),
+                &facts,
+                last_time(&log),
+            );
+            match facts.leased.clone() {
                 Some(sid) => {
                     let ctx = CallCtx::new(format!("recover-{id}"))
                         .with_timeout(self.deadlines.sandbox_op, Clock::Total);
@@ -1150,25 +1148,54 @@ impl SessionManager {
     }
 }
 
-/// The sandbox a log says is leased now: the last `sandbox/leased` not followed by a
-/// `sandbox/released`.
-fn leased_sandbox(events: &[Event]) -> Option<String> {
-    let mut leased = None;
-    for e in events {
-        match &e.body {
-            EventBody::SandboxLeased { sandbox_id, .. } => leased = Some(sandbox_id.clone()),
-            EventBody::SandboxReleased { .. } => leased = None,
-            _ => {}
+/// What a session is rebuilt from, read from its log in one pass (events stream from the
+/// file; the log is never all in memory).
+#[derive(Debug, Default)]
+struct LogFacts {
+    /// The sandbox leased now: the last `sandbox/leased` not followed by a
+    /// `sandbox/released`.
+    leased: Option<String>,
+    /// The latest `session/expiry`.
+    expiry: Option<Expiry>,
+    /// Whether the last pause was not followed by a resume or a new lease.
+    paused: bool,
+    /// Output bytes journaled by finished commands.
+    journaled: u64,
+}
+
+impl LogFacts {
+    async fn of(log: &SessionLog) -> Result<Self> {
+        let mut facts = Self::default();
+        let mut events = log.replay(None);
+        while let Some(e) = futures_util::StreamExt::next(&mut events).await {
+            match e?.body {
+                EventBody::SandboxLeased { sandbox_id, .. } => {
+                    facts.leased = Some(sandbox_id);
+                    facts.paused = false;
+                }
+                EventBody::SandboxReleased { .. } => facts.leased = None,
+                EventBody::ExpirySet { expiry } => facts.expiry = Some(expiry),
+                EventBody::SandboxPaused { .. } => facts.paused = true,
+                EventBody::SandboxResumed { .. } => facts.paused = false,
+                EventBody::ProcessExited {
+                    stdout_bytes,
+                    stderr_bytes,
+                    ..
+                } => {
+                    facts.journaled = facts
+                        .journaled
+                        .saturating_add(stdout_bytes.saturating_add(stderr_bytes));
+                }
+                _ => {}
+            }
         }
+        Ok(facts)
     }
-    leased
 }
 
 /// The time of a log's last event (its creation time when empty): the last activity.
 fn last_time(log: &SessionLog) -> i64 {
-    log.events_after(log.next_seq().checked_sub(2))
-        .last()
-        .map_or(log.header().created_ms, |e| e.time)
+    log.last_event_time().unwrap_or(log.header().created_ms)
 }
 
 fn expired_for(closed_ms: i64, retention: Duration) -> bool {

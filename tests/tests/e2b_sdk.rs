@@ -190,6 +190,8 @@ async fn run_suite(which: &str) {
         let events: Vec<EventBody> = s
             .log
             .events_after(None)
+            .await
+            .expect("the log reads back")
             .into_iter()
             .map(|e| e.body)
             .collect();

@@ -763,3 +763,115 @@ async fn restart_resumes_sessions_and_reconnects_sandboxes() {
     wait_until("nothing", Duration::from_millis(1), || async { true }).await;
     d.stop().await;
 }
+
+/// The events of `sid` on disk, read apart from the daemon.
+fn events_on_disk(dir: &std::path::Path, sid: &str) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("sessions").join(sid).join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+async fn events_served(d: &TestDaemon, sid: &str, after: Option<u64>) -> Vec<Value> {
+    let q = after.map(|a| format!("?after={a}")).unwrap_or_default();
+    d.http
+        .get(d.url(&format!("/v1/sessions/{sid}/events{q}")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// What the long session serves: its events equal the file's, its history starts at its
+/// first message, an old call id is refused. Returns the events on disk.
+async fn check_long_session(d: &TestDaemon, sid: &str) -> Vec<Value> {
+    let disk = events_on_disk(d.dir.path(), sid);
+    assert_eq!(events_served(d, sid, None).await, disk);
+    assert_eq!(events_served(d, sid, Some(5)).await, disk[6..]);
+    let (st, m) = d.get(&format!("/v1/sessions/{sid}/messages")).await;
+    assert_eq!(st, 200, "{m}");
+    let messages = m["messages"].as_array().unwrap();
+    assert_eq!(
+        messages.first().unwrap()["content"],
+        format!("m0 {}", "x".repeat(100))
+    );
+    // 120 messages, and each call's assistant message and result.
+    assert!(messages.len() >= 130, "{} messages", messages.len());
+    // A call id used long ago (outside the window) is still refused.
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "call-0", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
+    assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{body}");
+    disk
+}
+
+/// A session far longer than the memory a live log keeps (4 KiB here): its events,
+/// history, call-id book and fork are served from the log file, the same before and after
+/// a restart, and memory holds only the newest events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_session_is_served_from_its_log_beyond_the_memory_window() {
+    let window = |cfg: &mut tether_daemon::config::Config| {
+        cfg.server.session_log_memory_bytes = 4096;
+    };
+    let d = TestDaemon::start_with(window).await;
+    let sid = d.new_session().await;
+    let pad = "x".repeat(100);
+    for i in 0..120 {
+        let (st, body) = d
+            .post(
+                &format!("/v1/sessions/{sid}/messages"),
+                json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("m{i} {pad}")}),
+            )
+            .await;
+        assert_eq!(st, 204, "{body}");
+    }
+    for i in 0..10 {
+        let (st, body) = d
+            .post(
+                &format!("/v1/sessions/{sid}/tool-calls"),
+                json!({"calls": [{"id": format!("call-{i}"), "name": "bash", "arguments": {"command": format!("echo out-{i}")}}]}),
+            )
+            .await;
+        assert_eq!(st, 200, "{body}");
+        assert_eq!(body["results"][0]["is_error"], false, "{body}");
+    }
+    let s = d
+        .daemon
+        .as_ref()
+        .unwrap()
+        .state
+        .sessions
+        .lookup(&sid, tether_daemon::session_manager::Scope::Any)
+        .await
+        .unwrap();
+    let stats = s.log.stats();
+    assert!(stats.held_bytes <= 4096, "{stats:?}");
+    assert!(
+        stats.held_events * 4 < stats.durable_events,
+        "most events are not held in memory: {stats:?}"
+    );
+    drop(s);
+    let before = check_long_session(&d, &sid).await;
+    // A fork at seq 10 copies the first eleven events from the file.
+    let (st, child) = d
+        .post(&format!("/v1/sessions/{sid}/fork"), json!({"at_seq": 10}))
+        .await;
+    assert_eq!(st, 201, "{child}");
+    let child_id = child["id"].as_str().unwrap().to_owned();
+    let seed = events_on_disk(d.dir.path(), &child_id);
+    assert_eq!(seed[..11], before[..11]);
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, window).await;
+    let after = check_long_session(&d, &sid).await;
+    assert_eq!(after[..before.len()], before[..]);
+}

@@ -24,6 +24,7 @@ pub mod invariants;
 mod journal;
 mod repair;
 mod store;
+mod window;
 mod writer;
 
 #[cfg(test)]
@@ -53,14 +54,18 @@ pub use store::{
 };
 
 use crate::invariants::{Invariants, Violation};
-use index::{Index, OpenTurn};
-use store::LockedFile;
+use index::Index;
+use store::{Layout, LockedFile};
+use window::{LogState, READ_STEP};
 use writer::{Command, Stats, Writer};
 
 const MODULE: &str = "session";
 
 /// Default of [`LogConfig::max_batch`].
 pub const DEFAULT_MAX_BATCH: usize = 1024;
+
+/// Default of [`LogConfig::held_bytes`]: 1 MiB.
+pub const DEFAULT_HELD_BYTES: u64 = 1 << 20;
 
 /// How a session log writes.
 #[derive(Debug, Clone)]
@@ -72,6 +77,10 @@ pub struct LogConfig {
     pub max_batch: usize,
     /// The runtime invariants to run (the `session` module's checks).
     pub invariants: Invariants,
+    /// The most bytes of event lines a live log holds in memory (its newest events, and
+    /// always the last one); older events are read back from the file when asked for.
+    /// Default: [`DEFAULT_HELD_BYTES`].
+    pub held_bytes: u64,
 }
 
 impl Default for LogConfig {
@@ -80,6 +89,7 @@ impl Default for LogConfig {
             fsync: true,
             max_batch: DEFAULT_MAX_BATCH,
             invariants: Invariants::default(),
+            held_bytes: DEFAULT_HELD_BYTES,
         }
     }
 }
@@ -255,15 +265,10 @@ pub struct LogStats {
     pub fdatasyncs: u64,
     /// Events durable in the file (the next seq).
     pub durable_events: u64,
-}
-
-/// What readers see: durable events only.
-#[derive(Debug, Default)]
-pub(crate) struct LogState {
-    pub events: Vec<Event>,
-    pub messages: Vec<Message>,
-    pub open_turn: Option<OpenTurn>,
-    pub closed: bool,
+    /// Events held in memory (the newest ones, see [`LogConfig::held_bytes`]).
+    pub held_events: u64,
+    /// Bytes of the event lines held in memory.
+    pub held_bytes: u64,
 }
 
 /// The one live writer of a session's log. See the module documentation.
@@ -312,12 +317,12 @@ impl SessionLog {
         }
         validate_id("session id", &header.id)?;
         let (d, h) = (dir.to_owned(), header.clone());
-        let (file, len) = blocking(move || store::publish_new(&d, &h, &[])).await?;
+        let (file, layout) = blocking(move || store::publish_new(&d, &h, &[])).await?;
         Ok(Self::start(
             dir.to_owned(),
             header,
             file,
-            len,
+            layout,
             Index::default(),
             Vec::new(),
             cfg,
@@ -384,7 +389,7 @@ impl SessionLog {
             dir.to_owned(),
             parsed.header,
             file,
-            parsed.valid_len,
+            parsed.layout,
             index,
             parsed.events,
             cfg,
@@ -416,7 +421,7 @@ impl SessionLog {
         dir: PathBuf,
         header: SessionHeader,
         file: LockedFile,
-        len: u64,
+        layout: Layout,
         index: Index,
         events: Vec<Event>,
         cfg: LogConfig,
@@ -425,13 +430,10 @@ impl SessionLog {
         stats
             .durable_events
             .store(events.len() as u64, Ordering::Release);
-        let messages = derive(&events);
-        let state = watch::Sender::new(LogState {
-            events,
-            messages,
-            open_turn: index.open_turn(),
-            closed: false,
-        });
+        let mut first = LogState::new(layout.header_len, events, &layout.line_lens, cfg.held_bytes);
+        first.open_turn = index.open_turn();
+        let len = first.bytes;
+        let state = watch::Sender::new(first);
         let (tx, rx) = mpsc::channel(cfg.max_batch.clamp(1, 1 << 16));
         let writer = Writer {
             file: Arc::new(file),
@@ -525,34 +527,58 @@ impl SessionLog {
 
     /// The seq the next durable event will have (the number of durable events).
     pub fn next_seq(&self) -> u64 {
-        self.state.borrow().events.len() as u64
+        self.state.borrow().len
     }
 
-    /// Durable events with seq > `after` (all when `None`).
-    pub fn events_after(&self, after: Option<u64>) -> Vec<Event> {
-        let state = self.state.borrow();
-        let start = after
-            .map_or(0, |a| a.saturating_add(1))
-            .min(state.events.len() as u64) as usize;
-        state.events[start..].to_vec()
+    /// The time of the last durable event, if any.
+    pub fn last_event_time(&self) -> Option<i64> {
+        self.state.borrow().last_time()
+    }
+
+    /// Durable events with seq > `after` (all when `None`), as they stand now: from memory
+    /// where the held window has them, else read back from the file.
+    pub async fn events_after(&self, after: Option<u64>) -> Result<Vec<Event>, LogError> {
+        self.replay(after)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// The durable events with seq > `after` as they stand now, as a stream that ends at
+    /// the last one (read in steps, so a long log is never all in memory).
+    pub fn replay(&self, after: Option<u64>) -> BoxStream<'static, Result<Event, LogError>> {
+        let stop = self.next_seq();
+        self.follower(after, Some(stop))
     }
 
     /// Live follow: the durable events with seq > `after`, then each new one as it becomes
-    /// durable; the stream ends when the log is closed.
-    pub fn follow(&self, after: Option<u64>) -> BoxStream<'static, Event> {
-        let cursor = after.map_or(0, |a| a.saturating_add(1));
+    /// durable; the stream ends when the log is closed, or after a read of the file fails
+    /// (that error is its last item).
+    pub fn follow(&self, after: Option<u64>) -> BoxStream<'static, Result<Event, LogError>> {
+        self.follower(after, None)
+    }
+
+    fn follower(
+        &self,
+        after: Option<u64>,
+        stop: Option<u64>,
+    ) -> BoxStream<'static, Result<Event, LogError>> {
         let follower = Follower {
             rx: self.state.subscribe(),
-            cursor,
+            path: self.dir.join(EVENTS_FILE),
+            cursor: after.map_or(0, |a| a.saturating_add(1)),
+            stop,
             buf: VecDeque::new(),
+            failed: false,
         };
         futures_util::stream::unfold(follower, Follower::next).boxed()
     }
 
     /// The model history derived from the log (`user/message`, `assistant/message`,
     /// `tool/result`).
-    pub fn derive_messages(&self) -> Vec<Message> {
-        self.state.borrow().messages.clone()
+    pub async fn derive_messages(&self) -> Result<Vec<Message>, LogError> {
+        Ok(derive(&self.events_after(None).await?))
     }
 
     /// The number of the open turn (a `turn/start` without `turn/end`), if any.
@@ -562,10 +588,13 @@ impl SessionLog {
 
     /// The writer's counters.
     pub fn stats(&self) -> LogStats {
+        let s = self.state.borrow();
         LogStats {
             batches: self.stats.batches.load(Ordering::Relaxed),
             fdatasyncs: self.stats.fdatasyncs.load(Ordering::Relaxed),
             durable_events: self.stats.durable_events.load(Ordering::Acquire),
+            held_events: s.tail.len() as u64,
+            held_bytes: s.tail_bytes,
         }
     }
 
@@ -574,16 +603,19 @@ impl SessionLog {
         self.state.borrow().closed
     }
 
-    /// Check the `derived_history_matches_disk` invariant over the whole log: the history
-    /// held in memory equals the projection of `events.jsonl` read back from disk.
+    /// Check the `derived_history_matches_disk` invariant: the events held in memory
+    /// project to the same history as the same seqs of `events.jsonl` read back from disk,
+    /// and the file holds every event published.
     pub async fn verify(&self) -> Result<(), LogError> {
         if !self.cfg.invariants.is_enabled(MODULE) {
             return Ok(());
         }
         // Memory first: the file is always at least as far as what was published.
-        let (count, messages) = {
+        let (count, first, messages) = {
             let s = self.state.borrow();
-            (s.events.len(), s.messages.clone())
+            let first = s.first_held() as usize;
+            let held: Vec<Event> = s.tail.iter().map(|(e, _)| e.clone()).collect();
+            (s.len as usize, first, derive(&held))
         };
         let dir = self.dir.clone();
         let bytes = blocking(move || store::read_all(&dir)).await?;
@@ -597,7 +629,7 @@ impl SessionLog {
                         parsed.events.len()
                     ));
                 }
-                let disk = derive(&parsed.events[..count]);
+                let disk = derive(&parsed.events[first..count]);
                 match disk.iter().zip(&messages).position(|(d, m)| d != m) {
                     Some(i) => Err(format!(
                         "message {i} of the history differs from the log on disk"
@@ -633,14 +665,20 @@ impl SessionLog {
                 reason: format!("a session log already exists in {}", new_dir.display()),
             });
         }
-        let (prefix, boundary) = {
+        // The open turn and the events up to the same point: one consistent snapshot.
+        let (open_turn, stop) = {
             let s = self.state.borrow();
-            let boundary = fork::boundary(&s.events, s.open_turn, at_seq)?;
-            let prefix = boundary
-                .map(|b| s.events[..=b as usize].to_vec())
-                .unwrap_or_default();
-            (prefix, boundary)
+            (s.open_turn, s.len)
         };
+        let mut events: Vec<Event> = self
+            .follower(None, Some(stop))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        let boundary = fork::boundary(&events, open_turn, at_seq)?;
+        events.truncate(boundary.map_or(0, |b| b as usize + 1));
+        let prefix = events;
         let header = SessionHeader {
             kind: "session".into(),
             version: SESSION_LOG_VERSION,
@@ -656,18 +694,18 @@ impl SessionLog {
             index.apply(e.seq, &e.body, &self.cfg.invariants, &mut undo)?;
         }
         let (from, to) = (self.dir.clone(), new_dir.to_owned());
-        let (file, len, prefix, header) = blocking(move || {
+        let (file, layout, prefix, header) = blocking(move || {
             store::create_dir_durable(&to)?;
             fork::copy_journals(&prefix, &from, &to)?;
-            let (file, len) = store::publish_new(&to, &header, &prefix)?;
-            Ok((file, len, prefix, header))
+            let (file, layout) = store::publish_new(&to, &header, &prefix)?;
+            Ok((file, layout, prefix, header))
         })
         .await?;
         let child = Self::start(
             new_dir.to_owned(),
             header,
             file,
-            len,
+            layout,
             index,
             prefix,
             self.cfg.clone(),
@@ -754,36 +792,65 @@ pub(crate) fn now_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// The state of one [`SessionLog::follow`] stream.
+/// The state of one [`SessionLog::follow`] or [`SessionLog::replay`] stream.
 struct Follower {
     rx: watch::Receiver<LogState>,
+    /// `events.jsonl`, read for events older than the held window.
+    path: PathBuf,
     /// The next seq to yield.
     cursor: u64,
+    /// Where a replay ends (exclusive); `None` follows until the log closes.
+    stop: Option<u64>,
     buf: VecDeque<Event>,
+    /// A read failed and was yielded: the stream is over.
+    failed: bool,
 }
 
 // === impl Follower ===
 
 impl Follower {
-    async fn next(mut self) -> Option<(Event, Self)> {
+    async fn next(mut self) -> Option<(Result<Event, LogError>, Self)> {
         loop {
             if let Some(e) = self.buf.pop_front() {
-                return Some((e, self));
+                return Some((Ok(e), self));
             }
-            let closed = {
+            let stop = self.stop.unwrap_or(u64::MAX);
+            if self.failed || self.cursor >= stop {
+                return None;
+            }
+            let (closed, disk) = {
                 let s = self.rx.borrow_and_update();
-                let len = s.events.len() as u64;
-                if self.cursor < len {
-                    self.buf
-                        .extend(s.events[self.cursor as usize..].iter().cloned());
-                    self.cursor = len;
+                let to = s.len.min(stop);
+                if self.cursor < s.first_held() {
+                    let plan = (s.disk_start(self.cursor), s.bytes, s.first_held().min(to));
+                    (s.closed, Some(plan))
+                } else {
+                    self.buf.extend(s.held_range(self.cursor, to).cloned());
+                    self.cursor = self.cursor.max(to);
+                    (s.closed, None)
                 }
-                s.closed
             };
+            if let Some((start, end, to)) = disk {
+                let (path, from) = (self.path.clone(), self.cursor);
+                let read =
+                    blocking(move || window::read_events(&path, start, end, (from, to), READ_STEP))
+                        .await;
+                match read {
+                    Ok(events) => {
+                        self.cursor = events.last().map_or(to, |e| e.seq + 1);
+                        self.buf.extend(events);
+                    }
+                    Err(e) => {
+                        self.failed = true;
+                        return Some((Err(e), self));
+                    }
+                }
+                continue;
+            }
             if !self.buf.is_empty() {
                 continue;
             }
-            if closed || self.rx.changed().await.is_err() {
+            if self.cursor >= stop || closed || self.rx.changed().await.is_err() {
                 return None;
             }
         }

@@ -101,12 +101,12 @@ pub(crate) fn lock(file: File, path: &Path) -> Result<LockedFile, LogError> {
 /// Publish a new log in `dir`: the header and `events` are written to a temporary file,
 /// synced, then hard-linked to `events.jsonl` (which fails if a log is already there, so
 /// a session is never overwritten), and the directory is synced. A crash leaves either no
-/// log or the complete one. Returns the locked events file and its length.
+/// log or the complete one. Returns the locked events file and where its lines are.
 pub(crate) fn publish_new(
     dir: &Path,
     header: &SessionHeader,
     events: &[Event],
-) -> Result<(LockedFile, u64), LogError> {
+) -> Result<(LockedFile, Layout), LogError> {
     let path = dir.join(EVENTS_FILE);
     if path.exists() {
         return Err(exists(dir));
@@ -117,11 +117,17 @@ pub(crate) fn publish_new(
         reason: format!("header: {e}"),
     })?;
     buf.push(b'\n');
+    let mut layout = Layout {
+        header_len: buf.len() as u64,
+        line_lens: Vec::with_capacity(events.len()),
+    };
     for e in events {
+        let at = buf.len();
         serde_json::to_writer(&mut buf, e).map_err(|e| LogError::InvalidRequest {
             reason: format!("event: {e}"),
         })?;
         buf.push(b'\n');
+        layout.line_lens.push((buf.len() - at) as u64);
     }
     let mut f = OpenOptions::new()
         .write(true)
@@ -145,7 +151,14 @@ pub(crate) fn publish_new(
         .write(true)
         .open(&path)
         .map_err(io("open", &path))?;
-    Ok((lock(file, &path)?, buf.len() as u64))
+    Ok((lock(file, &path)?, layout))
+}
+
+/// Where a log's lines are: the header's length and each event line's, in order.
+#[derive(Debug, Default)]
+pub(crate) struct Layout {
+    pub header_len: u64,
+    pub line_lens: Vec<u64>,
 }
 
 fn exists(dir: &Path) -> LogError {
@@ -181,6 +194,8 @@ pub(crate) fn read_all(dir: &Path) -> Result<Vec<u8>, LogError> {
 pub(crate) struct Parsed {
     pub header: SessionHeader,
     pub events: Vec<Event>,
+    /// Where the valid lines are.
+    pub layout: Layout,
     /// Length of the valid prefix (everything before a torn tail).
     pub valid_len: u64,
 }
@@ -216,6 +231,10 @@ pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, LogError> {
         ));
     }
     let mut events = Vec::new();
+    let mut layout = Layout {
+        header_len: nl as u64 + 1,
+        line_lens: Vec::new(),
+    };
     let mut pos = nl + 1;
     let mut line_no = 1u64;
     while pos < bytes.len() {
@@ -236,6 +255,7 @@ pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, LogError> {
                     ));
                 }
                 events.push(event);
+                layout.line_lens.push(len as u64 + 1);
             }
             Err(e) if is_last && matches!(e.classify(), Category::Syntax | Category::Eof) => break,
             Err(e) => return Err(corrupt(line_no, e.to_string())),
@@ -245,6 +265,7 @@ pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, LogError> {
     Ok(Parsed {
         header,
         events,
+        layout,
         valid_len: pos as u64,
     })
 }

@@ -118,11 +118,17 @@ async fn round_trip_through_disk() {
     );
     assert_eq!(log.next_seq(), 6);
     assert_eq!(log.open_turn(), None);
-    let events = log.events_after(None);
-    assert_eq!(log.events_after(Some(3)), events[4..].to_vec());
-    assert_eq!(log.events_after(Some(99)), Vec::<Event>::new());
+    let events = log.events_after(None).await.unwrap();
+    assert_eq!(
+        log.events_after(Some(3)).await.unwrap(),
+        events[4..].to_vec()
+    );
+    assert_eq!(
+        log.events_after(Some(99)).await.unwrap(),
+        Vec::<Event>::new()
+    );
     assert_eq!(disk_events(&dir), events);
-    let messages = log.derive_messages();
+    let messages = log.derive_messages().await.unwrap();
     assert_eq!(messages.len(), 3);
     log.close().await;
     assert!(log.is_closed());
@@ -134,8 +140,8 @@ async fn round_trip_through_disk() {
     let (again, report) = SessionLog::open(&dir, LogConfig::default()).await.unwrap();
     assert!(!report.changed(), "{report:?}");
     assert_eq!(again.header(), log.header());
-    assert_eq!(again.events_after(None), events);
-    assert_eq!(again.derive_messages(), messages);
+    assert_eq!(again.events_after(None).await.unwrap(), events);
+    assert_eq!(again.derive_messages().await.unwrap(), messages);
     assert_eq!(again.append(user("more")).await.unwrap().seq, 6);
     again.close().await;
 }
@@ -230,7 +236,7 @@ async fn seqs_are_contiguous_under_256_concurrent_appenders() {
         on_disk.iter().map(|e| e.seq).collect::<Vec<_>>(),
         (0..1024).collect::<Vec<_>>()
     );
-    assert_eq!(on_disk, log.events_after(None));
+    assert_eq!(on_disk, log.events_after(None).await.unwrap());
     let stats = log.stats();
     assert_eq!(stats.durable_events, 1024);
     assert!(stats.fdatasyncs <= 512, "{stats:?}");
@@ -319,7 +325,7 @@ async fn a_failed_write_leaves_no_half_line() {
     log.close().await;
     let (again, report) = SessionLog::open(&dir, LogConfig::default()).await.unwrap();
     assert!(!report.changed(), "{report:?}");
-    assert_eq!(again.events_after(None).len(), 2);
+    assert_eq!(again.events_after(None).await.unwrap().len(), 2);
     again.close().await;
 }
 
@@ -509,7 +515,7 @@ async fn unanswered_calls_and_the_open_turn_are_repaired() {
     assert_eq!(report.not_started, vec!["c".to_owned()]);
     assert!(report.turn_closed);
     assert!(report.changed());
-    let repaired = log.events_after(Some(4));
+    let repaired = log.events_after(Some(4)).await.unwrap();
     assert_eq!(repaired.len(), 3);
     let EventBody::ToolResult {
         result: b,
@@ -551,6 +557,8 @@ async fn unanswered_calls_and_the_open_turn_are_repaired() {
     // The model sees every call answered.
     let tools: Vec<String> = log
         .derive_messages()
+        .await
+        .unwrap()
         .into_iter()
         .filter_map(|m| match m {
             Message::Tool { result } => Some(result.call_id),
@@ -558,7 +566,7 @@ async fn unanswered_calls_and_the_open_turn_are_repaired() {
         })
         .collect();
     assert_eq!(tools, ["a", "b", "c"]);
-    assert_eq!(disk_events(&dir), log.events_after(None));
+    assert_eq!(disk_events(&dir), log.events_after(None).await.unwrap());
     log.close().await;
 
     // Repair is durable and done once.
@@ -586,7 +594,7 @@ async fn an_open_turn_without_calls_is_closed() {
         }
     );
     assert_eq!(
-        log.events_after(Some(2))[0].body,
+        log.events_after(Some(2)).await.unwrap()[0].body,
         EventBody::TurnEnd {
             turn: 1,
             kind: TurnEndKind::Interrupted
@@ -629,8 +637,8 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
         ("child", Some("parent"), Some(6))
     );
     assert_eq!(h.params, parent.header().params);
-    let events = child.events_after(None);
-    assert_eq!(events[..6], parent.events_after(None)[..6]);
+    let events = child.events_after(None).await.unwrap();
+    assert_eq!(events[..6], parent.events_after(None).await.unwrap()[..6]);
     assert_eq!(
         events[6].body,
         EventBody::EndSeed {
@@ -639,8 +647,8 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
         }
     );
     assert_eq!(
-        child.derive_messages(),
-        derive(&parent.events_after(None)[..6])
+        child.derive_messages().await.unwrap(),
+        derive(&parent.events_after(None).await.unwrap()[..6])
     );
     assert_eq!(child.open_turn(), None);
     assert_eq!(parent.open_turn(), Some(1), "the parent is untouched");
@@ -649,7 +657,7 @@ async fn fork_at_the_default_boundary_stops_before_the_open_turn() {
         .await
         .unwrap();
     assert!(!report.changed());
-    assert_eq!(again.events_after(None), events);
+    assert_eq!(again.events_after(None).await.unwrap(), events);
     again.close().await;
 
     // Default boundary of a log with no open turn: its last event.
@@ -676,7 +684,7 @@ async fn fork_at_explicit_boundaries() {
         .unwrap();
     assert_eq!(at_end.header().seed_length, Some(5));
     assert_eq!(
-        at_end.events_after(None)[5].body,
+        at_end.events_after(None).await.unwrap()[5].body,
         EventBody::EndSeed {
             parent_session: "parent".into(),
             boundary_seq: 4
@@ -781,9 +789,9 @@ async fn follow_receives_backlog_then_live_appends_and_ends_on_close() {
     log.append_all(vec![user("0"), user("1")]).await.unwrap();
     let mut all = log.follow(None);
     let mut after_first = log.follow(Some(0));
-    assert_eq!(all.next().await.map(|e| e.seq), Some(0));
-    assert_eq!(all.next().await.map(|e| e.seq), Some(1));
-    assert_eq!(after_first.next().await.map(|e| e.seq), Some(1));
+    assert_eq!(all.next().await.map(|e| e.unwrap().seq), Some(0));
+    assert_eq!(all.next().await.map(|e| e.unwrap().seq), Some(1));
+    assert_eq!(after_first.next().await.map(|e| e.unwrap().seq), Some(1));
     let writer = {
         let log = log.clone();
         tokio::spawn(async move {
@@ -792,12 +800,15 @@ async fn follow_receives_backlog_then_live_appends_and_ends_on_close() {
             }
         })
     };
-    let live: Vec<u64> = (&mut all).take(8).map(|e| e.seq).collect().await;
+    let live: Vec<u64> = (&mut all).take(8).map(|e| e.unwrap().seq).collect().await;
     assert_eq!(live, (2..10).collect::<Vec<_>>());
     writer.await.unwrap();
     log.close().await;
-    assert_eq!(all.next().await, None, "follow ends when the log is closed");
-    let rest: Vec<u64> = after_first.map(|e| e.seq).collect().await;
+    assert!(
+        all.next().await.is_none(),
+        "follow ends when the log is closed"
+    );
+    let rest: Vec<u64> = after_first.map(|e| e.unwrap().seq).collect().await;
     assert_eq!(rest, (2..10).collect::<Vec<_>>());
 }
 
@@ -920,4 +931,99 @@ async fn journal_tail_keeps_the_last_bytes() {
         (bytes::Bytes::from_static(b"hello world"), false)
     );
     log.close().await;
+}
+
+// === the held window ===
+
+/// A log holding a few hundred bytes of events: most of what is read comes from the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_log_holds_a_bounded_window_and_reads_older_events_from_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("long");
+    let cfg = LogConfig {
+        held_bytes: 400,
+        ..LogConfig::default()
+    };
+    let log = SessionLog::create(&dir, header("long"), cfg.clone())
+        .await
+        .unwrap();
+    let mut all_follow = log.follow(None);
+    for chunk in 0..30 {
+        let bodies = (0..100)
+            .map(|i| user(&format!("m{}", chunk * 100 + i)))
+            .collect();
+        log.append_all(bodies).await.unwrap();
+    }
+    let n = 3000u64;
+    let stats = log.stats();
+    assert_eq!(stats.durable_events, n);
+    assert!(stats.held_bytes <= 400, "{stats:?}");
+    assert!(
+        (1..20).contains(&stats.held_events),
+        "only the newest events are held: {stats:?}"
+    );
+    let disk = disk_events(&dir);
+    assert_eq!(log.events_after(None).await.unwrap(), disk);
+    for after in [0u64, 62, 63, 64, 65, 1000, 2990, 2998, 2999, 5000] {
+        let want: Vec<Event> = disk.iter().filter(|e| e.seq > after).cloned().collect();
+        assert_eq!(
+            log.events_after(Some(after)).await.unwrap(),
+            want,
+            "after {after}"
+        );
+    }
+    // A follower that started before the appends reads them back from the file in
+    // order, then goes on live.
+    let first: Vec<u64> = (&mut all_follow)
+        .take(n as usize)
+        .map(|e| e.unwrap().seq)
+        .collect()
+        .await;
+    assert_eq!(first, (0..n).collect::<Vec<_>>());
+    let replay: Vec<u64> = log
+        .replay(Some(2900))
+        .map(|e| e.unwrap().seq)
+        .collect()
+        .await;
+    assert_eq!(
+        replay,
+        (2901..n).collect::<Vec<_>>(),
+        "a replay ends at the end"
+    );
+    log.append(user("live")).await.unwrap();
+    assert_eq!(all_follow.next().await.unwrap().unwrap().seq, n);
+    let messages = log.derive_messages().await.unwrap();
+    assert_eq!(messages.len(), n as usize + 1);
+    assert_eq!(messages, derive(&disk_events(&dir)));
+    log.verify().await.unwrap();
+    // A fork reads its prefix from the file.
+    let child = log
+        .fork(&tmp.path().join("child"), "child", Some(1500), params())
+        .await
+        .unwrap();
+    let seed = child.events_after(None).await.unwrap();
+    assert_eq!(seed.len(), 1502, "1501 events and session/end-seed");
+    assert_eq!(seed[..1501], disk_events(&dir)[..1501]);
+    child.close().await;
+    log.close().await;
+    assert!(all_follow.next().await.is_none());
+    // Re-opened, it holds the same window and reads the same events.
+    let (again, _) = SessionLog::open(&dir, cfg.clone()).await.unwrap();
+    assert!(again.stats().held_bytes <= 400);
+    assert_eq!(again.events_after(None).await.unwrap(), disk_events(&dir));
+    assert_eq!(
+        again.events_after(Some(100)).await.unwrap().len(),
+        n as usize - 100
+    );
+    // A line changed under the log is reported, never read around.
+    again.close().await;
+    let (reader, _) = SessionLog::open(&dir, cfg).await.unwrap();
+    let path = dir.join(EVENTS_FILE);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let broken = text.replacen("\"seq\":70,", "\"seq\":7x,", 1);
+    assert_ne!(broken, text);
+    std::fs::write(&path, broken).unwrap();
+    let err = reader.events_after(Some(10)).await.unwrap_err();
+    assert!(matches!(err, LogError::Corrupt { line: 72, .. }), "{err:?}");
+    reader.close().await;
 }

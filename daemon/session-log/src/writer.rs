@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tether_protocol::events::{Event, EventBody, Message};
+use tether_protocol::events::{Event, EventBody};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::derive::project;
@@ -64,6 +64,14 @@ pub(crate) struct Writer {
     pub state: watch::Sender<LogState>,
     pub stats: Arc<Stats>,
     pub cfg: LogConfig,
+}
+
+/// Where [`Writer::stage`] puts a group: the bytes of its lines, each line's length, and
+/// the count of lines in the file plus those staged.
+struct Staging<'a> {
+    buf: &'a mut Vec<u8>,
+    line_lens: &'a mut Vec<u64>,
+    lines: &'a mut u64,
 }
 
 /// A batch that failed as a whole.
@@ -126,8 +134,10 @@ impl Writer {
     /// Commit one batch; false when the writer must stop.
     async fn commit(&mut self, batch: Vec<(Vec<EventBody>, Ack)>) -> bool {
         let time = super::now_ms();
-        let durable = self.state.borrow().events.len() as u64;
+        let durable = self.state.borrow().len;
         let mut buf = Vec::new();
+        // The length of each staged event's line, in seq order.
+        let mut line_lens: Vec<u64> = Vec::new();
         let mut undos: Vec<Undo> = Vec::new();
         let mut staged: Vec<(Vec<Event>, Ack)> = Vec::new();
         let mut next_seq = durable;
@@ -136,8 +146,15 @@ impl Writer {
         for (bodies, ack) in batch {
             let mark = buf.len();
             let lines_mark = lines;
+            let lens_mark = line_lens.len();
             let mut undo = self.index.begin();
-            match self.stage(bodies, next_seq, time, &mut buf, &mut lines, &mut undo) {
+            let out = Staging {
+                buf: &mut buf,
+                line_lens: &mut line_lens,
+                lines: &mut lines,
+            };
+            let staging = self.stage(bodies, next_seq, time, out, &mut undo);
+            match staging {
                 Ok(events) => {
                     next_seq += events.len() as u64;
                     undos.push(undo);
@@ -145,6 +162,7 @@ impl Writer {
                 }
                 Err(e) => {
                     buf.truncate(mark);
+                    line_lens.truncate(lens_mark);
                     lines = lines_mark;
                     self.index.rollback(undo);
                     let _ = ack.send(Err(e));
@@ -156,16 +174,12 @@ impl Writer {
         }
         match self.persist(buf, &staged).await {
             Ok(()) => {
-                let events: Vec<Event> = staged
-                    .iter()
-                    .flat_map(|(evs, _)| evs.iter().cloned())
-                    .collect();
-                let messages: Vec<Message> =
-                    events.iter().filter_map(|e| project(&e.body)).collect();
                 let open_turn = self.index.open_turn();
                 self.state.send_modify(|s| {
-                    s.events.extend(events);
-                    s.messages.extend(messages);
+                    let events = staged.iter().flat_map(|(evs, _)| evs.iter().cloned());
+                    for (e, n) in events.zip(&line_lens) {
+                        s.push(e, *n);
+                    }
                     s.open_turn = open_turn;
                 });
                 self.stats.durable_events.store(next_seq, Ordering::Release);
@@ -199,10 +213,14 @@ impl Writer {
         bodies: Vec<EventBody>,
         first_seq: u64,
         time: i64,
-        buf: &mut Vec<u8>,
-        lines: &mut u64,
+        out: Staging<'_>,
         undo: &mut Undo,
     ) -> Result<Vec<Event>, LogError> {
+        let Staging {
+            buf,
+            line_lens,
+            lines,
+        } = out;
         let inv = self.cfg.invariants.clone();
         let mut events = Vec::with_capacity(bodies.len());
         for (i, body) in bodies.into_iter().enumerate() {
@@ -217,10 +235,12 @@ impl Writer {
             })?;
             self.index.apply(seq, &body, &inv, undo)?;
             let event = Event { seq, time, body };
+            let at = buf.len();
             serde_json::to_writer(&mut *buf, &event).map_err(|e| LogError::InvalidRequest {
                 reason: format!("event is not serialisable: {e}"),
             })?;
             buf.push(b'\n');
+            line_lens.push((buf.len() - at) as u64);
             *lines += 1;
             events.push(event);
         }

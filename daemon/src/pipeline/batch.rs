@@ -102,19 +102,20 @@ struct Book {
 impl CallBooks {
     /// Bring the session's book up to date; refuse ids it already used. Returns the next
     /// turn number. Call under the session's batch lock.
-    fn check(&self, session: &Arc<Session>, calls: &[ToolCallRequest]) -> Result<u64> {
+    async fn check(&self, session: &Arc<Session>, calls: &[ToolCallRequest]) -> Result<u64> {
+        let scanned = {
+            let mut books = self.books.write().unwrap_or_else(|p| p.into_inner());
+            books.retain(|_, b| b.owner.strong_count() > 0);
+            Self::book(&mut books, session).scanned
+        };
+        // Read outside the lock: events older than the log's held window come from disk.
+        let events = session.log.events_after(scanned).await?;
         let mut books = self.books.write().unwrap_or_else(|p| p.into_inner());
-        books.retain(|_, b| b.owner.strong_count() > 0);
-        let owner = Arc::downgrade(session);
-        let book = books
-            .entry(session.id.clone())
-            .and_modify(|b| {
-                if !Weak::ptr_eq(&b.owner, &owner) {
-                    *b = Book::new(owner.clone());
-                }
-            })
-            .or_insert_with(|| Book::new(owner.clone()));
-        for e in session.log.events_after(book.scanned) {
+        let book = Self::book(&mut books, session);
+        for e in events {
+            if book.scanned.is_some_and(|s| e.seq <= s) {
+                continue;
+            }
             match &e.body {
                 EventBody::TurnStart { turn, call_ids } => {
                     book.next_turn = book.next_turn.max(turn.saturating_add(1));
@@ -137,6 +138,20 @@ impl CallBooks {
             )));
         }
         Ok(book.next_turn)
+    }
+
+    /// The book of `session` (a new one for a session it has not seen, or for a new
+    /// session object with the same id).
+    fn book<'a>(books: &'a mut HashMap<String, Book>, session: &Arc<Session>) -> &'a mut Book {
+        let owner = Arc::downgrade(session);
+        books
+            .entry(session.id.clone())
+            .and_modify(|b| {
+                if !Weak::ptr_eq(&b.owner, &owner) {
+                    *b = Book::new(owner.clone());
+                }
+            })
+            .or_insert_with(|| Book::new(owner.clone()))
     }
 
     pub(crate) fn forget(&self, session_id: &str) {
@@ -186,7 +201,7 @@ impl Batch {
                 return Err(ProviderError::from_reason(reason).into());
             }
         };
-        let turn = self.books.check(&session, &calls)?;
+        let turn = self.books.check(&session, &calls).await?;
         if let Some(open) = session.log.open_turn() {
             return Err(DaemonError::Conflict {
                 message: format!("turn {open} of the session is still open"),

@@ -351,9 +351,11 @@ fn summary(c: &AdditionalContext) -> Option<&str> {
 }
 
 /// The pipeline's log events of the session after its `sandbox/leased`.
-fn batch_events(s: &Session) -> Vec<EventBody> {
+async fn batch_events(s: &Session) -> Vec<EventBody> {
     s.log
         .events_after(None)
+        .await
+        .unwrap()
         .into_iter()
         .map(|e| e.body)
         .filter(|b| {
@@ -368,8 +370,9 @@ fn batch_events(s: &Session) -> Vec<EventBody> {
         .collect()
 }
 
-fn result_order(s: &Session) -> Vec<String> {
+async fn result_order(s: &Session) -> Vec<String> {
     batch_events(s)
+        .await
         .into_iter()
         .filter_map(|b| match b {
             EventBody::ToolResult { result, .. } => Some(result.call_id),
@@ -385,7 +388,7 @@ async fn logged_within(s: &Session, id: &str, result: bool, within: Duration) ->
     let mut follow = s.log.follow(None);
     tokio::time::timeout(within, async {
         while let Some(e) = follow.next().await {
-            match &e.body {
+            match &e.unwrap().body {
                 EventBody::ToolCall { call_id, .. } if !result && call_id == id => return,
                 EventBody::ToolResult { result: r, .. } if result && r.call_id == id => return,
                 _ => {}
@@ -1109,7 +1112,7 @@ async fn results_are_committed_in_model_order_despite_out_of_order_settlement() 
         "b settled first: {ev:?}"
     );
     assert_eq!(
-        result_order(&s),
+        result_order(&s).await,
         vec!["a", "b", "c"],
         "logged in model order"
     );
@@ -1134,6 +1137,8 @@ async fn results_are_committed_in_model_order_despite_out_of_order_settlement() 
     let history: Vec<String> = s
         .log
         .derive_messages()
+        .await
+        .unwrap()
         .into_iter()
         .filter_map(|m| match m {
             Message::Tool { result } => Some(result.call_id),
@@ -1259,7 +1264,7 @@ async fn refusals_are_ordered_results_without_dispatch() {
         1,
         "only the valid call ran"
     );
-    assert_eq!(result_order(&s), vec!["a", "b", "c", "d"]);
+    assert_eq!(result_order(&s).await, vec!["a", "b", "c", "d"]);
 }
 
 #[tokio::test]
@@ -1270,7 +1275,7 @@ async fn a_batch_is_logged_as_one_turn_with_its_call_ids() {
     p.register_tool(Arc::new(TestTool::new("probe", Behavior::Ok, &probe)));
     run(&p, &s, vec![tcall("a", "probe"), tcall("b", "probe")]).await;
     run(&p, &s, vec![tcall("c", "probe")]).await;
-    let ev = batch_events(&s);
+    let ev = batch_events(&s).await;
     assert!(
         matches!(&ev[0], EventBody::TurnStart { turn: 0, call_ids } if call_ids == &["a", "b"])
     );
@@ -1290,7 +1295,7 @@ async fn a_batch_is_logged_as_one_turn_with_its_call_ids() {
         }
     )));
     // Every result cites its call.
-    let events = s.log.events_after(None);
+    let events = s.log.events_after(None).await.unwrap();
     for e in &events {
         if let EventBody::ToolResult {
             result,
@@ -1350,7 +1355,7 @@ async fn repeated_call_ids_refuse_the_batch_before_anything_is_logged() {
     );
     assert_eq!(run(&fresh, &s, vec![tcall("z", "probe")]).await.len(), 1);
     assert!(matches!(
-        batch_events(&s).last(),
+        batch_events(&s).await.last(),
         Some(EventBody::TurnEnd { turn: 1, .. })
     ));
 }
@@ -1370,7 +1375,7 @@ async fn a_cancelled_caller_starts_nothing() {
     assert!(rs.iter().all(|r| code(r) == Some(ErrorCode::Cancelled)
         && r.content == format!("Error: {ABORTED_BEFORE_DISPATCH}")));
     assert_eq!(probe.dispatched.load(Ordering::SeqCst), 0);
-    let ev = batch_events(&s);
+    let ev = batch_events(&s).await;
     let calls = ev
         .iter()
         .filter(|e| matches!(e, EventBody::ToolCall { .. }))
@@ -1427,7 +1432,7 @@ async fn a_cancellation_during_pre_execute_skips_the_dispatch() {
             Some((ErrorCode::Cancelled, ABORTED_BEFORE_DISPATCH))
         );
     }
-    assert_eq!(result_order(&s), vec!["a", "b", "c"]);
+    assert_eq!(result_order(&s).await, vec!["a", "b", "c"]);
 }
 
 #[tokio::test]
@@ -1479,9 +1484,9 @@ async fn a_cancellation_stops_replenishing_and_commits_started_calls() {
         ],
         "a successful call becomes aborted, a failed one keeps its error"
     );
-    assert_eq!(result_order(&s), vec!["a", "b", "c", "x"]);
+    assert_eq!(result_order(&s).await, vec!["a", "b", "c", "x"]);
     assert!(matches!(
-        batch_events(&s).last(),
+        batch_events(&s).await.last(),
         Some(EventBody::TurnEnd {
             kind: TurnEndKind::Cancelled,
             ..
@@ -1511,7 +1516,7 @@ async fn dropping_the_callers_future_cancels_and_still_logs_the_batch() {
     let ended = tokio::time::timeout(Duration::from_secs(20), async {
         use futures_util::StreamExt;
         while let Some(e) = follow.next().await {
-            if let EventBody::TurnEnd { kind, .. } = e.body {
+            if let EventBody::TurnEnd { kind, .. } = e.unwrap().body {
                 return kind;
             }
         }
