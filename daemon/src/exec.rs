@@ -316,7 +316,7 @@ pub async fn start(
             }
             span.record("bytes.out", i64::try_from(outcome.stdout_bytes + outcome.stderr_bytes).unwrap_or(i64::MAX));
             let _ = journal.sync().await;
-            journal.finish();
+            journal.finish().await;
             let logged = session2
                 .log
                 .append(EventBody::ProcessExited {

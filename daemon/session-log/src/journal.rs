@@ -203,9 +203,13 @@ impl OutputJournal {
         .map_err(join_error)?
     }
 
-    /// Mark the command finished: readers following it end after the last byte.
-    pub fn finish(&self) {
+    /// Mark the command finished: readers following it end after the last byte, and its
+    /// files are closed (a session runs any number of commands; their write handles must
+    /// not pile up until it closes).
+    pub async fn finish(&self) {
+        let mut files = self.files.lock().await;
         self.state.send_modify(|s| s.finished = true);
+        *files = [None, None, None];
     }
 
     /// Whether [`OutputJournal::finish`] was called.

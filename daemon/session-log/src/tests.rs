@@ -846,7 +846,7 @@ async fn journal_dedupes_overlap_and_refuses_gaps() {
         std::fs::read(j.path(StreamKind::Stdout)).unwrap(),
         b"hello world"
     );
-    j.finish();
+    j.finish().await;
     assert_eq!(
         j.append(StreamKind::Stdout, 11, b"!")
             .await
@@ -1026,4 +1026,37 @@ async fn a_long_log_holds_a_bounded_window_and_reads_older_events_from_disk() {
     let err = reader.events_after(Some(10)).await.unwrap_err();
     assert!(matches!(err, LogError::Corrupt { line: 72, .. }), "{err:?}");
     reader.close().await;
+}
+
+/// The open file descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_commands_leave_no_open_journal_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = new_log(&tmp.path().join("s"), "s").await;
+    let before = open_fds();
+    for i in 0..400 {
+        let j = log.journal(&format!("c{i}")).await.unwrap();
+        j.append(StreamKind::Stdout, 0, b"out").await.unwrap();
+        j.append(StreamKind::Stderr, 0, b"err").await.unwrap();
+        j.sync().await.unwrap();
+        j.finish().await;
+    }
+    let after = open_fds();
+    assert!(
+        after < before + 50,
+        "{before} fds before 400 finished commands, {after} after"
+    );
+    // Their output is still there to read.
+    let j = log.journal("c7").await.unwrap();
+    let out: Vec<(u64, bytes::Bytes)> = j
+        .read(StreamKind::Stderr, 0, false)
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(out, vec![(0, bytes::Bytes::from_static(b"err"))]);
+    log.close().await;
 }
