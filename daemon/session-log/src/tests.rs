@@ -891,7 +891,7 @@ async fn journal_follow_reads_until_finished() {
     let rest = tokio::spawn(async move { reader.map(|r| r.unwrap()).collect::<Vec<_>>().await });
     j.append(StreamKind::Pty, 3, b"def").await.unwrap();
     j.append(StreamKind::Pty, 6, b"ghi").await.unwrap();
-    j.finish();
+    j.finish().await;
     let rest = rest.await.unwrap();
     let bytes: Vec<u8> = rest.iter().flat_map(|(_, b)| b.to_vec()).collect();
     assert_eq!(bytes, b"defghi");
