@@ -562,9 +562,10 @@ impl Provider for E2bProvider {
         let r = retry(ctx, i.http.retry, "create", || async {
             let n = attempt.fetch_add(1, Ordering::AcqRel);
             // v1 has no idempotency key: before trying again, look for what a lost
-            // answer may have created.
+            // answer may have created. That is whenever v2 is not known to be there: the
+            // first attempt on a backend not probed yet may have fallen back to v1.
             if n > 0
-                && Probe::get(&i.probe.create_v2) == NO
+                && Probe::get(&i.probe.create_v2) != YES
                 && let Some(s) = i.find_by_marker(ctx, &marker).await?
             {
                 return Ok(Adopted::Listed(s));

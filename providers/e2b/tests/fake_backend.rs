@@ -51,6 +51,10 @@ struct Fake {
     creates: AtomicUsize,
     /// The Start stream sends its head and then nothing.
     stall_start: bool,
+    /// The create (v2 or v1) with this index (from 0) makes its sandbox and never answers.
+    stall_create: Option<usize>,
+    /// Sandboxes made by creates whose answer stalled, as `list` shows them.
+    stalled_creates: RwLock<Vec<Value>>,
     /// The last wrapped start (its `process` and `tag`), for `List`.
     started: RwLock<Option<Value>>,
     /// In-sandbox SHA-256 checks fail.
@@ -129,6 +133,9 @@ async fn create_v2(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         f.keys.write().unwrap().push(k.to_str().unwrap().to_owned());
     }
     let n = f.creates.fetch_add(1, Ordering::SeqCst);
+    if f.stall_create == Some(n) {
+        return stall_create(&f, &body).await;
+    }
     if f.should_not_retry {
         let mut r = api_error(503, "busy");
         r.headers_mut()
@@ -146,7 +153,27 @@ async fn create_v2(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> 
 
 async fn create_v1(State(f): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     f.hit("create_v1", &headers, body_json(&body));
+    if f.stall_create.is_some() && f.stall_create == Some(f.creates.fetch_add(1, Ordering::SeqCst))
+    {
+        return stall_create(&f, &body).await;
+    }
     (StatusCode::CREATED, axum::Json(sandbox_json("isbx1"))).into_response()
+}
+
+/// A create that makes its sandbox (`isbx-stalled`, listed with the request's metadata)
+/// and then holds its answer far past any limit of the tests.
+async fn stall_create(f: &Fake, body: &Bytes) -> Response {
+    let meta = body_json(body)["metadata"].clone();
+    f.stalled_creates
+        .write()
+        .unwrap()
+        .push(listed("isbx-stalled", meta));
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    (
+        StatusCode::CREATED,
+        axum::Json(sandbox_json("isbx-stalled")),
+    )
+        .into_response()
 }
 
 async fn list_v2(
@@ -157,8 +184,9 @@ async fn list_v2(
     f.hit("list_v2", &headers, json!(q));
     match q.get("nextToken").map(String::as_str) {
         None => {
-            let mut r =
-                axum::Json(json!([listed("ia", json!({"tether.session": "s1"}))])).into_response();
+            let mut page = vec![listed("ia", json!({"tether.session": "s1"}))];
+            page.extend(f.stalled_creates.read().unwrap().iter().cloned());
+            let mut r = axum::Json(json!(page)).into_response();
             r.headers_mut()
                 .insert("x-next-token", "page2".parse().unwrap());
             r
@@ -530,6 +558,58 @@ async fn a_rate_limited_create_is_retried_after_the_advised_delay_with_the_same_
         .expect_err("create");
     assert_eq!(e.code(), ErrorCode::ProviderError);
     assert_eq!(fake.hits("create_v2"), 1);
+}
+
+/// A create whose answer never comes (the backend made the sandbox) ends on the connect
+/// clock and is retried within the call's budget: on a backend known to have v2, with the
+/// same idempotency key, so the backend answers for the one sandbox; otherwise (v1 has no
+/// key, and the first create on a backend not probed yet may have fallen back to it) by
+/// finding the sandbox the lost answer made (its marker) instead of making a second one.
+#[tokio::test]
+async fn a_create_whose_answer_stalls_is_retried_and_makes_one_sandbox() {
+    for v2 in [true, false] {
+        let (addr, fake) = serve(Fake {
+            v2,
+            // On v2, the second create: the first one has probed v2.
+            stall_create: Some(usize::from(v2)),
+            ..Fake::default()
+        })
+        .await;
+        let mut cfg = config(addr);
+        cfg.connect_timeout_ms = 300;
+        let p = E2bProvider::new(cfg).unwrap();
+        if v2 {
+            p.create(&ctx(), SandboxSpec::default())
+                .await
+                .expect("probe");
+        }
+        let t = Instant::now();
+        let sb = p
+            .create(&ctx(), SandboxSpec::default())
+            .await
+            .expect("the retried create succeeds");
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+            "v2={v2}: took {took:?}"
+        );
+        if v2 {
+            assert_eq!(sb.info().id, "isbx1");
+            assert_eq!(fake.hits("create_v2"), 3);
+            let keys = fake.keys.read().unwrap().clone();
+            assert_eq!(keys.len(), 3);
+            assert_eq!(keys[1], keys[2], "the retry carries the same key");
+            assert_ne!(keys[0], keys[1]);
+        } else {
+            assert_eq!(
+                sb.info().id,
+                "isbx-stalled",
+                "the lost answer's sandbox is adopted"
+            );
+            assert_eq!(fake.hits("create_v1"), 1, "no second sandbox is made");
+            assert!(fake.hits("list_v2") >= 1);
+        }
+    }
 }
 
 #[tokio::test]
