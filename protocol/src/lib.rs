@@ -2,9 +2,10 @@
 //!
 //! This crate holds the serde types that cross a process boundary: the closed
 //! [`ErrorCode`] set and the error body, file and process operation types, the
-//! session-log events and the native HTTP API's requests and responses. It must not
-//! contain I/O, async code or logic beyond (de)serialisation: the daemon, the providers
-//! and external clients all depend on it.
+//! session-log events and the native HTTP API's requests and responses, and the
+//! incremental decoders of two wire formats ([`connect`] envelopes, [`multipart`] bodies:
+//! bytes in, values out). It must not contain I/O, async code or logic beyond
+//! (de)serialisation: the daemon, the providers and external clients all depend on it.
 //!
 //! Change rules: a new optional field or a new enum variant that clients may ignore is
 //! a minor change; a new mandatory field, a rename or a removal is a major change. An
@@ -19,6 +20,7 @@ pub mod error;
 pub mod events;
 pub mod fs;
 pub mod limits;
+pub mod multipart;
 pub mod process;
 
 pub use error::{Clock, ErrorBody, ErrorCode, ErrorDetail};
