@@ -12,7 +12,8 @@
 
 use bytes::{Buf, Bytes, BytesMut};
 
-/// Longest header block of one part, in bytes.
+/// Longest header block of one part, in bytes: from the end of its delimiter to the empty
+/// line that ends it. A longer one is refused, however the body is split.
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 
 /// Why a multipart body could not be read.
@@ -73,6 +74,9 @@ pub struct Decoder {
     /// `\r\n--<boundary>`.
     delimiter: Vec<u8>,
     state: State,
+    /// After a delimiter: how much of the buffer is known to hold no end of the headers
+    /// (each search for it starts near there, not from the start again).
+    scanned: usize,
     /// No more input will come ([`Decoder::finish`]).
     eof: bool,
 }
@@ -90,6 +94,7 @@ impl Decoder {
             buf,
             delimiter,
             state: State::Preamble,
+            scanned: 0,
             eof: false,
         }
     }
@@ -110,7 +115,7 @@ impl Decoder {
     }
 
     /// Bytes held and not yet handed on. Whenever a call answers [`Step::NeedInput`],
-    /// at most [`MAX_HEADER_BYTES`] or the delimiter's length, whichever is larger.
+    /// at most [`MAX_HEADER_BYTES`] + 3 or the delimiter's length, whichever is larger.
     pub fn buffered(&self) -> usize {
         self.buf.len()
     }
@@ -148,6 +153,7 @@ impl Decoder {
                     Some(i) => {
                         self.buf.advance(i + self.delimiter.len());
                         self.state = State::AfterDelimiter;
+                        self.scanned = 0;
                     }
                     None => {
                         // A delimiter may begin in the last bytes: keep those only.
@@ -171,13 +177,21 @@ impl Decoder {
                         return Ok(Step::Ready(None));
                     }
                     // Headers end at an empty line; the CRLF after the delimiter counts as
-                    // the first line break (transport padding before it is allowed).
-                    let Some(end) = find(&self.buf, b"\r\n\r\n") else {
-                        if self.buf.len() > MAX_HEADER_BYTES {
+                    // the first line break (transport padding before it is allowed). The
+                    // limit is on the block, not on what happens to be buffered: else a
+                    // body sent in one chunk could have longer headers than in small ones.
+                    let from = self.scanned.saturating_sub(3);
+                    let Some(end) = find(&self.buf[from..], b"\r\n\r\n").map(|i| from + i) else {
+                        // An end still to come would start in the last 3 bytes or later.
+                        if self.buf.len() > MAX_HEADER_BYTES + 3 {
                             return Err(MultipartError::Malformed("part headers too long"));
                         }
+                        self.scanned = self.buf.len();
                         return self.need_input();
                     };
+                    if end > MAX_HEADER_BYTES {
+                        return Err(MultipartError::Malformed("part headers too long"));
+                    }
                     let block = self.buf.split_to(end + 4);
                     let text = String::from_utf8_lossy(&block);
                     let mut lines = text.split("\r\n");
@@ -213,6 +227,7 @@ impl Decoder {
             }
             self.buf.advance(self.delimiter.len());
             self.state = State::AfterDelimiter;
+            self.scanned = 0;
             return Ok(Step::Ready(None));
         }
         // Everything but a possible delimiter prefix at the end is part data.
@@ -362,5 +377,40 @@ mod tests {
             Some("abc")
         );
         assert_eq!(boundary_of("application/json"), None);
+    }
+
+    /// A body whose one part has a header block of `len` bytes.
+    fn with_headers(len: usize) -> Vec<u8> {
+        let mut body = b"--XyZ\r\nX-Pad: ".to_vec();
+        body.resize(5 + len, b'p');
+        body.extend_from_slice(b"\r\n\r\ndata\r\n--XyZ--\r\n");
+        body
+    }
+
+    #[test]
+    fn the_header_limit_holds_however_the_body_is_split() {
+        // Found by the `multipart` fuzz target: headers over the limit were refused when
+        // they came in small chunks and taken when they came in one.
+        let at = with_headers(MAX_HEADER_BYTES);
+        let over = with_headers(MAX_HEADER_BYTES + 1);
+        let refused = Err(MultipartError::Malformed("part headers too long"));
+        for size in [1, 100, 4096, usize::MAX] {
+            let parts = collect("XyZ", at.chunks(size.min(at.len()))).unwrap();
+            assert_eq!(parts.len(), 1);
+            assert_eq!(parts[0].1, b"data");
+            assert_eq!(collect("XyZ", over.chunks(size.min(over.len()))), refused);
+        }
+        // No end of the headers yet: more input is asked for while the end could still
+        // come within the limit, and the body refused as soon as it cannot.
+        let mut dec = Decoder::new("XyZ");
+        dec.push(b"--XyZ");
+        dec.push(&vec![b'p'; MAX_HEADER_BYTES + 3]);
+        assert_eq!(dec.next_part(), Ok(Step::NeedInput));
+        assert_eq!(dec.buffered(), MAX_HEADER_BYTES + 3);
+        dec.push(b"p");
+        assert_eq!(
+            dec.next_part(),
+            Err(MultipartError::Malformed("part headers too long"))
+        );
     }
 }
