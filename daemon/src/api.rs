@@ -14,7 +14,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
-use serde::Deserialize;
 use tether_protocol::api::*;
 use tether_protocol::events::{EventBody, Source};
 use tether_protocol::fs::{ByteRange, WriteGuard};
@@ -232,14 +231,6 @@ async fn tool_calls(
         .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok(ApiJson(ToolCallsResponse { results }))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EventsQuery {
-    after: Option<u64>,
-    #[serde(default)]
-    follow: bool,
 }
 
 fn ndjson<S, T>(stream: S) -> Response
@@ -463,17 +454,6 @@ async fn list_processes(
     Ok(ApiJson(v))
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct OutputQuery {
-    #[serde(default)]
-    offset: u64,
-    #[serde(default)]
-    stderr_offset: u64,
-    #[serde(default)]
-    follow: bool,
-}
-
 async fn process_output(
     State(state): St,
     who: Principal,
@@ -588,20 +568,6 @@ async fn process_wait(
         clock: o.clock,
         limit: o.limit,
     }))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PathQuery {
-    path: String,
-    #[serde(default)]
-    offset: Option<u64>,
-    #[serde(default)]
-    length: Option<u64>,
-    #[serde(default)]
-    depth: Option<u32>,
-    #[serde(default)]
-    recursive: bool,
 }
 
 /// The query of a file route, decoded strictly: a `path` (or any value) whose percent

@@ -141,6 +141,18 @@ pub struct ForkRequest {
     pub at_seq: Option<u64>,
 }
 
+/// The query of `GET /v1/sessions/{id}/events`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    /// Only the events after this seq; all of them when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<u64>,
+    /// Keep the stream open and send new events as they are logged.
+    #[serde(default)]
+    pub follow: bool,
+}
+
 /// `POST /v1/sessions/{id}/processes`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -183,6 +195,21 @@ pub struct StartProcessResponse {
     pub pid: u32,
 }
 
+/// The query of `GET .../processes/{cid}/output`: where to resume each stream.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputQuery {
+    /// Offset in stdout (or the pty output), bytes.
+    #[serde(default)]
+    pub offset: u64,
+    /// Offset in stderr, bytes.
+    #[serde(default)]
+    pub stderr_offset: u64,
+    /// Keep the stream open until the command ends.
+    #[serde(default)]
+    pub follow: bool,
+}
+
 /// `POST .../processes/{cid}/stdin`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -220,6 +247,26 @@ pub struct WaitResponse {
     /// The sandbox limit it ran into, if it did (`memory`, `pids`, `disk`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<crate::limits::LimitKind>,
+}
+
+/// The query of the file routes (`/v1/sessions/{id}/files`, `/v1/sessions/{id}/dirs`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathQuery {
+    /// The file or directory, in the sandbox.
+    pub path: String,
+    /// `GET .../files`: the first byte to read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// `GET .../files`: how many bytes to read at most; to the end when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length: Option<u64>,
+    /// `GET .../dirs`: how deep to list (1 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
+    /// `DELETE .../files`: remove a directory with its contents.
+    #[serde(default)]
+    pub recursive: bool,
 }
 
 /// An injected context to post as a user message with a non-user source.
