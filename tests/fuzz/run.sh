@@ -15,7 +15,7 @@ if ! cargo +nightly --version >/dev/null 2>&1 || ! cargo fuzz --version >/dev/nu
   echo "fuzz: skipped (needs a nightly toolchain and cargo-fuzz: rustup toolchain install nightly --profile minimal; cargo install --locked cargo-fuzz)"
   exit 0
 fi
-for target in connect_frames e2b_requests session_log_tail; do
+for target in connect_frames e2b_requests native_requests multipart session_log_tail; do
   echo "fuzz: $target for ${secs}s"
   cargo +nightly fuzz run --fuzz-dir harness "$target" -- -max_total_time="$secs" 2>&1 | grep -E "^Done|ERROR|SUMMARY|panicked" || true
   if ls harness/artifacts/"$target"/crash-* >/dev/null 2>&1; then

@@ -3,7 +3,7 @@
 //! (`tests/inputs.rs`); `harness/` runs them coverage-guided under cargo-fuzz:
 //!
 //! ```sh
-//! cd tests/fuzz/harness && cargo +nightly fuzz run connect_frames -- -max_total_time=60
+//! cd tests/fuzz && cargo +nightly fuzz run --fuzz-dir harness connect_frames -- -max_total_time=60
 //! ```
 
 // A fuzz target reports a violated property by panicking: that is what the fuzzer catches.
@@ -115,6 +115,156 @@ pub fn e2b_requests(data: &[u8]) {
     one::<SendSignalRequest>(data);
     one::<PathRequest>(data);
     one::<MoveRequest>(data);
+}
+
+/// Native API requests as the daemon decodes them: the JSON bodies (`serde_json`, as its
+/// `ApiJson` extractor does) and the query strings (`serde_urlencoded`, as axum's `Query`
+/// does). Any bytes decode or fail cleanly, and what decodes encodes again into what
+/// decodes to an equal value.
+pub fn native_requests(data: &[u8]) {
+    use std::fmt::Debug;
+
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+    use tether_protocol::api::{
+        CreateSessionRequest, EventsQuery, ForkRequest, OutputQuery, PathQuery, PostMessageRequest,
+        SignalRequest, StartProcessRequest, StdinRequest, ToolCallsRequest,
+    };
+
+    fn body<T: DeserializeOwned + Serialize + PartialEq + Debug>(data: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<T>(data) else {
+            return;
+        };
+        let json = serde_json::to_vec(&v).expect("a decoded request encodes");
+        let again: T = serde_json::from_slice(&json).unwrap_or_else(|e| {
+            panic!(
+                "a re-encoded request does not decode ({e}): {}",
+                String::from_utf8_lossy(&json)
+            )
+        });
+        assert_eq!(again, v, "a request changes through a round trip");
+    }
+    fn query<T: DeserializeOwned + Serialize + PartialEq + Debug>(data: &[u8]) {
+        let Ok(v) = serde_urlencoded::from_bytes::<T>(data) else {
+            return;
+        };
+        let text = serde_urlencoded::to_string(&v).expect("a decoded query encodes");
+        let again: T = serde_urlencoded::from_str(&text)
+            .unwrap_or_else(|e| panic!("a re-encoded query does not decode ({e}): {text}"));
+        assert_eq!(again, v, "a query changes through a round trip");
+    }
+    body::<CreateSessionRequest>(data);
+    body::<ToolCallsRequest>(data);
+    body::<PostMessageRequest>(data);
+    body::<ForkRequest>(data);
+    body::<StartProcessRequest>(data);
+    body::<StdinRequest>(data);
+    body::<SignalRequest>(data);
+    query::<EventsQuery>(data);
+    query::<OutputQuery>(data);
+    query::<PathQuery>(data);
+}
+
+/// Boundaries of the multipart target, chosen by the input's first byte: a short one, a
+/// browser's, one letter, and the longest a content type may give (70 bytes).
+const BOUNDARIES: [&str; 4] = [
+    "XyZ",
+    "----WebKitFormBoundary7MA4YWxkTrZu0gW",
+    "a",
+    "0123456789012345678901234567890123456789012345678901234567890123456789",
+];
+
+/// What a multipart body decodes into: each part's headers and data (the last one cut
+/// short if the body fails inside it), then the end or the error.
+type Transcript = (
+    Vec<(tether_protocol::multipart::PartHeaders, Vec<u8>)>,
+    Result<(), tether_protocol::multipart::MultipartError>,
+);
+
+/// Decode `chunks` as the E2B front feeds a request body, checking the memory bound at
+/// each request for more input.
+fn multipart_transcript<'a>(
+    boundary: &str,
+    chunks: impl IntoIterator<Item = &'a [u8]>,
+) -> Transcript {
+    use tether_protocol::multipart::{Decoder, MAX_HEADER_BYTES, Step};
+    let bound = (MAX_HEADER_BYTES + 3).max(boundary.len() + 4);
+    let mut chunks = chunks.into_iter();
+    let mut dec = Decoder::new(boundary);
+    let mut feed = |dec: &mut Decoder| {
+        assert!(
+            dec.buffered() <= bound,
+            "the decoder holds {} bytes while asking for more (bound {bound})",
+            dec.buffered()
+        );
+        match chunks.next() {
+            Some(c) => dec.push(c),
+            None => dec.finish(),
+        }
+    };
+    let mut parts = Vec::new();
+    loop {
+        let headers = match dec.next_part() {
+            Ok(Step::Ready(Some(h))) => h,
+            Ok(Step::Ready(None)) => return (parts, Ok(())),
+            Ok(Step::NeedInput) => {
+                feed(&mut dec);
+                continue;
+            }
+            Err(e) => return (parts, Err(e)),
+        };
+        let mut data = Vec::new();
+        loop {
+            match dec.next_chunk() {
+                Ok(Step::Ready(Some(c))) => {
+                    assert!(!c.is_empty(), "an empty piece of data");
+                    data.extend_from_slice(&c);
+                }
+                Ok(Step::Ready(None)) => break,
+                Ok(Step::NeedInput) => feed(&mut dec),
+                Err(e) => {
+                    parts.push((headers, data));
+                    return (parts, Err(e));
+                }
+            }
+        }
+        parts.push((headers, data));
+    }
+}
+
+/// A `multipart/form-data` upload body: byte 0 picks the boundary, bytes 1 to 4 the sizes
+/// of the chunks it arrives in (each plus one, cycled), the rest is the body. The decoder never panics,
+/// holds no more than its bound while waiting for input (refusing with its error instead),
+/// yields data that is the body's own (never more than the body holds), and yields the
+/// same parts, the same data and the same end however the body is split: as one chunk and
+/// as the chosen chunks.
+pub fn multipart(data: &[u8]) {
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let boundary = BOUNDARIES[pick as usize % BOUNDARIES.len()];
+    let (sizes, body) = rest.split_at(rest.len().min(4));
+    let mut chunks = Vec::new();
+    let mut left = body;
+    for s in sizes.iter().cycle() {
+        if left.is_empty() {
+            break;
+        }
+        let (a, b) = left.split_at((*s as usize + 1).min(left.len()));
+        chunks.push(a);
+        left = b;
+    }
+    let whole = multipart_transcript(boundary, [body]);
+    let split = multipart_transcript(boundary, chunks);
+    assert_eq!(split, whole, "the parts differ with the body split");
+    let total: usize = whole.0.iter().map(|(_, d)| d.len()).sum();
+    assert!(total <= body.len(), "more data than the body holds");
+    for (_, d) in &whole.0 {
+        assert!(
+            d.is_empty() || body.windows(d.len()).any(|w| w == &d[..]),
+            "part data that is not in the body"
+        );
+    }
 }
 
 /// A session log whose tail is arbitrary bytes (a crash, a disk error, an attacker with
