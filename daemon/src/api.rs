@@ -182,13 +182,7 @@ async fn pause_session(
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<SessionInfo>> {
     let s = session(&state, &id, &who).await?;
-    let pctx = ctx.with_timeout(state.config.limits.deadlines().sandbox_op, Clock::Total);
-    let s2 = Arc::clone(&s);
-    state
-        .tasks
-        .spawn(async move { s2.pause(&pctx).await }.in_current_span())
-        .await
-        .map_err(|e| DaemonError::internal(e.to_string()))??;
+    s.pause(&ctx).await?;
     Ok(ApiJson(s.info()))
 }
 
@@ -200,13 +194,7 @@ async fn resume_session(
     RequestCtx(ctx): RequestCtx,
 ) -> Result<ApiJson<SessionInfo>> {
     let s = session(&state, &id, &who).await?;
-    let rctx = ctx.with_timeout(state.config.limits.deadlines().sandbox_op, Clock::Total);
-    let s2 = Arc::clone(&s);
-    state
-        .tasks
-        .spawn(async move { s2.resume(&rctx).await }.in_current_span())
-        .await
-        .map_err(|e| DaemonError::internal(e.to_string()))??;
+    s.resume(&ctx).await?;
     Ok(ApiJson(s.info()))
 }
 

@@ -1,15 +1,19 @@
-//! The operation layer for file operations: the native API's file routes, the file tools
-//! and (through [`fs`]) anything else that touches a sandbox's files go through one
-//! function, which applies to every operation the same things in the same order:
+//! The operation layer: the native API's file routes, the file tools, the E2B front and
+//! anything else that touches a sandbox's files goes through [`fs`], and every pause and
+//! resume of a session's sandbox (native API, E2B front) through [`sandbox`]. Each applies
+//! to every operation the same things in the same order:
 //!
 //! 1. the operation's deadline, from config (`limits.fs_op_timeout_ms`, or the transfer
-//!    deadline for streamed bodies), fused with the caller's context;
-//! 2. its span (`fs.stat`, `fs.read`, ... with `session.id`, `provider.kind`, `fs.path`,
-//!    `outcome`, `error.code`, `timeout.clock`);
+//!    deadline for streamed bodies; `limits.sandbox_op_timeout_ms` for a pause,
+//!    `limits.sandbox_create_timeout_ms` for a resume, which may restore a saved machine),
+//!    fused with the caller's context;
+//! 2. its span (`fs.stat`, `fs.read`, ..., `sandbox.pause`, `sandbox.resume`, with
+//!    `session.id`, `provider.kind`, `outcome`, `error.code`, `timeout.clock`);
 //! 3. its metric (`tether.remote_op.duration` by op, provider and outcome; a timeout of
 //!    its own clock counted in `tether.timeouts`);
-//! 4. for a change made outside a tool call, its `fs/op` event in the session log (a tool
-//!    call is recorded by its own `tool/call` and `tool/result`).
+//! 4. its event in the session log: `fs/op` for a file change made outside a tool call (a
+//!    tool call is recorded by its own `tool/call` and `tool/result`); `sandbox/paused` and
+//!    `sandbox/resumed` by the session, which the caller of [`sandbox`] is.
 
 use std::future::Future;
 use std::time::Duration;
@@ -96,6 +100,71 @@ impl FsOp {
     }
 }
 
+/// A lifecycle operation on a session's sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxOp {
+    /// Pause (freeze, or stop the machine).
+    Pause,
+    /// Resume a paused sandbox.
+    Resume,
+}
+
+impl SandboxOp {
+    /// The span and metric name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pause => crate::telemetry::names::SANDBOX_PAUSE,
+            Self::Resume => crate::telemetry::names::SANDBOX_RESUME,
+        }
+    }
+
+    /// Its deadline, from config.
+    pub fn limit(self, d: &crate::config::Deadlines) -> Duration {
+        match self {
+            Self::Pause => d.sandbox_op,
+            Self::Resume => d.sandbox_create,
+        }
+    }
+
+    fn span(self, session: &Session, sandbox_id: &str) -> tracing::Span {
+        macro_rules! span {
+            ($name:literal) => {
+                tracing::info_span!(
+                    $name,
+                    session.id = %session.id,
+                    provider.kind = %session.provider_kind,
+                    sandbox.id = %sandbox_id,
+                    outcome = Empty,
+                    error.code = Empty,
+                    timeout.clock = Empty,
+                )
+            };
+        }
+        match self {
+            Self::Pause => span!("sandbox.pause"),
+            Self::Resume => span!("sandbox.resume"),
+        }
+    }
+}
+
+/// One lifecycle operation on `session`'s sandbox `sandbox_id` under its deadline from
+/// config, in its span, with its metric.
+pub async fn sandbox<T, F, Fut>(
+    session: &Session,
+    ctx: &CallCtx,
+    op: SandboxOp,
+    sandbox_id: &str,
+    f: F,
+) -> Result<T, ProviderError>
+where
+    F: FnOnce(CallCtx) -> Fut,
+    Fut: Future<Output = Result<T, ProviderError>>,
+{
+    let span = op.span(session, sandbox_id);
+    let limit = op.limit(&session.deadlines);
+    measured(session, ctx, op.name(), limit, span, f).await.0
+}
+
 /// Which surface asked: a tool call is logged by the pipeline, anything else here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Surface {
@@ -124,6 +193,38 @@ where
     F: FnOnce(CallCtx) -> Fut,
     Fut: Future<Output = Result<T, ProviderError>>,
 {
+    let (out, outcome) = measured(session, ctx, op.name(), limit, span, f).await;
+    if let (Surface::Api, Some(logged)) = (surface, op.logged_as()) {
+        let event = EventBody::FsOp {
+            op: logged.into(),
+            path: path.to_owned(),
+            outcome: outcome.to_owned(),
+            bytes: out.as_ref().ok().and_then(bytes),
+        };
+        if let Err(e) = session.log.append(event).await {
+            // The operation's own outcome is what the caller gets (reporting a change that
+            // took effect as failed would invite a retry); the lost record is loud here.
+            tracing::error!(session.id = %session.id, code = %e.code(), error = %e, "Could not log a file operation");
+        }
+    }
+    out
+}
+
+/// Run `f` under `limit` fused with `ctx`, in `span`, and record its outcome there and in
+/// the `name` metric: the part every operation shares. Returns the result and its
+/// outcome (`ok` or the error code).
+async fn measured<T, F, Fut>(
+    session: &Session,
+    ctx: &CallCtx,
+    name: &'static str,
+    limit: Duration,
+    span: tracing::Span,
+    f: F,
+) -> (Result<T, ProviderError>, &'static str)
+where
+    F: FnOnce(CallCtx) -> Fut,
+    Fut: Future<Output = Result<T, ProviderError>>,
+{
     let fctx = ctx.with_timeout(limit, Clock::Total);
     let started = Instant::now();
     let out = fctx.run(f(fctx.clone())).instrument(span.clone()).await;
@@ -144,26 +245,10 @@ where
         }
     };
     span.record("outcome", outcome);
-    session.metrics().remote_op(
-        op.name(),
-        &session.provider_kind,
-        outcome,
-        started.elapsed(),
-    );
-    if let (Surface::Api, Some(logged)) = (surface, op.logged_as()) {
-        let event = EventBody::FsOp {
-            op: logged.into(),
-            path: path.to_owned(),
-            outcome: outcome.to_owned(),
-            bytes: out.as_ref().ok().and_then(bytes),
-        };
-        if let Err(e) = session.log.append(event).await {
-            // The operation's own outcome is what the caller gets (reporting a change that
-            // took effect as failed would invite a retry); the lost record is loud here.
-            tracing::error!(session.id = %session.id, code = %e.code(), error = %e, "Could not log a file operation");
-        }
-    }
-    out
+    session
+        .metrics()
+        .remote_op(name, &session.provider_kind, outcome, started.elapsed());
+    (out, outcome)
 }
 
 /// Count a provider's own clock (connect, transport idle: armed inside the provider) in

@@ -12,6 +12,7 @@
 //! demand, and a retention setting removes them after a configured age.
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -29,6 +30,7 @@ use crate::error::{DaemonError, Result};
 use crate::exec::RunningCommand;
 use crate::invariants::Invariants;
 use crate::leases::{META_DAEMON, META_SESSION, now_ms};
+use crate::ops::SandboxOp;
 use crate::providers::ProviderRegistry;
 use crate::session_log::{LogConfig, SessionLog};
 use crate::telemetry::Metrics;
@@ -181,7 +183,24 @@ impl Session {
     /// the log, so a restarted daemon knows it is paused (its processes are frozen).
     /// Pausing a paused sandbox is `CONFLICT`; a provider that cannot pause answers
     /// `UNSUPPORTED`.
-    pub async fn pause(&self, ctx: &CallCtx) -> Result<()> {
+    pub async fn pause(self: &Arc<Self>, ctx: &CallCtx) -> Result<()> {
+        let (me, ctx) = (Arc::clone(self), ctx.clone());
+        self.detached(async move { me.pause_now(&ctx).await }).await
+    }
+
+    /// Run a lifecycle change on a tracked task, detached from its caller: a client that
+    /// leaves never cuts it between the provider's change and its record in the log.
+    async fn detached<F>(&self, f: F) -> Result<()>
+    where
+        F: Future<Output = Result<()>> + Send + 'static,
+    {
+        self.tasks
+            .spawn(f.in_current_span())
+            .await
+            .map_err(|e| DaemonError::internal(format!("a lifecycle task failed: {e}")))?
+    }
+
+    async fn pause_now(&self, ctx: &CallCtx) -> Result<()> {
         let _one = self.pause_lock.lock().await;
         if self.is_paused() {
             return Err(DaemonError::Conflict {
@@ -189,7 +208,12 @@ impl Session {
             });
         }
         let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
-        self.provider.pause(ctx, &sandbox_id).await?;
+        let provider = &self.provider;
+        crate::ops::sandbox(self, ctx, SandboxOp::Pause, &sandbox_id, |c| {
+            let id = sandbox_id.clone();
+            async move { provider.pause(&c, &id).await }
+        })
+        .await?;
         self.paused.store(true, Ordering::Release);
         self.log
             .append(EventBody::SandboxPaused { sandbox_id })
@@ -199,7 +223,13 @@ impl Session {
 
     /// Resume a paused sandbox; durable on return (`sandbox/resumed`). Resuming a running
     /// sandbox is `CONFLICT`.
-    pub async fn resume(&self, ctx: &CallCtx) -> Result<()> {
+    pub async fn resume(self: &Arc<Self>, ctx: &CallCtx) -> Result<()> {
+        let (me, ctx) = (Arc::clone(self), ctx.clone());
+        self.detached(async move { me.resume_now(&ctx).await })
+            .await
+    }
+
+    async fn resume_now(&self, ctx: &CallCtx) -> Result<()> {
         let _one = self.pause_lock.lock().await;
         if !self.is_paused() {
             return Err(DaemonError::Conflict {
@@ -208,7 +238,12 @@ impl Session {
         }
         let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
         // The provider may hand out a new handle; the sandbox id stays.
-        let sandbox = self.provider.resume(ctx, &sandbox_id).await?;
+        let provider = &self.provider;
+        let sandbox = crate::ops::sandbox(self, ctx, SandboxOp::Resume, &sandbox_id, |c| {
+            let id = sandbox_id.clone();
+            async move { provider.resume(&c, &id).await }
+        })
+        .await?;
         if let Ok(mut g) = self.sandbox.write()
             && g.is_some()
         {

@@ -82,6 +82,11 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         body["results"][0]["error"]["code"], "DEADLINE_EXCEEDED",
         "{body}"
     );
+    // Pause and resume go through the operation layer: a span and a metric each.
+    for op in ["pause", "resume"] {
+        let (st, body) = post_traced(&d, &format!("/v1/sessions/{sid}/{op}"), json!({})).await;
+        assert_eq!(st, 200, "{op}: {body}");
+    }
     d.stop().await;
     assert!(
         guard.shutdown().await,
@@ -115,6 +120,8 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
                     names::TOOL_CALL,
                     names::SANDBOX_CREATE,
                     names::PROCESS_START,
+                    names::SANDBOX_PAUSE,
+                    names::SANDBOX_RESUME,
                 ]
                 .iter()
                 .all(|n| span(s, n).is_some())
@@ -126,12 +133,13 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         assert_eq!(s["service"], "tetherd-e2e");
         assert_eq!(s["scope"], "tether");
     }
-    // Both requests continue the caller's trace, as server spans whose parent is the caller.
+    // Every request continues the caller's trace, as server spans whose parent is the
+    // caller: the create, two tool-call batches, the pause and the resume.
     let requests: Vec<&Value> = spans_named(&spans, names::HTTP_REQUEST)
         .into_iter()
         .filter(|s| s["trace_id"] == TRACE)
         .collect();
-    assert_eq!(requests.len(), 3, "{spans:#?}");
+    assert_eq!(requests.len(), 5, "{spans:#?}");
     for r in &requests {
         assert_eq!(r["parent_span_id"], CALLER_SPAN);
         assert_eq!(r["span_kind"], 2, "SPAN_KIND_SERVER");
@@ -234,6 +242,23 @@ async fn a_traced_request_is_continued_into_the_sandbox_and_exported() {
         &[("remote.op", "sandbox.create"), ("outcome", "ok")],
     );
     assert!(create_op.is_some(), "{points:#?}");
+    for op in [names::SANDBOX_PAUSE, names::SANDBOX_RESUME] {
+        let point = metric_point(
+            &points,
+            "tether.remote_op.duration",
+            &[
+                ("remote.op", op),
+                ("provider.kind", "local"),
+                ("outcome", "ok"),
+            ],
+        )
+        .unwrap_or_else(|| panic!("{op}: {points:#?}"));
+        assert_eq!(point["count"], 1, "{op}");
+        let sp = span(&spans, op).unwrap();
+        assert_eq!(sp["attributes"]["session.id"], json!(sid), "{sp:#}");
+        assert_eq!(sp["attributes"]["outcome"], "ok", "{sp:#}");
+        assert_eq!(sp["trace_id"], TRACE, "{sp:#}");
+    }
     assert!(
         metric_point(&points, "tether.sessions.live", &[]).is_some(),
         "{points:#?}"

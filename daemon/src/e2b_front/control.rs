@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Path, RawQuery, State};
@@ -32,7 +31,6 @@ use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
-use tether_provider::Clock;
 
 /// Largest page of `GET /v2/sandboxes`.
 const MAX_PAGE: usize = 100;
@@ -647,7 +645,7 @@ async fn connect(
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
         let secs = check_timeout(&state, req.timeout.unwrap_or(default), 1)?;
         let resumed = if s.is_paused() {
-            resume_sandbox(&state, &ctx, &s).await?;
+            resume_sandbox(&ctx, &s).await?;
             true
         } else {
             false
@@ -681,11 +679,7 @@ async fn pause(
     let r = async {
         let tenant = tenant(&state, &headers)?;
         let (s, _) = owned(&state, &tenant, &id)?;
-        let pctx = ctx.with_timeout(
-            Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
-            Clock::Total,
-        );
-        match s.pause(&pctx).await {
+        match s.pause(&ctx).await {
             Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
             Err(crate::error::DaemonError::Conflict { .. }) => Err(RestError::new(
                 StatusCode::CONFLICT,
@@ -706,12 +700,8 @@ async fn pause(
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn resume_sandbox(state: &AppState, ctx: &CallCtx, s: &Session) -> Result<(), RestError> {
-    let rctx = ctx.with_timeout(
-        Duration::from_millis(state.config.limits.sandbox_create_timeout_ms),
-        Clock::Total,
-    );
-    match s.resume(&rctx).await {
+async fn resume_sandbox(ctx: &CallCtx, s: &Arc<Session>) -> Result<(), RestError> {
+    match s.resume(ctx).await {
         Ok(()) => Ok(()),
         Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
@@ -744,7 +734,7 @@ async fn resume(
                 format!("sandbox {id} is already running"),
             ));
         }
-        resume_sandbox(&state, &ctx, &s).await?;
+        resume_sandbox(&ctx, &s).await?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
         s.set_expiry(ms_after(check_timeout(
             &state,

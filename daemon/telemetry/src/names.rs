@@ -36,6 +36,10 @@ pub const SANDBOX_DESTROY: &str = "sandbox.destroy";
 pub const SANDBOX_RENEW: &str = "sandbox.renew";
 /// `Provider::list` (lease reconciliation).
 pub const SANDBOX_LIST: &str = "sandbox.list";
+/// Pausing a session's sandbox (`Provider::pause`).
+pub const SANDBOX_PAUSE: &str = "sandbox.pause";
+/// Resuming a session's paused sandbox (`Provider::resume`).
+pub const SANDBOX_RESUME: &str = "sandbox.resume";
 /// `Process::spawn`, until the command runs.
 pub const PROCESS_START: &str = "process.start";
 /// Streaming a command's output until it exits or a clock fires.
@@ -80,6 +84,8 @@ pub const ALL_SPANS: &[&str] = &[
     SANDBOX_DESTROY,
     SANDBOX_RENEW,
     SANDBOX_LIST,
+    SANDBOX_PAUSE,
+    SANDBOX_RESUME,
     PROCESS_START,
     PROCESS_STREAM,
     PROCESS_ATTACH,
@@ -98,7 +104,7 @@ pub const ALL_SPANS: &[&str] = &[
 /// The remote operations that `tether.remote_op.duration` is labelled with: the provider
 /// spans above (a bounded set, so a safe metric label). Derived from [`ALL_SPANS`], where
 /// they stand together from `SANDBOX_CREATE` to `FS_REMOVE`.
-pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(16).0;
+pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(18).0;
 
 // --- attribute keys (span fields and metric labels) ---
 
@@ -164,7 +170,7 @@ mod remote_ops_tests {
     fn remote_ops_are_the_provider_spans() {
         assert_eq!(REMOTE_OPS.first(), Some(&SANDBOX_CREATE));
         assert_eq!(REMOTE_OPS.last(), Some(&FS_REMOVE));
-        assert_eq!(REMOTE_OPS.len(), 16);
+        assert_eq!(REMOTE_OPS.len(), 18);
         assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.")
             || op.starts_with("process.")
             || op.starts_with("fs.")));
