@@ -294,6 +294,11 @@ pub struct LimitsConfig {
     /// 4 GiB.
     #[serde(default = "d_session_output")]
     pub session_output_max_bytes: u64,
+    /// Every this many bytes of a running command's output journaled, the journal is
+    /// synced and the provider told it may free its own copy of them (the local
+    /// provider's spool), so long output is on disk once. 0 = never. Default 8 MiB.
+    #[serde(default = "d_output_release")]
+    pub output_release_bytes: u64,
 }
 
 /// The deadlines of the daemon's own calls, as durations, from [`LimitsConfig`]: the one
@@ -318,6 +323,8 @@ pub struct Deadlines {
     pub transfer: Duration,
     /// Command output one session may journal, bytes (0 = no cap).
     pub session_output_max_bytes: u64,
+    /// Output journaled between two releases of the provider's copy (0 = never).
+    pub output_release_bytes: u64,
 }
 
 impl LimitsConfig {
@@ -333,6 +340,7 @@ impl LimitsConfig {
             fs_op: Duration::from_millis(self.fs_op_timeout_ms),
             transfer: Duration::from_millis(self.transfer_timeout_ms),
             session_output_max_bytes: self.session_output_max_bytes,
+            output_release_bytes: self.output_release_bytes,
         }
     }
 }
@@ -363,6 +371,9 @@ fn d_transfer() -> u64 {
 }
 fn d_session_output() -> u64 {
     4 << 30
+}
+fn d_output_release() -> u64 {
+    8 << 20
 }
 
 fn d_cmd_timeout() -> u64 {
@@ -404,6 +415,7 @@ impl Default for LimitsConfig {
             command_drain_ms: d_command_drain(),
             transfer_timeout_ms: d_transfer(),
             session_output_max_bytes: d_session_output(),
+            output_release_bytes: d_output_release(),
         }
     }
 }

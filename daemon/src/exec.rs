@@ -342,6 +342,37 @@ pub async fn start(
 }
 
 /// Copy the command's events into the journal under its clocks; terminate on expiry.
+/// Tells the provider, every `step` bytes journaled, that it may free its copy of the
+/// output the journal now holds durably (after a sync: a crash must never leave output
+/// that is in neither copy).
+struct Release {
+    step: u64,
+    at: u64,
+}
+
+impl Release {
+    fn new(step: u64) -> Self {
+        Self { step, at: 0 }
+    }
+
+    async fn after_append(&mut self, journal: &OutputJournal, handle: &Arc<dyn ProcessHandle>) {
+        let offsets = StreamOffsets {
+            stdout: journal
+                .len(StreamKind::Stdout)
+                .max(journal.len(StreamKind::Pty)),
+            stderr: journal.len(StreamKind::Stderr),
+        };
+        let total = offsets.stdout + offsets.stderr;
+        if self.step == 0 || total < self.at + self.step {
+            return;
+        }
+        if journal.sync().await.is_ok() {
+            handle.release(offsets).await;
+            self.at = total;
+        }
+    }
+}
+
 async fn pump(
     session: &Arc<Session>,
     handle: Arc<dyn ProcessHandle>,
@@ -370,6 +401,7 @@ async fn pump(
         .as_ref()
         .map_or_else(|| total.token().clone(), |w| w.token().clone());
     let mut events = handle.events(StreamOffsets::default());
+    let mut release = Release::new(session.deadlines.output_release_bytes);
     let mut status = None;
     let mut error = None;
     let mut fired: Option<CancelReason> = None;
@@ -416,6 +448,7 @@ async fn pump(
                     terminate(session, &handle).await;
                 }
                 session.add_output(journal.len(stream).saturating_sub(before));
+                release.after_append(journal, &handle).await;
             }
             Some(Some(Ok(ProcessEvent::Exited { status: s, .. }))) => {
                 status = Some(s);

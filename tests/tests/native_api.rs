@@ -875,3 +875,79 @@ async fn a_long_session_is_served_from_its_log_beyond_the_memory_window() {
     let after = check_long_session(&d, &sid).await;
     assert_eq!(after[..before.len()], before[..]);
 }
+
+/// Regular files under `dir` whose path contains `part` and whose name is `name`, with
+/// their length and the bytes allocated to them on disk.
+fn files_named(
+    dir: &std::path::Path,
+    part: &str,
+    name: &str,
+) -> Vec<(std::path::PathBuf, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            if m.is_dir() {
+                todo.push(e.path());
+            } else if m.is_file()
+                && e.file_name() == name
+                && e.path().to_string_lossy().contains(part)
+            {
+                out.push((e.path(), m.len(), m.blocks() * 512));
+            }
+        }
+    }
+    out
+}
+
+/// A long command's output is on disk once: as the journal takes it, the local
+/// provider's spool of it is freed (a hole), and all of it is still served from offset 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_commands_output_is_stored_once() {
+    let d = TestDaemon::start().await;
+    let sid = d.new_session().await;
+    let base = format!("/v1/sessions/{sid}/processes");
+    let size: u64 = 40 << 20;
+    let (st, p) = d
+        .post(
+            &base,
+            json!({"cmd": format!("yes 0123456789abcdef | head -c {size}; sleep 60"), "command_id": "big", "timeout_ms": 120000}),
+        )
+        .await;
+    assert_eq!(st, 201, "{p}");
+    let journal = d.dir.path().join("sessions").join(&sid).join("output");
+    wait_until("40 MiB journaled", Duration::from_secs(60), || async {
+        files_named(&journal, "", "big.stdout")
+            .first()
+            .is_some_and(|f| f.1 == size)
+    })
+    .await;
+    let spools = files_named(d.dir.path(), "/cmd/", "stdout");
+    assert_eq!(spools.len(), 1, "{spools:?}");
+    let (path, len, allocated) = &spools[0];
+    assert_eq!(*len, size, "{}", path.display());
+    assert!(
+        *allocated < 16 << 20,
+        "the spool still holds {allocated} bytes of {len} on disk"
+    );
+    let journaled = files_named(&journal, "", "big.stdout");
+    assert!(journaled[0].2 >= size, "{journaled:?}");
+    let out = output_bytes(&d, &sid, "big", 0).await;
+    assert_eq!(out.len() as u64, size);
+    assert!(
+        out.chunks(17)
+            .all(|c| c == &b"0123456789abcdef\n"[..c.len()])
+    );
+    let (st, _) = d
+        .post(&format!("{base}/big/signal"), json!({"signal": "KILL"}))
+        .await;
+    assert_eq!(st, 204);
+    d.stop().await;
+}

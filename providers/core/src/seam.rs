@@ -430,6 +430,15 @@ pub trait ProcessHandle: Send + Sync + std::fmt::Debug {
     /// The exit status if it has ended.
     fn try_status(&self) -> Option<ExitStatus>;
 
+    /// The caller has stored the output below `upto` durably elsewhere (tetherd's output
+    /// journal): the provider may free its own copy of it, so that a long command's output
+    /// is on disk once, not twice. Readers asking for released output afterwards get
+    /// `InvalidRequest`; what was produced at or after `upto` stays readable. Default:
+    /// the provider keeps everything.
+    async fn release(&self, upto: StreamOffsets) {
+        let _ = upto;
+    }
+
     /// The sandbox limit the command ran into, once it has ended (an out-of-memory
     /// kill, a refused fork, a full disk); `None` when it hit none or the provider
     /// cannot tell.

@@ -369,6 +369,7 @@ impl Process for LocalProcess {
             grace: Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms)),
             verify: Duration::from_millis(core.cfg.kill_verify_ms),
             terminating: Mutex::new(None),
+            released: std::sync::RwLock::new(StreamOffsets::default()),
         });
 
         // Output pumps, then the supervisor that reports the exit.
@@ -520,6 +521,20 @@ enum Stream {
     Err,
 }
 
+/// Free the blocks of `len` bytes of the spool at `path` from `offset` (a hole: the file
+/// keeps its length, so later offsets stay where they are).
+fn free_range(path: &std::path::Path, offset: u64, len: u64) -> std::io::Result<()> {
+    use rustix::fs::FallocateFlags;
+    let file = std::fs::OpenOptions::new().write(true).open(path)?;
+    rustix::fs::fallocate(
+        &file,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        offset,
+        len,
+    )?;
+    Ok(())
+}
+
 /// Copy a pipe into its spool up to `cap` bytes, counting everything.
 async fn pump(
     mut pipe: impl AsyncRead + Unpin,
@@ -653,6 +668,8 @@ pub struct LocalCommand {
     verify: Duration,
     /// Serializes `terminate()`, and remembers its first report (it is idempotent).
     terminating: Mutex<Option<TerminateReport>>,
+    /// Output below these offsets was released by the caller and its spool blocks freed.
+    released: std::sync::RwLock<StreamOffsets>,
 }
 
 impl LocalCommand {
@@ -744,6 +761,16 @@ impl ProcessHandle for LocalCommand {
     }
 
     fn events(&self, from: StreamOffsets) -> EventStream {
+        let released = *self.released.read().unwrap_or_else(|p| p.into_inner());
+        if from.stdout < released.stdout || from.stderr < released.stderr {
+            let e = ProviderError::InvalidRequest {
+                message: format!(
+                    "the output of {} below offsets {}/{} was released by its reader; read from there on",
+                    self.id, released.stdout, released.stderr
+                ),
+            };
+            return futures_util::stream::once(async { Err(e) }).boxed();
+        }
         let reader = Reader {
             started: (from == StreamOffsets::default()).then(|| ProcessEvent::Started {
                 command_id: self.id.clone(),
@@ -764,6 +791,32 @@ impl ProcessHandle for LocalCommand {
             |mut r| async move { r.next().await.map(|ev| (ev, r)) },
         )
         .boxed()
+    }
+
+    async fn release(&self, upto: StreamOffsets) {
+        let punch = {
+            let mut released = self.released.write().unwrap_or_else(|p| p.into_inner());
+            let punch = [
+                (self.out_path.clone(), released.stdout, upto.stdout),
+                (self.err_path.clone(), released.stderr, upto.stderr),
+            ];
+            released.stdout = released.stdout.max(upto.stdout);
+            released.stderr = released.stderr.max(upto.stderr);
+            punch
+        };
+        let freed = tokio::task::spawn_blocking(move || {
+            for (path, from, to) in punch {
+                if to > from {
+                    free_range(&path, from, to - from)?;
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        if let Ok(Err(e)) | Err(e) = freed.map_err(std::io::Error::other) {
+            // The copy stays on disk until the command is forgotten: only space is lost.
+            tracing::debug!(command.id = %self.id, error = %e, "Could not free released output");
+        }
     }
 
     async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()> {

@@ -711,3 +711,70 @@ async fn a_paused_sandbox_ends_with_its_provider() {
     again.destroy(&ctx(), &id).await.unwrap();
     assert!(!dir.path().join("sandboxes").join(&id).exists());
 }
+
+/// Released output is freed from the spool; a reader from below the released offsets is
+/// refused with INVALID_REQUEST, one from at or after them reads on unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_output_is_freed_and_never_read_as_zeros() {
+    use std::os::unix::fs::MetadataExt;
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let h = sb
+        .process()
+        .spawn(
+            &ctx(),
+            ProcessSpec::shell("head -c 4194304 /dev/zero | tr '\\0' a; echo; echo tail"),
+        )
+        .await
+        .expect("spawn");
+    let all = collect(h.as_ref()).await;
+    assert!(all.ok());
+    assert_eq!(all.stdout.len(), 4 * 1024 * 1024 + 6);
+    let spool = |name: &str| -> Vec<(u64, u64)> {
+        let mut found = Vec::new();
+        let mut todo = vec![e.dir.path().to_owned()];
+        while let Some(d) = todo.pop() {
+            for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let m = entry.path().symlink_metadata().unwrap();
+                if m.is_dir() {
+                    todo.push(entry.path());
+                } else if entry.file_name() == name
+                    && entry.path().to_string_lossy().contains("/cmd/")
+                {
+                    found.push((m.len(), m.blocks() * 512));
+                }
+            }
+        }
+        found
+    };
+    assert!(spool("stdout")[0].1 >= 4 << 20, "{:?}", spool("stdout"));
+    let upto = StreamOffsets {
+        stdout: 4 << 20,
+        stderr: 0,
+    };
+    h.release(upto).await;
+    let (len, allocated) = spool("stdout")[0];
+    assert_eq!(len, 4 * 1024 * 1024 + 6, "the spool keeps its length");
+    assert!(allocated < 1 << 20, "{allocated} bytes still allocated");
+    let mut below = h.events(StreamOffsets::default());
+    let err = below.next().await.unwrap().unwrap_err();
+    assert_eq!(
+        err.code(),
+        tether_protocol::ErrorCode::InvalidRequest,
+        "{err}"
+    );
+    let rest = collect_from(h.as_ref(), upto).await;
+    assert_eq!(rest, "\ntail\n");
+    destroy(&e, &sb).await;
+}
+
+async fn collect_from(h: &dyn ProcessHandle, from: StreamOffsets) -> String {
+    let mut out = String::new();
+    let mut events = h.events(from);
+    while let Some(ev) = events.next().await {
+        if let ProcessEvent::Output { data, .. } = ev.unwrap() {
+            out.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    out
+}
