@@ -27,6 +27,22 @@ use tracing::field::Empty;
 use crate::session_manager::Session;
 use tether_provider::Clock;
 
+/// An operation's span: `name` (`tracing` needs each span name as a literal), the
+/// session's id and provider kind, the fields every operation records, and `extra`.
+macro_rules! op_span {
+    ($name:literal, $session:expr, $($extra:tt)*) => {
+        tracing::info_span!(
+            $name,
+            session.id = %$session.id,
+            provider.kind = %$session.provider_kind,
+            outcome = Empty,
+            error.code = Empty,
+            timeout.clock = Empty,
+            $($extra)*
+        )
+    };
+}
+
 /// A file operation: names its span and metric and says whether it changes the sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsOp {
@@ -71,21 +87,11 @@ impl FsOp {
         }
     }
 
-    /// The operation's span. (`tracing` needs each span name as a literal.)
+    /// The operation's span.
     pub fn span(self, session: &Session, path: &str) -> tracing::Span {
         macro_rules! span {
             ($name:literal) => {
-                tracing::info_span!(
-                    $name,
-                    session.id = %session.id,
-                    provider.kind = %session.provider_kind,
-                    fs.path = %path,
-                    outcome = Empty,
-                    error.code = Empty,
-                    timeout.clock = Empty,
-                    bytes.in = Empty,
-                    bytes.out = Empty,
-                )
+                op_span!($name, session, fs.path = %path, bytes.in = Empty, bytes.out = Empty)
             };
         }
         match self {
@@ -129,15 +135,7 @@ impl SandboxOp {
     fn span(self, session: &Session, sandbox_id: &str) -> tracing::Span {
         macro_rules! span {
             ($name:literal) => {
-                tracing::info_span!(
-                    $name,
-                    session.id = %session.id,
-                    provider.kind = %session.provider_kind,
-                    sandbox.id = %sandbox_id,
-                    outcome = Empty,
-                    error.code = Empty,
-                    timeout.clock = Empty,
-                )
+                op_span!($name, session, sandbox.id = %sandbox_id)
             };
         }
         match self {
