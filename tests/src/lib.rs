@@ -233,3 +233,19 @@ pub async fn wait_healthy(http: &reqwest::Client, base: &str) {
     })
     .await;
 }
+
+/// Read a file stream until it fails: the bytes that arrived before the error, and the
+/// error. Panics (failing the test) when the stream ends without one.
+pub async fn read_until_error(
+    mut stream: tether_provider::ByteStream,
+) -> (Vec<u8>, tether_provider::ProviderError) {
+    use futures_util::StreamExt;
+    let mut got = Vec::new();
+    loop {
+        match stream.next().await {
+            Some(Ok(chunk)) => got.extend_from_slice(&chunk),
+            Some(Err(e)) => return (got, e),
+            None => panic!("the read ended without an error after {} bytes", got.len()),
+        }
+    }
+}

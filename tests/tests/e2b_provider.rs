@@ -225,19 +225,12 @@ async fn a_stalled_file_stream_ends_with_transport_idle_timeout() {
 
     proxy.stall_after(1 << 20);
     let t = Instant::now();
-    let mut stream = sb
+    let stream = sb
         .fs()
         .read(&ctx(), "big.bin", ByteRange::default())
         .await
-        .expect("read");
-    let mut got = Vec::new();
-    let err = loop {
-        match stream.next().await {
-            Some(Ok(chunk)) => got.extend_from_slice(&chunk),
-            Some(Err(e)) => break e,
-            None => panic!("the read ended normally after {} bytes", got.len()),
-        }
-    };
+        .expect("the read starts");
+    let (got, err) = tether_tests::read_until_error(stream).await;
     let took = t.elapsed();
     assert_eq!(err.code(), ErrorCode::TransportIdleTimeout, "{err}");
     assert_eq!(err.clock(), Some(Clock::TransportIdle));

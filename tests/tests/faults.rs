@@ -86,19 +86,12 @@ async fn a_dripping_read_is_ended_by_the_total_deadline_not_by_an_idle_clock() {
     let limit = Duration::from_millis(3_000);
     let call = ctx().with_timeout(limit, Clock::Total);
     let t = Instant::now();
-    let mut stream = sb
+    let stream = sb
         .fs()
         .read(&call, "big.bin", ByteRange::default())
         .await
         .expect("the read starts");
-    let mut got = Vec::new();
-    let err = loop {
-        match stream.next().await {
-            Some(Ok(chunk)) => got.extend_from_slice(&chunk),
-            Some(Err(e)) => break e,
-            None => panic!("a dripping 256 KiB read ended after {} bytes", got.len()),
-        }
-    };
+    let (got, err) = tether_tests::read_until_error(stream).await;
     let took = t.elapsed();
     assert_eq!(err.code(), ErrorCode::DeadlineExceeded, "{err}");
     assert_eq!(err.clock(), Some(Clock::Total));

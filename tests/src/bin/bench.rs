@@ -1815,20 +1815,11 @@ async fn measure_ops(
                     }
                 }
             }
-            for round in 0..n {
-                for k in 0..active.len() {
-                    // Rotate the order so no path always runs right after the same one.
-                    let i = (round + k) % active.len();
-                    if series[i].error.is_some() {
-                        continue;
-                    }
-                    if mode == Mode::Cold {
-                        tokio::time::sleep(COLD_IDLE).await;
-                    }
-                    let r = active[i].run(w, op).await;
-                    series[i].push(r);
-                }
-            }
+            let pause = match mode {
+                Mode::Cold => COLD_IDLE,
+                Mode::Hot => Duration::ZERO,
+            };
+            interleaved(&active, n, pause, &mut series, |_, p| p.run(w, op)).await;
             report.ops.push(OpResult {
                 op,
                 mode,
@@ -1850,6 +1841,34 @@ async fn measure_ops(
     }
 }
 
+/// `rounds` interleaved rounds over the `active` paths: each round measures every path
+/// once (`f(index, path)`), each call after `pause`, in an order rotated by the round so
+/// no path always runs right after the same one; a path that failed once is left out.
+async fn interleaved<'p, F, Fut>(
+    active: &[&'p BPath],
+    rounds: usize,
+    pause: Duration,
+    series: &mut [Series],
+    mut f: F,
+) where
+    F: FnMut(usize, &'p BPath) -> Fut,
+    Fut: std::future::Future<Output = Result<f64, String>>,
+{
+    for round in 0..rounds {
+        for k in 0..active.len() {
+            let i = (round + k) % active.len();
+            if series[i].error.is_some() {
+                continue;
+            }
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            let r = f(i, active[i]).await;
+            series[i].push(r);
+        }
+    }
+}
+
 async fn measure_concurrent(w: &World, paths: &[BPath], reps: Reps, report: &mut Report) {
     let active: Vec<&BPath> = paths.iter().filter(|p| p.supports_concurrent()).collect();
     eprintln!(
@@ -1858,25 +1877,28 @@ async fn measure_concurrent(w: &World, paths: &[BPath], reps: Reps, report: &mut
         active.len()
     );
     let mut series: Vec<Series> = vec![Series::default(); active.len()];
-    let mut cpu = vec![0.0f64; active.len()];
+    // The daemon's CPU time per path, microseconds (the measuring futures must be Send).
+    let cpu_us: Vec<AtomicU64> = active.iter().map(|_| AtomicU64::new(0)).collect();
     // Warm-up round.
     for p in &active {
         let _ = p.concurrent(w).await;
     }
-    for round in 0..reps.concurrent {
-        for k in 0..active.len() {
-            let i = (round + k) % active.len();
-            if series[i].error.is_some() {
-                continue;
-            }
-            tokio::time::sleep(COLD_IDLE).await;
+    interleaved(&active, reps.concurrent, COLD_IDLE, &mut series, |i, p| {
+        let cpu_us = &cpu_us;
+        async move {
             let c0 = proc_cpu_s(w.d.pid()).unwrap_or_default();
-            let r = active[i].concurrent(w).await;
-            cpu[i] += proc_cpu_s(w.d.pid()).unwrap_or_default() - c0;
-            series[i].push(r);
+            let r = p.concurrent(w).await;
+            let used = proc_cpu_s(w.d.pid()).unwrap_or_default() - c0;
+            cpu_us[i].fetch_add((used * 1e6) as u64, Ordering::Relaxed);
+            r
         }
-    }
-    for ((p, s), c) in active.iter().zip(series).zip(cpu) {
+    })
+    .await;
+    for ((p, s), c) in active.iter().zip(series).zip(
+        cpu_us
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed) as f64 / 1e6),
+    ) {
         let mut ns = NamedSeries::new(p, s);
         if matches!(p.kind, Kind::Native { .. } | Kind::NativeTool { .. })
             && !ns.series.samples_s.is_empty()
@@ -1896,17 +1918,14 @@ async fn measure_create(w: &World, paths: &[BPath], reps: Reps, report: &mut Rep
         active.len()
     );
     let mut series: Vec<Series> = vec![Series::default(); active.len()];
-    for round in 0..reps.create_first {
-        for k in 0..active.len() {
-            let i = (round + k) % active.len();
-            if series[i].error.is_some() {
-                continue;
-            }
-            tokio::time::sleep(COLD_IDLE).await;
-            let r = active[i].create_first(w).await;
-            series[i].push(r);
-        }
-    }
+    interleaved(
+        &active,
+        reps.create_first,
+        COLD_IDLE,
+        &mut series,
+        |_, p| p.create_first(w),
+    )
+    .await;
     report.create_first = active
         .iter()
         .zip(series)
@@ -1919,17 +1938,11 @@ async fn measure_create(w: &World, paths: &[BPath], reps: Reps, report: &mut Rep
         active.len()
     );
     let mut series: Vec<Series> = vec![Series::default(); active.len()];
-    for round in 0..reps.create_many {
-        for k in 0..active.len() {
-            let i = (round + k) % active.len();
-            if series[i].error.is_some() {
-                continue;
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let r = active[i].create_many(w).await;
-            series[i].push(r);
-        }
-    }
+    let pause = Duration::from_secs(1);
+    interleaved(&active, reps.create_many, pause, &mut series, |_, p| {
+        p.create_many(w)
+    })
+    .await;
     report.create_many = active
         .iter()
         .zip(series)
