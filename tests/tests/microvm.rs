@@ -16,45 +16,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tether_provider::{CallCtx, Provider, SandboxSpec};
-use tether_provider_microvm::{MicrovmConfig, MicrovmProvider};
-use tether_tests::{free_port, wait_healthy, wait_until, workspace_bin, workspace_root};
-
-/// The microVM section for this host, or `None` with the reason printed.
-fn microvm_config() -> Option<MicrovmConfig> {
-    let ws = workspace_root();
-    let agent = std::env::var_os("TETHER_GUEST_BIN").map_or_else(
-        || ws.join("target/x86_64-unknown-linux-gnu/release/tether-guest"),
-        PathBuf::from,
-    );
-    let base = std::env::var_os("TETHER_TEMPLATE_DIR")
-        .map_or_else(|| ws.join("target/tether-templates"), PathBuf::from)
-        .join("base");
-    let have = |p: &str| {
-        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-            .any(|d| d.join(p).is_file())
-    };
-    let skip = |why: String| {
-        eprintln!("SKIPPED: {why}");
-        None
-    };
-    if !have("qemu-system-x86_64") || !have("qemu-img") {
-        return skip("qemu is not installed".into());
-    }
-    if !agent.is_file() {
-        return skip(format!("no guest agent at {}", agent.display()));
-    }
-    if !base.join(".tether-template-complete").exists() {
-        return skip(format!("no base template at {}", base.display()));
-    }
-    // The provider tests' cache: the image and the saved template are reused.
-    let root = ws.join("target/microvm-test");
-    std::fs::create_dir_all(&root).unwrap();
-    let mut cfg = MicrovmConfig::with_root(root.canonicalize().unwrap());
-    cfg.agent_binary = Some(agent);
-    cfg.base_template = Some(base);
-    cfg.memory_mib = 256;
-    Some(cfg)
-}
+use tether_provider_microvm::MicrovmProvider;
+use tether_tests::{
+    free_port, microvm_config, wait_healthy, wait_until, workspace_bin, workspace_root,
+};
 
 /// The pids of the qemu processes of the VM directory `dir`.
 fn qemu_pids_of(dir: &Path) -> Vec<u32> {
