@@ -603,18 +603,7 @@ where
     Fut: std::future::Future<Output = std::result::Result<T, tether_provider::ProviderError>>,
 {
     let sandbox = s.sandbox()?;
-    Ok(ops::fs(
-        s,
-        ctx,
-        op,
-        path,
-        Surface::Api,
-        s.deadlines.fs_op,
-        op.span(s, path),
-        ops::no_bytes,
-        |c| f(sandbox, c, path),
-    )
-    .await?)
+    Ok(ops::api(s, ctx, op, path, |c, p| f(sandbox, c, p)).await?)
 }
 
 /// Stat through the operation layer.

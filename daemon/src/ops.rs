@@ -208,6 +208,35 @@ where
     out
 }
 
+/// [`fs`] for the API surfaces (the native API, the E2B front): the configured
+/// file-operation deadline, the operation's span, and for a change its `fs/op` event.
+pub async fn api<'a, T, F, Fut>(
+    session: &'a Session,
+    ctx: &CallCtx,
+    op: FsOp,
+    path: &'a str,
+    f: F,
+) -> Result<T, ProviderError>
+where
+    F: FnOnce(CallCtx, &'a str) -> Fut,
+    Fut: Future<Output = Result<T, ProviderError>>,
+{
+    let span = op.span(session, path);
+    let limit = session.deadlines.fs_op;
+    fs(
+        session,
+        ctx,
+        op,
+        path,
+        Surface::Api,
+        limit,
+        span,
+        no_bytes,
+        |c| f(c, path),
+    )
+    .await
+}
+
 /// Run `f` under `limit` fused with `ctx`, in `span`, and record its outcome there and in
 /// the `name` metric: the part every operation shares. Returns the result and its
 /// outcome (`ok` or the error code).

@@ -30,8 +30,7 @@ use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ApiError, ENVD_PORT, ENVD_VERSION, InitRequest, ProxyError, WrittenEntry,
 };
-use tether_protocol::events::EventBody;
-use tether_protocol::fs::{ByteRange, FileKind, WriteGuard};
+use tether_protocol::fs::{ByteRange, FileKind, WriteGuard, WriteOutcome};
 use tether_provider::{ByteStream, CallCtx, ProviderError};
 use tracing::Instrument;
 
@@ -39,6 +38,7 @@ use super::multipart::{Multipart, boundary_of};
 use super::{RestError, SandboxExtra, auth, query_param, resolve_path};
 use crate::error::DaemonError;
 use crate::http::RequestCtx;
+use crate::ops::{self, FsOp, Surface};
 use crate::session_manager::{Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_provider::Clock;
@@ -244,28 +244,6 @@ fn detached_ctx(ctx: &CallCtx, session: &Session, limit: Duration) -> CallCtx {
     CallCtx::with_cancel(ctx.request_id.clone(), session.cancel.child())
         .with_trace(ctx.trace.clone())
         .with_timeout(limit, Clock::Total)
-}
-
-/// Record a file operation in the session log.
-pub(super) async fn log_fs_op(
-    session: &Session,
-    op: &str,
-    path: &str,
-    outcome: Result<Option<u64>, ErrorCode>,
-) {
-    let (outcome, bytes) = match outcome {
-        Ok(b) => ("ok".to_owned(), b),
-        Err(c) => (c.as_str().to_owned(), None),
-    };
-    let body = EventBody::FsOp {
-        op: op.to_owned(),
-        path: path.to_owned(),
-        outcome,
-        bytes,
-    };
-    if let Err(e) = session.log.append(body).await {
-        tracing::warn!(session.id = %session.id, error = %e, "Could not log a file operation");
-    }
 }
 
 // === /health, /init, /envs ===
@@ -599,8 +577,12 @@ async fn serve_download(
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
     };
     let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
-    let sctx = ctx.with_timeout(limit, Clock::Total);
-    let stat = match sandbox.fs().stat(&sctx, &path).await {
+    let fs = sandbox.fs();
+    let stat = ops::api(&target.session, ctx, FsOp::Stat, &path, |c, p| async move {
+        fs.stat(&c, p).await
+    })
+    .await;
+    let stat = match stat {
         Ok(s) => s,
         Err(e) if e.code() == ErrorCode::FsNotFound => {
             return RestError::new(
@@ -637,7 +619,15 @@ async fn serve_download(
         offset: a,
         length: Some(b - a + 1),
     });
-    let stream = match sandbox.fs().read(&rctx, &path, want).await {
+    let opened = ops::api(
+        &target.session,
+        &rctx,
+        FsOp::Read,
+        &path,
+        |c, p| async move { fs.read(&c, p, want).await },
+    )
+    .await;
+    let stream = match opened {
         Ok(s) => s,
         Err(e) => return RestError::from_envd(&e.into()).into_response(),
     };
@@ -1166,28 +1156,26 @@ async fn write_one(
 ) -> Result<(), DaemonError> {
     let sandbox = target.session.sandbox()?;
     target.session.touch();
-    let wctx = ctx.with_timeout(
-        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        Clock::Total,
-    );
+    let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
     target.extra.upload_started(path);
-    let r = sandbox
-        .fs()
-        .write(&wctx, path, data, WriteGuard::None)
-        .await;
-    if let Ok(o) = &r {
-        super::filesystem::announce_upload(&wctx, &sandbox, &target.extra, path, o.created).await;
-    }
-    target.extra.upload_ended(path);
-    log_fs_op(
+    let (sb, extra) = (&sandbox, &target.extra);
+    let r = ops::fs(
         &target.session,
-        "write",
+        ctx,
+        FsOp::Write,
         path,
-        r.as_ref()
-            .map(|o| Some(o.size))
-            .map_err(ProviderError::code),
+        Surface::Api,
+        limit,
+        FsOp::Write.span(&target.session, path),
+        |o: &WriteOutcome| Some(o.size),
+        |c| async move {
+            let o = sb.fs().write(&c, path, data, WriteGuard::None).await?;
+            super::filesystem::announce_upload(&c, sb, extra, path, o.created).await;
+            Ok(o)
+        },
     )
     .await;
+    target.extra.upload_ended(path);
     r.map(|_| ()).map_err(DaemonError::from)
 }
 

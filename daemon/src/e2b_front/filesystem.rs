@@ -31,9 +31,10 @@ use tether_provider::{CallCtx, ProviderError, Sandbox};
 use tracing::Instrument;
 
 use super::connect::{self, CallOpts, RpcError, StreamOpts};
-use super::envd::{self, Target, log_fs_op};
+use super::envd::{self, Target};
 use super::{SandboxExtra, resolve_path};
 use crate::http::RequestCtx;
+use crate::ops::{self, FsOp};
 use crate::state::AppState;
 use tether_provider::Clock;
 
@@ -165,9 +166,11 @@ async fn unary(
     match m {
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;
-            let st = ctx
-                .run(fs.stat(ctx, &resolve_path(&req.path, user)))
-                .await?;
+            let path = resolve_path(&req.path, user);
+            let st = ops::api(&t.session, ctx, FsOp::Stat, &path, |c, p| async move {
+                fs.stat(&c, p).await
+            })
+            .await?;
             let entry = ctx.run(async { Ok(resolved_entry(ctx, fs, &st, &t.extra).await) });
             Ok(connect::unary_ok(&EntryResponse {
                 entry: entry.await?,
@@ -183,7 +186,11 @@ async fn unary(
                     req.path
                 )));
             }
-            let listed = ctx.run(fs.list(ctx, &path, req.depth.max(1))).await?;
+            let depth = req.depth.max(1);
+            let listed = ops::api(&t.session, ctx, FsOp::List, &path, |c, p| async move {
+                fs.list(&c, p, depth).await
+            })
+            .await?;
             let entries = ctx.run(async {
                 let mut out = Vec::with_capacity(listed.len());
                 for e in &listed {
@@ -198,13 +205,9 @@ async fn unary(
         Method::MakeDir => {
             let req: PathRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path, user);
-            let r = ctx.run(fs.mkdir(ctx, &path, true)).await;
-            log_fs_op(
-                &t.session,
-                "mkdir",
-                &path,
-                r.as_ref().map(|_| None).map_err(ProviderError::code),
-            )
+            let r = ops::api(&t.session, ctx, FsOp::Mkdir, &path, |c, p| async move {
+                fs.mkdir(&c, p, true).await
+            })
             .await;
             match r {
                 Ok(st) => Ok(connect::unary_ok(&EntryResponse {
@@ -233,15 +236,12 @@ async fn unary(
                 resolve_path(&req.source, user),
                 resolve_path(&req.destination, user),
             );
-            let r = ctx.run(fs.rename(ctx, &from, &to)).await;
-            log_fs_op(
-                &t.session,
-                "rename",
-                &format!("{from} -> {to}"),
-                r.as_ref().map(|_| None).map_err(ProviderError::code),
-            )
-            .await;
-            let st = r?;
+            let (f, d) = (&from, &to);
+            let both = format!("{from} -> {to}");
+            let st = ops::api(&t.session, ctx, FsOp::Rename, &both, |c, _| async move {
+                fs.rename(&c, f, d).await
+            })
+            .await?;
             t.extra.move_meta(&from, Some(&to));
             Ok(connect::unary_ok(&EntryResponse {
                 entry: resolved_entry(ctx, fs, &st, &t.extra).await,
@@ -252,18 +252,13 @@ async fn unary(
             let path = resolve_path(&req.path, user);
             // envd removes with `os.RemoveAll`: a path that is not there is already
             // removed.
-            let r = match ctx.run(fs.remove(ctx, &path, true)).await {
-                Err(e) if e.code() == ErrorCode::FsNotFound => Ok(()),
-                r => r,
-            };
-            log_fs_op(
-                &t.session,
-                "remove",
-                &path,
-                r.as_ref().map(|_| None).map_err(ProviderError::code),
-            )
-            .await;
-            r?;
+            ops::api(&t.session, ctx, FsOp::Remove, &path, |c, p| async move {
+                match fs.remove(&c, p, true).await {
+                    Err(e) if e.code() == ErrorCode::FsNotFound => Ok(()),
+                    r => r,
+                }
+            })
+            .await?;
             t.extra.move_meta(&path, None);
             Ok(connect::unary_ok(&Empty {}))
         }
