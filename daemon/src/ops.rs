@@ -113,6 +113,8 @@ pub enum SandboxOp {
     Pause,
     /// Resume a paused sandbox.
     Resume,
+    /// Read its resource use.
+    Metrics,
 }
 
 impl SandboxOp {
@@ -121,13 +123,14 @@ impl SandboxOp {
         match self {
             Self::Pause => crate::telemetry::names::SANDBOX_PAUSE,
             Self::Resume => crate::telemetry::names::SANDBOX_RESUME,
+            Self::Metrics => crate::telemetry::names::SANDBOX_METRICS,
         }
     }
 
     /// Its deadline, from config.
     pub fn limit(self, d: &crate::config::Deadlines) -> Duration {
         match self {
-            Self::Pause => d.sandbox_op,
+            Self::Pause | Self::Metrics => d.sandbox_op,
             Self::Resume => d.sandbox_create,
         }
     }
@@ -141,6 +144,7 @@ impl SandboxOp {
         match self {
             Self::Pause => span!("sandbox.pause"),
             Self::Resume => span!("sandbox.resume"),
+            Self::Metrics => span!("sandbox.metrics"),
         }
     }
 }

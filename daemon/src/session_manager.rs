@@ -256,6 +256,20 @@ impl Session {
         Ok(())
     }
 
+    /// The sandbox's resource use now, through its provider (`UNSUPPORTED` where it
+    /// cannot tell).
+    pub async fn resource_use(&self, ctx: &CallCtx) -> Result<tether_provider::SandboxMetrics> {
+        let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
+        let provider = &self.provider;
+        Ok(
+            crate::ops::sandbox(self, ctx, SandboxOp::Metrics, &sandbox_id, |c| {
+                let id = sandbox_id.clone();
+                async move { provider.metrics(&c, &id).await }
+            })
+            .await?,
+        )
+    }
+
     /// Set a fixed expiry (E2B `set_timeout`): `at_ms` since the epoch. Durable on
     /// return: the change is logged as `session/expiry`, which recovery reads back.
     pub async fn set_expiry(&self, at_ms: i64) -> Result<()> {

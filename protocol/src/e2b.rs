@@ -180,6 +180,37 @@ pub struct SandboxDetail {
     pub lifecycle: Option<SandboxLifecycle>,
 }
 
+/// One sample of `GET /sandboxes/{id}/metrics` (`SandboxMetric`): every field required.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMetric {
+    /// When it was taken, RFC 3339 (deprecated by E2B in favour of `timestampUnix`).
+    pub timestamp: String,
+    /// When it was taken, Unix seconds.
+    pub timestamp_unix: i64,
+    /// CPUs of the sandbox.
+    pub cpu_count: u32,
+    /// CPU used since the previous sample (or since the start), percent of `cpu_count`.
+    pub cpu_used_pct: f32,
+    /// Memory used, bytes.
+    pub mem_used: u64,
+    /// Memory the sandbox may use, bytes.
+    pub mem_total: u64,
+    /// Page cache, bytes (0 where the provider does not tell it apart).
+    pub mem_cache: u64,
+    /// Disk used, bytes.
+    pub disk_used: u64,
+    /// Disk the sandbox may use, bytes.
+    pub disk_total: u64,
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=...`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxesMetrics {
+    /// The latest sample of each sandbox asked for that exists.
+    pub sandboxes: std::collections::BTreeMap<String, SandboxMetric>,
+}
+
 /// One item of `GET /sandboxes` and `GET /v2/sandboxes` (`ListedSandbox`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListedSandbox {

@@ -20,7 +20,8 @@ use serde::de::DeserializeOwned;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
-    SandboxDetail, SandboxLifecycle, SandboxResponse, SandboxState, TimeoutRequest,
+    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxResponse, SandboxState,
+    SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
 use tracing::Instrument;
@@ -44,6 +45,8 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/refreshes", post(refresh))
         .route("/sandboxes/{id}/connect", post(connect_v1))
         .route("/v2/sandboxes/{id}/connect", post(connect_v2))
+        .route("/sandboxes/metrics", get(metrics_many))
+        .route("/sandboxes/{id}/metrics", get(metrics_one))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/{*rest}", any(unsupported))
@@ -666,6 +669,134 @@ async fn connect(
     .instrument(span)
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `start`/`end` of `GET /sandboxes/{id}/metrics`, Unix seconds.
+#[derive(Debug, serde::Deserialize)]
+struct MetricsRange {
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+/// `GET /sandboxes/{id}/metrics`: a sample taken now through the provider (the CPU share
+/// since the previous sample), within `start..=end` when given; 501 where the provider
+/// cannot tell.
+async fn metrics_one(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    range: Result<axum::extract::Query<MetricsRange>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.metrics", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let axum::extract::Query(range) =
+            range.map_err(|e| RestError::bad_request(e.body_text()))?;
+        let (s, extra) = owned(&state, &tenant, &id)?;
+        let m = sample(&state, &ctx, &s, &extra).await?;
+        let inside = range.start.is_none_or(|a| m.timestamp_unix >= a)
+            && range.end.is_none_or(|b| m.timestamp_unix <= b);
+        let out: Vec<SandboxMetric> = if inside { vec![m] } else { Vec::new() };
+        Ok::<_, RestError>(axum::Json(out).into_response())
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The most sandboxes one `GET /sandboxes/metrics` names (as E2B's API).
+const MAX_METRICS_IDS: usize = 100;
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: a sample of each of the tenant's sandboxes
+/// named (others are left out, as missing ones).
+async fn metrics_many(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let ids: Vec<String> = super::query_param(q.as_deref(), "sandbox_ids")
+            .map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if ids.is_empty() || ids.len() > MAX_METRICS_IDS {
+            return Err(RestError::bad_request(format!(
+                "sandbox_ids must name 1 to {MAX_METRICS_IDS} sandboxes"
+            )));
+        }
+        let mut out = SandboxesMetrics {
+            sandboxes: BTreeMap::new(),
+        };
+        for id in ids {
+            if let Ok((s, extra)) = owned(&state, &tenant, &id) {
+                out.sandboxes
+                    .insert(id, sample(&state, &ctx, &s, &extra).await?);
+            }
+        }
+        Ok::<_, RestError>(axum::Json(out).into_response())
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// One metrics sample of `s` now.
+async fn sample(
+    state: &AppState,
+    ctx: &CallCtx,
+    s: &Session,
+    extra: &SandboxExtra,
+) -> Result<SandboxMetric, RestError> {
+    let m = match s.resource_use(ctx).await {
+        Ok(m) => m,
+        Err(e) if e.code() == ErrorCode::Unsupported => {
+            return Err(RestError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                format!(
+                    "metrics are not supported by the {} provider this sandbox runs on",
+                    s.provider_kind
+                ),
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let (host_cpus, host_mem_mb, host_disk_mb) = resources(state);
+    let cpus = m.cpus.unwrap_or_else(|| {
+        s.params.limits.cpu_millis.map_or(host_cpus, |c| {
+            u32::try_from(c.div_ceil(1000).max(1)).unwrap_or(u32::MAX)
+        })
+    });
+    let now = now_ms();
+    let (since_ms, since_us) = extra
+        .cpu_sample
+        .read()
+        .ok()
+        .and_then(|g| *g)
+        .unwrap_or((s.created_ms, 0));
+    if let Ok(mut g) = extra.cpu_sample.write() {
+        *g = Some((now, m.cpu_usage_us));
+    }
+    let wall_us = (now.saturating_sub(since_ms)).max(1) as f64 * 1000.0;
+    let used_us = m.cpu_usage_us.saturating_sub(since_us) as f64;
+    let pct = (used_us / wall_us / f64::from(cpus) * 100.0).clamp(0.0, 100.0);
+    Ok(SandboxMetric {
+        timestamp: rfc3339(now),
+        timestamp_unix: now.div_euclid(1000),
+        cpu_count: cpus,
+        cpu_used_pct: pct as f32,
+        mem_used: m.memory_bytes,
+        mem_total: m.memory_limit_bytes.unwrap_or(host_mem_mb << 20),
+        mem_cache: 0,
+        disk_used: m.disk_used_bytes,
+        disk_total: m.disk_limit_bytes.unwrap_or(host_disk_mb << 20),
+    })
 }
 
 /// Pause through the provider; a provider without pause (the local one) answers 501.

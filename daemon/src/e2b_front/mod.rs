@@ -208,6 +208,9 @@ struct SandboxExtra {
     announced: tokio::sync::broadcast::Sender<filesystem::Announced>,
     /// Deadline of the front's own file operations on this sandbox (from config).
     fs_op: std::time::Duration,
+    /// The last metrics sample: its time (ms) and the CPU time used by then (µs), so the
+    /// next one reports the CPU share in between.
+    cpu_sample: RwLock<Option<(i64, u64)>>,
 }
 
 /// How long after an upload was answered the provider's events of its path are dropped.
@@ -236,6 +239,7 @@ impl SandboxExtra {
             watchers: RwLock::new(HashMap::new()),
             uploads: RwLock::new(HashMap::new()),
             announced: tokio::sync::broadcast::channel(ANNOUNCE_BUFFER).0,
+            cpu_sample: RwLock::new(None),
         }
     }
 

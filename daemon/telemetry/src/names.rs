@@ -40,6 +40,8 @@ pub const SANDBOX_LIST: &str = "sandbox.list";
 pub const SANDBOX_PAUSE: &str = "sandbox.pause";
 /// Resuming a session's paused sandbox (`Provider::resume`).
 pub const SANDBOX_RESUME: &str = "sandbox.resume";
+/// Reading a sandbox's resource use (`Provider::metrics`).
+pub const SANDBOX_METRICS: &str = "sandbox.metrics";
 /// `Process::spawn`, until the command runs.
 pub const PROCESS_START: &str = "process.start";
 /// Streaming a command's output until it exits or a clock fires.
@@ -86,6 +88,7 @@ pub const ALL_SPANS: &[&str] = &[
     SANDBOX_LIST,
     SANDBOX_PAUSE,
     SANDBOX_RESUME,
+    SANDBOX_METRICS,
     PROCESS_START,
     PROCESS_STREAM,
     PROCESS_ATTACH,
@@ -104,7 +107,7 @@ pub const ALL_SPANS: &[&str] = &[
 /// The remote operations that `tether.remote_op.duration` is labelled with: the provider
 /// spans above (a bounded set, so a safe metric label). Derived from [`ALL_SPANS`], where
 /// they stand together from `SANDBOX_CREATE` to `FS_REMOVE`.
-pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(18).0;
+pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(19).0;
 
 // --- attribute keys (span fields and metric labels) ---
 
@@ -170,7 +173,7 @@ mod remote_ops_tests {
     fn remote_ops_are_the_provider_spans() {
         assert_eq!(REMOTE_OPS.first(), Some(&SANDBOX_CREATE));
         assert_eq!(REMOTE_OPS.last(), Some(&FS_REMOVE));
-        assert_eq!(REMOTE_OPS.len(), 18);
+        assert_eq!(REMOTE_OPS.len(), 19);
         assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.")
             || op.starts_with("process.")
             || op.starts_with("fs.")));

@@ -81,6 +81,9 @@ pub struct SandboxMetrics {
     pub disk_used_bytes: u64,
     /// Size of the sandbox's own file system, in bytes.
     pub disk_limit_bytes: Option<u64>,
+    /// CPUs the sandbox has (a VM's vCPUs), where the provider fixes them.
+    #[serde(default)]
+    pub cpus: Option<u32>,
 }
 
 /// What a sandbox is, as the provider reports it.

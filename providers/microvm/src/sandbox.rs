@@ -1426,6 +1426,7 @@ impl Provider for MicrovmProvider {
             pids: 0,
             disk_used_bytes: disk_used,
             disk_limit_bytes: Some(s.image.disk_bytes),
+            cpus: Some(s.vcpus),
         })
     }
 }

@@ -1116,3 +1116,27 @@ sdkTest('files.write metadata (kept as user.e2b.* xattrs)', async (ctx) => {
   const after = (await sbx.files.getInfo(p)).metadata;
   assert.ok(after === undefined || Object.keys(after).length === 0, JSON.stringify(after));
 });
+
+sdkTest('Sandbox.getMetrics (instance and static, range)', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.commands.run(
+    'head -c 30000000 /dev/urandom | sha256sum > /dev/null; head -c 8000000 /dev/urandom > /tmp/m.bin; sync',
+  );
+  const metrics = await sbx.getMetrics();
+  assert.equal(metrics.length, 1, JSON.stringify(metrics));
+  const m = metrics[0];
+  assert.ok(m.cpuCount >= 1, JSON.stringify(m));
+  assert.ok(m.cpuUsedPct > 0 && m.cpuUsedPct <= 100, JSON.stringify(m));
+  assert.ok(m.memUsed > 0 && m.memUsed <= m.memTotal, JSON.stringify(m));
+  // A VM's disk use is its image's allocation on the host, which lags the guest's writes.
+  assert.ok(m.diskUsed > 0 && m.diskUsed <= m.diskTotal, JSON.stringify(m));
+  assert.ok(Math.abs(m.timestamp.getTime() - Date.now()) < 60_000, JSON.stringify(m));
+  assert.equal((await Sandbox.getMetrics(sbx.sandboxId)).length, 1);
+  const anHourAgo = new Date(Date.now() - 3_600_000);
+  assert.deepEqual(await Sandbox.getMetrics(sbx.sandboxId, { end: anHourAgo }), []);
+  await rejectsWith(
+    Sandbox.getMetrics(bogusSandboxId(), { requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+    SandboxNotFoundError,
+    'metrics of a missing sandbox',
+  );
+});

@@ -941,3 +941,27 @@ def test_files_metadata_is_xattrs(sandbox):
     # Overwriting without metadata clears what an earlier upload stored.
     sandbox.files.write(p, "second")
     assert sandbox.files.get_info(p).metadata is None
+
+
+@sdk("Sandbox.get_metrics (instance and static, range)")
+def test_sandbox_get_metrics(make_sandbox):
+    sbx = make_sandbox()
+    sbx.commands.run(
+        "head -c 30000000 /dev/urandom | sha256sum > /dev/null; head -c 8000000 /dev/urandom > /tmp/m.bin; sync"
+    )
+    metrics = sbx.get_metrics()
+    assert len(metrics) == 1, metrics
+    m = metrics[0]
+    assert m.cpu_count >= 1
+    assert 0 < m.cpu_used_pct <= 100, m
+    assert 0 < m.mem_used <= m.mem_total, m
+    # A VM's disk use is its image's allocation on the host, which lags what the guest
+    # wrote: only a local sandbox's is exact.
+    assert 0 < m.disk_used <= m.disk_total, m
+    assert abs((m.timestamp - utcnow()).total_seconds()) < 60, m
+    again = Sandbox.get_metrics(sbx.sandbox_id)
+    assert len(again) == 1 and again[0].timestamp >= m.timestamp
+    # A range that ended an hour ago holds no sample.
+    assert Sandbox.get_metrics(sbx.sandbox_id, end=utcnow() - timedelta(hours=1)) == []
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_metrics(bogus_sandbox_id())
