@@ -449,13 +449,61 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
     assert_eq!(st, 201, "a paused sandbox is resumed by connect: {b}");
     let (st, b) = f
         .api(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(KEY_A),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");
+    // Metrics: one sample of the sandbox, every field of E2B's `SandboxMetric`.
+    let (st, b) = f
+        .api(
             reqwest::Method::GET,
             &format!("/sandboxes/{id}/metrics"),
             Some(KEY_A),
             None,
         )
         .await;
-    assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");
+    assert_eq!(st, 200, "{b}");
+    let m = &b[0];
+    for k in [
+        "timestamp",
+        "timestampUnix",
+        "cpuCount",
+        "cpuUsedPct",
+        "memUsed",
+        "memTotal",
+        "memCache",
+        "diskUsed",
+        "diskTotal",
+    ] {
+        assert!(!m[k].is_null(), "{k} missing: {b}");
+    }
+    let (st, b) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={id},inotthere"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["sandboxes"].as_object().map(|o| o.len()), Some(1), "{b}");
+    assert!(b["sandboxes"][&id]["memTotal"].as_u64() > Some(0), "{b}");
+    let (st, b) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/sandboxes/{id}/metrics"),
+            Some(KEY_B),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (st, b["code"].as_u64()),
+        (404, Some(404)),
+        "another tenant's: {b}"
+    );
     let (st, b) = f
         .api(
             reqwest::Method::GET,
