@@ -188,6 +188,35 @@ const FOLLOW_POLL: Duration = Duration::from_millis(200);
 const OUT: usize = 0;
 const ERR: usize = 1;
 
+/// The error of a `SendInput` that failed after `delivered` of `len` bytes went through.
+///
+/// Stdin is not idempotent: once the request may have reached envd (it was sent and no
+/// answer came, or the connection broke after it was sent), or earlier pieces were taken,
+/// sending the same bytes again could deliver them twice. Such a failure is
+/// `OUTCOME_UNKNOWN`, never a retryable code. A request that never left (no connection)
+/// or that envd refused with an answer, before any piece was taken, keeps its own code.
+fn stdin_outcome(e: ProviderError, delivered: usize, len: usize) -> ProviderError {
+    let maybe_sent = match &e {
+        ProviderError::Timeout { .. } => e.retryable(),
+        ProviderError::Unavailable {
+            source: Some(source),
+            ..
+        } => source
+            .downcast_ref::<crate::error::WireError>()
+            .is_some_and(|w| matches!(w, crate::error::WireError::Http(h) if !h.is_connect())),
+        _ => false,
+    };
+    if !(maybe_sent || (delivered > 0 && e.retryable())) {
+        return e;
+    }
+    ProviderError::OutcomeUnknown {
+        op: "write_stdin",
+        message: format!(
+            "{e}; {delivered} of {len} bytes were taken and the rest may have been: never send them again"
+        ),
+    }
+}
+
 /// The exit status of envd's end event (Go's `ProcessState`).
 pub(crate) fn exit_status(e: &EndEvent) -> ExitStatus {
     match e.outcome() {
@@ -982,6 +1011,7 @@ impl ProcessHandle for EnvdCommand {
                 });
             }
         };
+        let mut delivered = 0;
         for chunk in data.chunks(STDIN_CHUNK) {
             let input = if pty {
                 ProcessInput::Pty(chunk.to_vec())
@@ -1002,7 +1032,9 @@ impl ProcessHandle for EnvdCommand {
                     self.user(),
                     self.op("write_stdin"),
                 )
-                .await?;
+                .await
+                .map_err(|e| stdin_outcome(e, delivered, data.len()))?;
+            delivered += chunk.len();
         }
         Ok(())
     }
