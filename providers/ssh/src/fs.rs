@@ -345,6 +345,9 @@ impl Fs for SshFs {
             .await?
             .handle;
         let path = path.to_owned();
+        // A read that loses its connection reports why it was lost (the transport idle
+        // clock, or a broken link), not an SFTP failure.
+        let conn = lease.conn.clone();
         let offsets: Vec<(u64, u32)> = (start..end)
             .step_by(SFTP_CHUNK)
             .map(|o| (o, (end - o).min(SFTP_CHUNK as u64) as u32))
@@ -357,6 +360,7 @@ impl Fs for SshFs {
                 let s = sftp.clone();
                 let h = handle.clone();
                 let p = path.clone();
+                let conn = conn.clone();
                 async move {
                     // A short read (the file shrank) is fine: the reader sees fewer bytes.
                     match s.read(h, o, n).await {
@@ -366,6 +370,7 @@ impl Fs for SshFs {
                         {
                             Ok(Bytes::new())
                         }
+                        Err(_) if conn.closed_now() => Err(conn.lost("a read")),
                         Err(e) => Err(sftp_error(&p, e)),
                     }
                 }
