@@ -11,7 +11,7 @@
 //! system and processes are `tether-envd-client`'s, over its envd.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -291,12 +291,14 @@ impl ProviderInner {
     }
 
     /// One create attempt: v2 with the idempotency key, else (an older backend) v1.
+    /// `v1_sent` is set before a v1 create (which has no key) is sent.
     async fn create_once(
         &self,
         ctx: &CallCtx,
         v2: &NewSandboxRequest,
         v1: &NewSandboxRequest,
         key: &str,
+        v1_sent: &AtomicBool,
     ) -> Result<SandboxResponse> {
         if Probe::get(&self.probe.create_v2) != NO {
             let op = Op::Api("create");
@@ -314,6 +316,7 @@ impl ProviderInner {
                 404 | 405 | 501 if Probe::get(&self.probe.create_v2) == UNKNOWN => {
                     // A 404 is either a missing route (an older backend) or a missing
                     // template: v1 tells which.
+                    v1_sent.store(true, Ordering::Release);
                     let r = self.create_v1(ctx, v1).await;
                     if r.is_ok() {
                         Probe::set(&self.probe.create_v2, NO);
@@ -324,6 +327,7 @@ impl ProviderInner {
                 _ => return Err(from_status(op, status, &headers, &body)),
             }
         }
+        v1_sent.store(true, Ordering::Release);
         self.create_v1(ctx, v1).await
     }
 
@@ -558,19 +562,17 @@ impl Provider for E2bProvider {
             secure: Some(true),
             ..v2.clone()
         };
-        let attempt = std::sync::atomic::AtomicUsize::new(0);
+        let v1_sent = AtomicBool::new(false);
         let r = retry(ctx, i.http.retry, "create", || async {
-            let n = attempt.fetch_add(1, Ordering::AcqRel);
-            // v1 has no idempotency key: before trying again, look for what a lost
-            // answer may have created. That is whenever v2 is not known to be there: the
-            // first attempt on a backend not probed yet may have fallen back to v1.
-            if n > 0
-                && Probe::get(&i.probe.create_v2) != YES
+            // v1 has no idempotency key: before trying again after a v1 create was sent
+            // (a backend known to lack v2, or the fallback of a first create on one not
+            // probed yet), look for what a lost answer may have created.
+            if v1_sent.load(Ordering::Acquire)
                 && let Some(s) = i.find_by_marker(ctx, &marker).await?
             {
                 return Ok(Adopted::Listed(s));
             }
-            i.create_once(ctx, &v2, &v1, &marker)
+            i.create_once(ctx, &v2, &v1, &marker, &v1_sent)
                 .await
                 .map(Adopted::Created)
         })
