@@ -262,10 +262,11 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
         // once), reads and command streams resume from the byte reached, so most faults
         // end in success.
         //
-        // The create went out and no answer came: its outcome is unknown, so it is not
-        // sent again; the look-up for the sandbox it may have made goes into the same
-        // blackhole until the total deadline (not retryable, never success).
-        (Kind::E2b, Op::Create, Blackhole) => total,
+        // The create went out and no answer came: a v2 create carries its idempotency
+        // key, so it is retried, each attempt ended by the connect limit, until the
+        // retries are spent; the sandbox it may have made is cleaned up, so a retry by the
+        // caller is safe and the code may say so.
+        (Kind::E2b, Op::Create, Blackhole) => connect,
         // Connect is idempotent: retried until the policy is spent, a retryable code.
         (Kind::E2b, Op::Connect, Blackhole) => connect,
         // The start reached envd, its answer did not: the command is looked up by its
@@ -310,10 +311,8 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
 ///   connections may find an idle one in its HTTP pool (nothing is faulted: success) or
 ///   open a new one ([`expected`] holds). The SSH provider keeps one connection, so its
 ///   cells are fixed; create and connect use a fresh provider, so theirs are too;
-/// - the blackholed E2B create is retried as an idempotent v2 create (each attempt ends
-///   by the connect limit) until either the retries are spent (`CONNECT_TIMEOUT`) or the
-///   total deadline comes first (`DEADLINE_EXCEEDED`); either way the sandbox it may have
-///   made is cleaned up, so a retry by the caller is safe;
+/// - the blackholed E2B create's retries may meet the total deadline before they are
+///   spent on a loaded machine (`DEADLINE_EXCEEDED`, with the same clean-up);
 /// - the E2B kill's fault, armed just after a keepalive of the command's own stream,
 ///   still sometimes meets that stream's next one rather than the signal's traffic: the
 ///   stream re-attaches and the signal succeeds (and is checked to have killed).
@@ -321,7 +320,7 @@ fn alternative(kind: Kind, op: Op, fault: Fault) -> Option<Want> {
     match (kind, op, fault) {
         (_, _, Fault::Pass) | (Kind::Ssh, _, _) => None,
         (Kind::E2b, Op::Create, Fault::Blackhole) => {
-            Some(err(ErrorCode::ConnectTimeout, Clock::Connect))
+            Some(err(ErrorCode::DeadlineExceeded, Clock::Total))
         }
         (Kind::E2b, Op::Connect, _) => None,
         (Kind::E2b, Op::Kill, _) | (Kind::E2b, _, Fault::Blackhole) => Some(Want::Ok),
