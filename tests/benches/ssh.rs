@@ -23,7 +23,7 @@ use futures_util::StreamExt;
 use tether_protocol::fs::{ByteRange, WriteGuard};
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
 use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec, StreamOffsets};
-use tether_provider_ssh::{AuthConfig, HostConfig, SshConfig, SshProvider};
+use tether_provider_ssh::SshProvider;
 use tether_tests::ssh_host::SshHost;
 use tokio::time::Instant;
 
@@ -134,21 +134,7 @@ fn main() {
         .expect("runtime");
     rt.block_on(async {
         let host = SshHost::start().await;
-        let cfg = SshConfig {
-            hosts: vec![HostConfig {
-                name: Some("b".into()),
-                address: host.addr.ip().to_string(),
-                port: host.addr.port(),
-                user: host.user.clone(),
-                auth: AuthConfig::KeyFile {
-                    path: host.key.clone(),
-                    passphrase: None,
-                },
-                workspace_root: ".tether/sandboxes".into(),
-            }],
-            known_hosts: Some(host.known_hosts.clone()),
-            ..SshConfig::default()
-        };
+        let cfg = host.provider_config("b");
         let p = Arc::new(SshProvider::new(cfg).expect("provider"));
         let sb = p.create(&ctx(), SandboxSpec::default()).await.expect("create");
         let ws = sb.info().workspace;

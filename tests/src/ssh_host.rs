@@ -253,6 +253,26 @@ impl SshHost {
         host
     }
 
+    /// The SSH provider's config for this host (named `name`): its address, user, key and
+    /// `known_hosts`, workspaces under `.tether/sandboxes`, every other setting the default.
+    pub fn provider_config(&self, name: &str) -> tether_provider_ssh::SshConfig {
+        tether_provider_ssh::SshConfig {
+            hosts: vec![tether_provider_ssh::HostConfig {
+                name: Some(name.into()),
+                address: self.addr.ip().to_string(),
+                port: self.addr.port(),
+                user: self.user.clone(),
+                auth: tether_provider_ssh::AuthConfig::KeyFile {
+                    path: self.key.clone(),
+                    passphrase: None,
+                },
+                workspace_root: ".tether/sandboxes".into(),
+            }],
+            known_hosts: Some(self.known_hosts.clone()),
+            ..tether_provider_ssh::SshConfig::default()
+        }
+    }
+
     /// The user's home on the host.
     pub fn home(&self) -> PathBuf {
         PathBuf::from(format!("/home/{}", self.user))

@@ -22,7 +22,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
 use tether_provider::{CallCtx, Enforcement, Provider, Sandbox, SandboxSpec, StreamOffsets};
-use tether_provider_ssh::{AuthConfig, HostConfig, SshConfig, SshProvider};
+use tether_provider_ssh::SshProvider;
 use tether_tests::ssh_host::SshHost;
 
 fn ctx() -> CallCtx {
@@ -244,22 +244,7 @@ fn local_provider(root: &std::path::Path) -> Arc<dyn Provider> {
 }
 
 fn ssh_provider(host: &SshHost) -> Arc<dyn Provider> {
-    let cfg = SshConfig {
-        hosts: vec![HostConfig {
-            name: Some("t".into()),
-            address: host.addr.ip().to_string(),
-            port: host.addr.port(),
-            user: host.user.clone(),
-            auth: AuthConfig::KeyFile {
-                path: host.key.clone(),
-                passphrase: None,
-            },
-            workspace_root: ".tether/sandboxes".into(),
-        }],
-        known_hosts: Some(host.known_hosts.clone()),
-        ..SshConfig::default()
-    };
-    Arc::new(SshProvider::new(cfg).expect("ssh provider"))
+    Arc::new(SshProvider::new(host.provider_config("t")).expect("ssh provider"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,29 +17,17 @@ use tether_protocol::fs::{ByteRange, WriteGuard};
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
 use tether_provider::testkit::Fixture;
 use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec, StreamOffsets};
-use tether_provider_ssh::{AuthConfig, HostConfig, HostKeyPolicy, SshConfig, SshProvider};
+use tether_provider_ssh::{HostKeyPolicy, SshConfig, SshProvider};
 use tether_tests::ssh_host::{DelayRelay, SilentServer, SshHost};
 
 /// The test host's config with test-sized clocks.
 fn config(host: &SshHost) -> SshConfig {
     SshConfig {
-        hosts: vec![HostConfig {
-            name: Some("t".into()),
-            address: host.addr.ip().to_string(),
-            port: host.addr.port(),
-            user: host.user.clone(),
-            auth: AuthConfig::KeyFile {
-                path: host.key.clone(),
-                passphrase: None,
-            },
-            workspace_root: ".tether/sandboxes".into(),
-        }],
-        known_hosts: Some(host.known_hosts.clone()),
         connect_timeout_ms: 5_000,
         transport_idle_timeout_ms: 3_000,
         keepalive_interval_ms: 1_000,
         request_timeout_ms: 30_000,
-        ..SshConfig::default()
+        ..host.provider_config("t")
     }
 }
 

@@ -2309,21 +2309,7 @@ async fn run(opts: Opts) {
         }
         // SSH: a throwaway OpenSSH host in a network namespace.
         let h = SshHost::start().await;
-        let cfg = tether_provider_ssh::SshConfig {
-            hosts: vec![tether_provider_ssh::HostConfig {
-                name: Some("bench".into()),
-                address: h.addr.ip().to_string(),
-                port: h.addr.port(),
-                user: h.user.clone(),
-                auth: tether_provider_ssh::AuthConfig::KeyFile {
-                    path: h.key.clone(),
-                    passphrase: None,
-                },
-                workspace_root: ".tether/sandboxes".into(),
-            }],
-            known_hosts: Some(h.known_hosts.clone()),
-            ..Default::default()
-        };
+        let cfg = h.provider_config("bench");
         let ssh: Arc<dyn Provider> =
             Arc::new(tether_provider_ssh::SshProvider::new(cfg).expect("ssh provider"));
         let ssb = ssh.create(&ctx(), long_lived()).await.expect("ssh sandbox");
