@@ -2,7 +2,9 @@
 //! middle, restart on the same state dir. Every acknowledged result must be in the log,
 //! the log must parse, every call must have exactly one result (real or repaired), and
 //! seq must be contiguous. And a loop of such kills, round after round on the same state
-//! dir, after which every session still works.
+//! dir, under tool calls, file uploads and session creates in flight, after which every
+//! session still works, every acknowledged upload and create is there, and the local
+//! provider holds no sandbox that no live session owns.
 
 // Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -11,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tether_provider::Provider;
 use tether_tests::{TetherdChild, free_port, wait_healthy, wait_until};
 
 const SESSIONS: usize = 20;
@@ -209,6 +212,11 @@ async fn check_logs(
     (calls_logged.len(), repaired)
 }
 
+/// Session creates sent in each round of the crash loop.
+const LOOP_CREATES: usize = 1;
+/// Bytes of each upload in the crash loop (one per session and round).
+const UPLOAD_BYTES: usize = 256 * 1024;
+
 /// Rounds of the crash loop.
 const LOOP_ROUNDS: usize = 20;
 /// Sessions of the crash loop (created in the first round, used in every round).
@@ -225,6 +233,9 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         .unwrap();
     let mut ids: Vec<String> = Vec::new();
     let mut acked: Vec<(String, String, Value)> = Vec::new();
+    // Creates and uploads the daemon answered before it was killed.
+    let mut created: Vec<String> = Vec::new();
+    let mut uploaded: Vec<(String, String, Vec<u8>)> = Vec::new();
     let mut killed_mid_flight = 0;
     for round in 0..LOOP_ROUNDS {
         let port = free_port();
@@ -247,6 +258,43 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         }
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Value)>();
         let mut handles = Vec::new();
+        let (ctx_tx, mut ctx_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        for _ in 0..LOOP_CREATES {
+            let (http, tx, url) = (http.clone(), ctx_tx.clone(), format!("{base}/v1/sessions"));
+            handles.push(tokio::spawn(async move {
+                if let Ok(r) = http.post(url).json(&json!({})).send().await
+                    && r.status().as_u16() == 201
+                    && let Ok(v) = r.json::<Value>().await
+                    && let Some(id) = v["id"].as_str()
+                {
+                    let _ = tx.send(id.to_owned());
+                }
+            }));
+        }
+        drop(ctx_tx);
+        let (up_tx, mut up_rx) =
+            tokio::sync::mpsc::unbounded_channel::<(String, String, Vec<u8>)>();
+        for (si, sid) in ids.iter().enumerate() {
+            let (http, tx, sid) = (http.clone(), up_tx.clone(), sid.clone());
+            let path = format!("/home/user/up-r{round}s{si}.bin");
+            let data: Vec<u8> = (0..UPLOAD_BYTES)
+                .map(|i| (i as u64 * 31 + round as u64 * 7 + si as u64) as u8)
+                .collect();
+            let url = format!("{base}/v1/sessions/{sid}/files");
+            handles.push(tokio::spawn(async move {
+                if let Ok(r) = http
+                    .put(url)
+                    .query(&[("path", path.as_str())])
+                    .body(data.clone())
+                    .send()
+                    .await
+                    && r.status().is_success()
+                {
+                    let _ = tx.send((sid, path, data));
+                }
+            }));
+        }
+        drop(up_tx);
         for (si, sid) in ids.iter().enumerate() {
             for ci in 0..LOOP_CALLS {
                 let (http, tx, sid) = (http.clone(), tx.clone(), sid.clone());
@@ -291,6 +339,12 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         for h in handles {
             let _ = h.await;
         }
+        while let Some(id) = ctx_rx.recv().await {
+            created.push(id);
+        }
+        while let Some(u) = up_rx.recv().await {
+            uploaded.push(u);
+        }
         if acked.len() - before < LOOP_SESSIONS * LOOP_CALLS {
             killed_mid_flight += 1;
         }
@@ -304,6 +358,76 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
     let _child = TetherdChild::spawn(state.path(), port);
     wait_healthy(&http, &base).await;
     let (calls, repaired) = check_logs(&http, &base, state.path(), &ids, &acked).await;
+    // Every acknowledged upload is there, byte for byte.
+    for (sid, path, data) in &uploaded {
+        let got = http
+            .get(format!("{base}/v1/sessions/{sid}/files"))
+            .query(&[("path", path.as_str())])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(got.status().as_u16(), 200, "{sid} {path}");
+        assert!(
+            got.bytes().await.unwrap() == data[..],
+            "{sid} {path} differs"
+        );
+    }
+    // Every acknowledged create is a live session with its sandbox; the local provider
+    // holds no sandbox that no live session owns (creates cut mid-flight included, once
+    // the reconciler has run).
+    let sessions: Value = http
+        .get(format!("{base}/v1/sessions"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let live: BTreeMap<String, String> = sessions["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "active")
+        .filter_map(|s| {
+            Some((
+                s["id"].as_str()?.to_owned(),
+                s["sandbox_id"].as_str()?.to_owned(),
+            ))
+        })
+        .collect();
+    for id in &created {
+        assert!(
+            live.contains_key(id),
+            "acknowledged create {id} is not a live session"
+        );
+    }
+    let backend = tether_provider_local::LocalProvider::new(
+        tether_provider_local::LocalConfig::with_root(state.path().join("sandboxes/local")),
+    )
+    .unwrap();
+    let owned: BTreeSet<&String> = live.values().collect();
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    let listed: Vec<String> = loop {
+        let listed: Vec<String> = backend
+            .list(&tether_provider::CallCtx::new("crash-loop"))
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.id)
+            .collect();
+        if listed.iter().all(|id| owned.contains(id)) || tokio::time::Instant::now() > until {
+            break listed;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let orphans: Vec<&String> = listed.iter().filter(|id| !owned.contains(id)).collect();
+    assert!(
+        orphans.is_empty(),
+        "sandboxes no live session owns: {orphans:?}"
+    );
+    for sb in &owned {
+        assert!(listed.contains(sb), "a live session's sandbox {sb} is gone");
+    }
     // Every session survived every kill and still runs a command.
     for sid in &ids {
         let r: Value = http
@@ -322,7 +446,10 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         );
     }
     eprintln!(
-        "{LOOP_ROUNDS} rounds: {} acknowledged, {calls} calls logged, {repaired} repaired, {killed_mid_flight} kills mid-flight",
-        acked.len()
+        "{LOOP_ROUNDS} rounds: {} acknowledged, {calls} calls logged, {repaired} repaired, {killed_mid_flight} kills mid-flight; {} creates and {} uploads acknowledged and found, {} sandboxes, each a live session's",
+        acked.len(),
+        created.len(),
+        uploaded.len(),
+        listed.len()
     );
 }
