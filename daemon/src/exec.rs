@@ -265,6 +265,13 @@ pub async fn start(
                 command_id: command_id.clone(),
                 pid: handle.pid(),
                 spec: spec.clone(),
+                deadline_ms: limits.total.map(|t| {
+                    crate::leases::now_ms()
+                        .saturating_add(i64::try_from(t.as_millis()).unwrap_or(i64::MAX))
+                }),
+                output_idle_ms: limits
+                    .output_idle
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             })
             .await?;
         Ok::<_, DaemonError>(journal)
@@ -278,6 +285,58 @@ pub async fn start(
             return Err(e);
         }
     };
+    Ok(supervise(
+        session,
+        handle,
+        journal,
+        spec,
+        limits,
+        StreamOffsets::default(),
+    ))
+}
+
+/// Supervise again, after a restart, a command the log says was started and never ended:
+/// its provider found it (`handle`); its pump resumes at the journal's lengths under what
+/// is left of its deadline (an expired one ends it at once).
+pub async fn resume(
+    session: &Arc<Session>,
+    handle: Arc<dyn ProcessHandle>,
+    spec: ProcessSpec,
+    deadline_ms: Option<i64>,
+    output_idle_ms: Option<u64>,
+) -> Result<Arc<RunningCommand>> {
+    let command_id = handle.command_id().to_owned();
+    let journal = session.log.journal(&command_id).await?;
+    let from = StreamOffsets {
+        stdout: journal
+            .len(StreamKind::Stdout)
+            .max(journal.len(StreamKind::Pty)),
+        stderr: journal.len(StreamKind::Stderr),
+    };
+    let limits = ExecLimits {
+        total: deadline_ms.map(|at| {
+            Duration::from_millis(
+                u64::try_from(at.saturating_sub(crate::leases::now_ms()))
+                    .unwrap_or(0)
+                    .max(1),
+            )
+        }),
+        output_idle: output_idle_ms.map(Duration::from_millis),
+    };
+    Ok(supervise(session, handle, journal, spec, limits, from))
+}
+
+/// The running command's record and its pump task, reading the provider's events from
+/// `from` into the journal under `limits`, then logging `process/exited`.
+fn supervise(
+    session: &Arc<Session>,
+    handle: Arc<dyn ProcessHandle>,
+    journal: Arc<OutputJournal>,
+    spec: ProcessSpec,
+    limits: ExecLimits,
+    from: StreamOffsets,
+) -> Arc<RunningCommand> {
+    let command_id = handle.command_id().to_owned();
     let (tx, rx) = watch::channel(None);
     let kill = session.cancel.child();
     let cmd = Arc::new(RunningCommand {
@@ -305,7 +364,7 @@ pub async fn start(
     session.tasks().spawn(
         async move {
             let grace = Duration::from_millis(cmd_grace);
-            let outcome = pump(&session2, handle, &journal, kill, limits, grace).await;
+            let outcome = pump(&session2, handle, &journal, kill, limits, grace, from).await;
             let span = tracing::Span::current();
             span.record("outcome", outcome.error_code().map_or("ok", |c| c.as_str()));
             if let Some(c) = outcome.clock {
@@ -338,7 +397,7 @@ pub async fn start(
         }
         .instrument(pump_span),
     );
-    Ok(cmd)
+    cmd
 }
 
 /// Copy the command's events into the journal under its clocks; terminate on expiry.
@@ -351,8 +410,11 @@ struct Release {
 }
 
 impl Release {
-    fn new(step: u64) -> Self {
-        Self { step, at: 0 }
+    fn new(step: u64, from: StreamOffsets) -> Self {
+        Self {
+            step,
+            at: from.stdout + from.stderr,
+        }
     }
 
     async fn after_append(&mut self, journal: &OutputJournal, handle: &Arc<dyn ProcessHandle>) {
@@ -380,6 +442,7 @@ async fn pump(
     kill: CancelToken,
     limits: ExecLimits,
     grace: Duration,
+    from: StreamOffsets,
 ) -> CommandOutcome {
     let total_ms = limits.total.map_or(0.0, |d| d.as_secs_f64() * 1000.0);
     let total = match deadline(Some(&kill), total_ms, Clock::Total) {
@@ -400,8 +463,8 @@ async fn pump(
     let token = idle
         .as_ref()
         .map_or_else(|| total.token().clone(), |w| w.token().clone());
-    let mut events = handle.events(StreamOffsets::default());
-    let mut release = Release::new(session.deadlines.output_release_bytes);
+    let mut events = handle.events(from);
+    let mut release = Release::new(session.deadlines.output_release_bytes, from);
     let mut status = None;
     let mut error = None;
     let mut fired: Option<CancelReason> = None;

@@ -20,8 +20,9 @@ use std::time::Duration;
 
 use tether_protocol::api::SessionInfo;
 use tether_protocol::events::{EventBody, Expiry, SessionHeader, SessionParams};
+use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
-use tether_provider::{CallCtx, Provider, Sandbox, SandboxSpec};
+use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -483,6 +484,70 @@ impl SessionManager {
                 ..LogConfig::default()
             },
         })
+    }
+
+    /// After a restart, supervise again each command the log says was running: one its
+    /// provider finds again (`attach` by command id) gets a pump from the journal's end
+    /// under what is left of its deadline; one it cannot find (the provider lost it, or
+    /// the sandbox is gone) is logged as ended with no status, so no command stays
+    /// started forever in the log.
+    async fn resume_commands(
+        &self,
+        session: &Arc<Session>,
+        unfinished: BTreeMap<String, (ProcessSpec, Option<i64>, Option<u64>)>,
+    ) {
+        for (command_id, (spec, deadline_ms, idle_ms)) in unfinished {
+            let found = match session.sandbox() {
+                Ok(sb) => {
+                    let ctx = CallCtx::new(format!("recover-{command_id}"))
+                        .with_timeout(self.deadlines.sandbox_op, Clock::Total);
+                    sb.process()
+                        .attach(&ctx, ProcessSelector::CommandId(command_id.clone()))
+                        .await
+                        .map_err(|e| e.code().as_str())
+                }
+                Err(_) => Err("no sandbox"),
+            };
+            let resumed = match found {
+                Ok(handle) => crate::exec::resume(session, handle, spec, deadline_ms, idle_ms)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.code().as_str()),
+                Err(why) => Err(why),
+            };
+            match resumed {
+                Ok(()) => {
+                    tracing::info!(session.id = %session.id, command.id = %command_id, "Supervising a command again after a restart");
+                }
+                Err(why) => {
+                    tracing::warn!(session.id = %session.id, command.id = %command_id, reason = why, "A command running before the restart was not found again; logging it as ended");
+                    let (out, err) = match session.log.journal(&command_id).await {
+                        Ok(j) => {
+                            j.finish().await;
+                            (
+                                j.len(StreamKind::Stdout) + j.len(StreamKind::Pty),
+                                j.len(StreamKind::Stderr),
+                            )
+                        }
+                        Err(_) => (0, 0),
+                    };
+                    let ended = EventBody::ProcessExited {
+                        command_id: command_id.clone(),
+                        status: ExitStatus {
+                            code: None,
+                            signal: None,
+                        },
+                        stdout_bytes: out,
+                        stderr_bytes: err,
+                        clock: None,
+                        limit: None,
+                    };
+                    if let Err(e) = session.log.append(ended).await {
+                        tracing::error!(session.id = %session.id, command.id = %command_id, error = %e, "Could not log the end of a lost command");
+                    }
+                }
+            }
+        }
     }
 
     /// Keep at most `bytes` of each live session's newest events in memory (see
@@ -1039,6 +1104,7 @@ impl SessionManager {
                     report.detached.push(id.clone());
                 }
             }
+            self.resume_commands(&session, facts.unfinished).await;
             self.insert(session)?;
             self.metrics.sessions_live(1);
         }
@@ -1210,6 +1276,8 @@ struct LogFacts {
     paused: bool,
     /// Output bytes journaled by finished commands.
     journaled: u64,
+    /// Commands started and never logged as ended: spec, deadline and idle limit.
+    unfinished: BTreeMap<String, (ProcessSpec, Option<i64>, Option<u64>)>,
 }
 
 impl LogFacts {
@@ -1226,11 +1294,24 @@ impl LogFacts {
                 EventBody::ExpirySet { expiry } => facts.expiry = Some(expiry),
                 EventBody::SandboxPaused { .. } => facts.paused = true,
                 EventBody::SandboxResumed { .. } => facts.paused = false,
+                EventBody::ProcessStarted {
+                    command_id,
+                    spec,
+                    deadline_ms,
+                    output_idle_ms,
+                    ..
+                } => {
+                    facts
+                        .unfinished
+                        .insert(command_id, (spec, deadline_ms, output_idle_ms));
+                }
                 EventBody::ProcessExited {
+                    command_id,
                     stdout_bytes,
                     stderr_bytes,
                     ..
                 } => {
+                    facts.unfinished.remove(&command_id);
                     facts.journaled = facts
                         .journaled
                         .saturating_add(stdout_bytes.saturating_add(stderr_bytes));

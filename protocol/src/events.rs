@@ -242,6 +242,13 @@ pub enum EventBody {
         pid: u32,
         /// The spec it was started with.
         spec: ProcessSpec,
+        /// When its total deadline passes, ms since the Unix epoch (none: unbounded).
+        /// A restarted daemon that finds the command again supervises it to this.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<i64>,
+        /// Its output-idle limit, ms (none: off).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output_idle_ms: Option<u64>,
     },
     /// A command ended.
     #[serde(rename = "process/exited")]

@@ -199,13 +199,18 @@ pub struct TetherdChild(pub std::process::Child);
 impl TetherdChild {
     /// Start it; its output is discarded.
     pub fn spawn(state: &std::path::Path, port: u16) -> Self {
-        let child = std::process::Command::new(workspace_bin("tetherd"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--state-dir",
-            ])
+        Self::spawn_with(state, port, None)
+    }
+
+    /// Start it with the config file `config`, if any.
+    pub fn spawn_with(state: &std::path::Path, port: u16, config: Option<&Path>) -> Self {
+        let mut cmd = std::process::Command::new(workspace_bin("tetherd"));
+        cmd.arg("serve");
+        if let Some(c) = config {
+            cmd.arg("--config").arg(c);
+        }
+        let child = cmd
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
             .arg(state)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -453,3 +453,175 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         listed.len()
     );
 }
+
+/// The events of `sid` about the command `cid`, read through the native API.
+async fn command_events(http: &reqwest::Client, base: &str, sid: &str, cid: &str) -> Vec<Value> {
+    let text = http
+        .get(format!("{base}/v1/sessions/{sid}/events"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["data"]["command_id"] == cid)
+        .collect()
+}
+
+/// stdout of `cid` from offset 0, as the native API serves it (one stream, contiguous).
+async fn stdout_of(http: &reqwest::Client, base: &str, sid: &str, cid: &str) -> String {
+    let text = http
+        .get(format!("{base}/v1/sessions/{sid}/processes/{cid}/output"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let e: Value = serde_json::from_str(line).unwrap();
+        if e["type"] == "output" && e["stream"] == "stdout" {
+            assert_eq!(e["offset"].as_u64(), Some(out.len() as u64), "contiguous");
+            out.extend(tether_protocol::b64::decode(e["data"].as_str().unwrap()).unwrap());
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+/// A command running on an SSH host when tetherd is killed with -9 runs on there; the
+/// restarted daemon finds it again by its id and supervises it to its end: the wait
+/// answers its real exit, its output is whole and in order (nothing lost, nothing twice),
+/// and the log has one start and one end for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
+    let host = tether_tests::ssh_host::SshHost::start().await;
+    let state = tempfile::tempdir().unwrap();
+    let mut cfg = tether_daemon::config::Config {
+        default_provider: "ssh".into(),
+        ..Default::default()
+    };
+    cfg.providers.insert(
+        "ssh".into(),
+        tether_daemon::config::ProviderConfig::Ssh(host.provider_config("h")),
+    );
+    let config = state.path().join("tetherd.toml");
+    std::fs::write(&config, toml::to_string(&cfg).unwrap()).unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let child = TetherdChild::spawn_with(state.path(), port, Some(&config));
+    wait_healthy(&http, &base).await;
+    let s: Value = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let sid = s["id"].as_str().unwrap().to_owned();
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/processes"))
+        .json(&json!({"cmd": "for i in $(seq 1 40); do echo line$i; sleep 0.1; done", "command_id": "long", "timeout_ms": 120000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    wait_until("output under way", Duration::from_secs(30), || async {
+        stdout_of(&http, &base, &sid, "long")
+            .await
+            .contains("line3\n")
+    })
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut child = child;
+    let _ = child.0.wait();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _child = TetherdChild::spawn_with(state.path(), port, Some(&config));
+    wait_healthy(&http, &base).await;
+    let w: Value = http
+        .post(format!("{base}/v1/sessions/{sid}/processes/long/wait"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        w["status"]["code"], 0,
+        "the real exit after the restart: {w}"
+    );
+    let want: String = (1..=40).map(|i| format!("line{i}\n")).collect();
+    assert_eq!(stdout_of(&http, &base, &sid, "long").await, want);
+    let evs = command_events(&http, &base, &sid, "long").await;
+    let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["process/started", "process/exited"], "{evs:?}");
+}
+
+/// A local command running when tetherd is killed with -9 is not found again by the
+/// restarted daemon (its output pipes were the old daemon's): the log still gets its end
+/// (no status), so no command stays started forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_command_lost_at_a_kill_9_is_logged_as_ended_after_the_restart() {
+    let state = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
+    let s: Value = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let sid = s["id"].as_str().unwrap().to_owned();
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/processes"))
+        .json(&json!({"cmd": "echo begun; sleep 2", "command_id": "lost"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    wait_until("output under way", Duration::from_secs(30), || async {
+        stdout_of(&http, &base, &sid, "lost")
+            .await
+            .contains("begun")
+    })
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut child = child;
+    let _ = child.0.wait();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
+    let evs = command_events(&http, &base, &sid, "lost").await;
+    let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["process/started", "process/exited"], "{evs:?}");
+    assert!(evs[1]["data"]["status"]["code"].is_null(), "{evs:?}");
+    assert_eq!(evs[1]["data"]["stdout_bytes"], 6, "{evs:?}");
+}

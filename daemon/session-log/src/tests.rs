@@ -745,6 +745,8 @@ async fn fork_copies_the_journals_the_prefix_refers_to() {
                 command_id: "cmd1".into(),
                 pid: 7,
                 spec,
+                deadline_ms: None,
+                output_idle_ms: None,
             },
             EventBody::ProcessExited {
                 command_id: "cmd1".into(),
