@@ -220,6 +220,17 @@ impl TetherdChild {
     }
 }
 
+impl TetherdChild {
+    /// `kill -9` it and reap it: a crash, nothing flushed.
+    pub fn kill_9(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = self.0.wait();
+    }
+}
+
 impl Drop for TetherdChild {
     fn drop(&mut self) {
         let _ = self.0.kill();

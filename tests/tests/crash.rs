@@ -89,12 +89,7 @@ async fn kill_9_mid_flight_loses_nothing_acknowledged() {
         async move { n >= total / 4 }
     })
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let _ = child.0.wait();
+    child.kill_9();
     let mut acked: Vec<(String, String, Value)> = Vec::new();
     while let Some(a) = rx.recv().await {
         acked.push(a);
@@ -240,20 +235,11 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
     for round in 0..LOOP_ROUNDS {
         let port = free_port();
         let base = format!("http://127.0.0.1:{port}");
-        let child = TetherdChild::spawn(state.path(), port);
+        let mut child = TetherdChild::spawn(state.path(), port);
         wait_healthy(&http, &base).await;
         if ids.is_empty() {
             for _ in 0..LOOP_SESSIONS {
-                let r: Value = http
-                    .post(format!("{base}/v1/sessions"))
-                    .json(&json!({}))
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
-                ids.push(r["id"].as_str().unwrap().to_owned());
+                ids.push(new_session(&http, &base).await);
             }
         }
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Value)>();
@@ -325,13 +311,7 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         drop(tx);
         // A different moment of the round each time: 30 to 300 ms in.
         tokio::time::sleep(Duration::from_millis(30 + (round as u64 * 137) % 270)).await;
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(child.0.id() as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .unwrap();
-        let mut child = child;
-        let _ = child.0.wait();
+        child.kill_9();
         let before = acked.len();
         while let Some(a) = rx.recv().await {
             acked.push(a);
@@ -454,6 +434,20 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
     );
 }
 
+/// A new session through the native API; its id.
+async fn new_session(http: &reqwest::Client, base: &str) -> String {
+    let r: Value = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    r["id"].as_str().unwrap().to_owned()
+}
+
 /// The events of `sid` about the command `cid`, read through the native API.
 async fn command_events(http: &reqwest::Client, base: &str, sid: &str, cid: &str) -> Vec<Value> {
     let text = http
@@ -515,18 +509,9 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
         .unwrap();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let child = TetherdChild::spawn_with(state.path(), port, Some(&config));
+    let mut child = TetherdChild::spawn_with(state.path(), port, Some(&config));
     wait_healthy(&http, &base).await;
-    let s: Value = http
-        .post(format!("{base}/v1/sessions"))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let sid = s["id"].as_str().unwrap().to_owned();
+    let sid = new_session(&http, &base).await;
     let r = http
         .post(format!("{base}/v1/sessions/{sid}/processes"))
         .json(&json!({"cmd": "for i in $(seq 1 40); do echo line$i; sleep 0.1; done", "command_id": "long", "timeout_ms": 120000}))
@@ -540,13 +525,7 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
             .contains("line3\n")
     })
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let mut child = child;
-    let _ = child.0.wait();
+    child.kill_9();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let _child = TetherdChild::spawn_with(state.path(), port, Some(&config));
@@ -583,18 +562,9 @@ async fn a_local_command_lost_at_a_kill_9_is_logged_as_ended_after_the_restart()
         .unwrap();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let child = TetherdChild::spawn(state.path(), port);
+    let mut child = TetherdChild::spawn(state.path(), port);
     wait_healthy(&http, &base).await;
-    let s: Value = http
-        .post(format!("{base}/v1/sessions"))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let sid = s["id"].as_str().unwrap().to_owned();
+    let sid = new_session(&http, &base).await;
     let r = http
         .post(format!("{base}/v1/sessions/{sid}/processes"))
         .json(&json!({"cmd": "echo begun; sleep 2", "command_id": "lost"}))
@@ -608,13 +578,7 @@ async fn a_local_command_lost_at_a_kill_9_is_logged_as_ended_after_the_restart()
             .contains("begun")
     })
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.0.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let mut child = child;
-    let _ = child.0.wait();
+    child.kill_9();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let _child = TetherdChild::spawn(state.path(), port);
