@@ -192,9 +192,12 @@ pub fn latency_ms(mut samples: Vec<Duration>) -> (f64, f64, f64) {
 }
 
 /// A `tetherd serve` child process listening on 127.0.0.1:`port` over `state` (the
-/// binary as a user runs it, for kill -9 tests); killed and reaped on drop.
+/// binary as a user runs it, for kill -9 tests). On drop it is stopped as a service
+/// manager stops it (SIGTERM, then SIGKILL after 20 s) and reaped, and local sandboxes
+/// that outlived a daemon killed earlier are ended (they would wait for a daemon that
+/// never comes for their orphan grace).
 #[derive(Debug)]
-pub struct TetherdChild(pub std::process::Child);
+pub struct TetherdChild(pub std::process::Child, PathBuf);
 
 impl TetherdChild {
     /// Start it; its output is discarded.
@@ -216,7 +219,7 @@ impl TetherdChild {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("spawn tetherd");
-        Self(child)
+        Self(child, state.to_owned())
     }
 }
 
@@ -233,8 +236,20 @@ impl TetherdChild {
 
 impl Drop for TetherdChild {
     fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        if let Ok(None) = self.0.try_wait() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            // Drop is synchronous: count 20 ms steps instead of reading a clock.
+            for _ in 0..1000 {
+                if !matches!(self.0.try_wait(), Ok(None)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
+        tether_provider_local::end_orphaned_sandboxes(&self.1.join("sandboxes").join("local"));
     }
 }
 

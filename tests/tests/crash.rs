@@ -550,11 +550,13 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
     assert_eq!(kinds, ["process/started", "process/exited"], "{evs:?}");
 }
 
-/// A local command running when tetherd is killed with -9 is not found again by the
-/// restarted daemon (its output pipes were the old daemon's): the log still gets its end
-/// (no status), so no command stays started forever.
+/// Local sandboxes outlive a daemon killed with -9: a command running at the kill runs
+/// on in its sandbox, its output spooled meanwhile by the sandbox's init, and one that
+/// ends while no daemon is there is remembered with its status. The restarted daemon
+/// takes the sandbox over: each wait answers the real exit, each output is whole and in
+/// order, and the log has one start and one end for each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_local_command_lost_at_a_kill_9_is_logged_as_ended_after_the_restart() {
+async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
     let state = tempfile::tempdir().unwrap();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
@@ -565,27 +567,178 @@ async fn a_local_command_lost_at_a_kill_9_is_logged_as_ended_after_the_restart()
     let mut child = TetherdChild::spawn(state.path(), port);
     wait_healthy(&http, &base).await;
     let sid = new_session(&http, &base).await;
-    let r = http
-        .post(format!("{base}/v1/sessions/{sid}/processes"))
-        .json(&json!({"cmd": "echo begun; sleep 2", "command_id": "lost"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
+    for (id, cmd) in [
+        // Still running when the daemon is back.
+        (
+            "kept",
+            "echo begun; sleep 5; seq 1 2000; echo done >&2; exit 7",
+        ),
+        // Ends while no daemon is there.
+        ("ended", "echo a; sleep 1; echo b; exit 3"),
+    ] {
+        let r = http
+            .post(format!("{base}/v1/sessions/{sid}/processes"))
+            .json(&json!({"cmd": cmd, "command_id": id, "timeout_ms": 120000}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    }
     wait_until("output under way", Duration::from_secs(30), || async {
-        stdout_of(&http, &base, &sid, "lost")
+        stdout_of(&http, &base, &sid, "kept")
             .await
             .contains("begun")
+            && stdout_of(&http, &base, &sid, "ended").await.contains('a')
     })
     .await;
     child.kill_9();
+    // Longer than "ended" has left to run.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let _child = TetherdChild::spawn(state.path(), port);
     wait_healthy(&http, &base).await;
-    let evs = command_events(&http, &base, &sid, "lost").await;
-    let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["process/started", "process/exited"], "{evs:?}");
-    assert!(evs[1]["data"]["status"]["code"].is_null(), "{evs:?}");
-    assert_eq!(evs[1]["data"]["stdout_bytes"], 6, "{evs:?}");
+    for (id, code, out) in [
+        (
+            "kept",
+            7,
+            format!(
+                "begun\n{}",
+                (1..=2000).map(|i| format!("{i}\n")).collect::<String>()
+            ),
+        ),
+        ("ended", 3, "a\nb\n".to_owned()),
+    ] {
+        let w: Value = http
+            .post(format!("{base}/v1/sessions/{sid}/processes/{id}/wait"))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            w["status"]["code"], code,
+            "{id}: the real exit after the restart: {w}"
+        );
+        assert_eq!(stdout_of(&http, &base, &sid, id).await, out, "{id}");
+        let evs = command_events(&http, &base, &sid, id).await;
+        let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            ["process/started", "process/exited"],
+            "{id}: {evs:?}"
+        );
+        assert_eq!(evs[1]["data"]["status"]["code"], code, "{id}: {evs:?}");
+    }
+    // The sandbox is the same machine: it goes on serving commands.
+    let r: Value = http
+        .post(format!("{base}/v1/sessions/{sid}/tool-calls"))
+        .json(&json!({"calls": [{"id": "after", "name": "bash", "arguments": {"command": "echo still here"}}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(r.to_string().contains("still here"), "{r}");
+}
+
+/// Host pids of processes whose command line is exactly `argv`.
+fn pids_of(argv: &[&str]) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = raw.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
+        if args.len() == argv.len() && args.iter().zip(argv).all(|(a, b)| *a == b.as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Whether a sandbox init's control socket (`SOCK_SEQPACKET`) at `path` takes connections.
+fn listens(path: &std::path::Path) -> bool {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let Ok(fd) = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    let Ok(addr) = UnixAddr::new(path) else {
+        return false;
+    };
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr).is_ok()
+}
+
+/// A local sandbox whose daemon was killed and never comes back does not run forever:
+/// after `orphan_grace_ms` its init ends it, and every process in it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_sandbox_whose_daemon_never_returns_ends_after_its_orphan_grace() {
+    let state = tempfile::tempdir().unwrap();
+    let mut cfg = tether_daemon::config::Config::default();
+    cfg.providers.insert(
+        "local".into(),
+        tether_daemon::config::ProviderConfig::Local(tether_provider_local::LocalConfig {
+            orphan_grace_ms: 1500,
+            ..Default::default()
+        }),
+    );
+    let config = state.path().join("tetherd.toml");
+    std::fs::write(&config, toml::to_string(&cfg).unwrap()).unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = TetherdChild::spawn_with(state.path(), port, Some(&config));
+    wait_healthy(&http, &base).await;
+    let sid = new_session(&http, &base).await;
+    let argv = ["sleep", "613.25"];
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/processes"))
+        .json(&json!({"argv": argv, "command_id": "long"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    wait_until("the command runs", Duration::from_secs(30), || async {
+        !pids_of(&argv).is_empty()
+    })
+    .await;
+    let pids = pids_of(&argv);
+    child.kill_9();
+    // Within the grace it runs on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        pids.iter()
+            .all(|p| std::path::Path::new(&format!("/proc/{p}")).exists()),
+        "the command outlives its daemon for the grace"
+    );
+    wait_until(
+        "the sandbox ends after its grace",
+        Duration::from_secs(20),
+        || async {
+            pids.iter()
+                .all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+        },
+    )
+    .await;
+    let sockets: Vec<_> = std::fs::read_dir(state.path().join("sandboxes/local"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("state/init.sock"))
+        .filter(|p| listens(p))
+        .collect();
+    assert!(sockets.is_empty(), "an init still listens: {sockets:?}");
 }

@@ -19,12 +19,12 @@ use tether_protocol::process::ExitStatus;
 use tether_provider::{ProviderError, Result};
 use tokio::io::unix::AsyncFd;
 use tokio::process::Command;
-use tokio::sync::{Mutex, oneshot};
+use tokio::sync::{Mutex, oneshot, watch};
 
 use crate::config::LocalConfig;
 use crate::confine::CONFINE_SUBCOMMAND;
 use crate::error::{internal, spawn_failed};
-use crate::init::{FromInit, InitSpec, ToInit, recv_with, send};
+use crate::init::{Counts, FromInit, InitSpec, ToInit, recv_with, send};
 
 /// The standalone trampoline's file name.
 pub const CONFINE_BINARY: &str = "tether-confine";
@@ -68,24 +68,58 @@ impl Launcher {
 
 // === impl Init ===
 
-/// What a spawn request yields: the command's pid inside, a pidfd, and its exit.
+/// How a command ended, and its final output counts.
+pub(crate) type Final = (ExitStatus, Counts);
+
+/// What a spawn request yields: the command's pid inside, a pidfd, its output counts
+/// as pid1 spools them, and its end.
 pub(crate) struct Spawned {
     pub pid: u32,
     /// `None` when the command had already ended and been reaped.
     pub host_pid: Option<u32>,
-    pub exit: oneshot::Receiver<ExitStatus>,
+    pub counts: watch::Receiver<Counts>,
+    pub exit: oneshot::Receiver<Final>,
+}
+
+/// A command a reconnected init knew (see [`Init::reconnect`]).
+pub(crate) struct Adopted {
+    pub pid: u32,
+    /// What the daemon that started it said about it.
+    pub tag: String,
+    pub pty: bool,
+    pub counts: Counts,
+    /// Its end, when it ended while no daemon was there.
+    pub exit: Option<ExitStatus>,
+    /// A running one: as [`Spawned`].
+    pub running: Option<Spawned>,
 }
 
 enum SpawnReply {
-    Ok(u32, Option<OwnedFd>, oneshot::Receiver<ExitStatus>),
+    Ok(Spawned, Option<OwnedFd>),
     Failed { not_found: bool, message: String },
 }
 
 #[derive(Default)]
 struct Waiters {
     spawns: HashMap<u64, oneshot::Sender<SpawnReply>>,
-    exits: HashMap<u32, oneshot::Sender<ExitStatus>>,
+    exits: HashMap<u32, oneshot::Sender<Final>>,
+    outputs: HashMap<u32, watch::Sender<Counts>>,
     closed: bool,
+}
+
+impl Waiters {
+    /// Follow command `pid`: its counts and its end.
+    fn track(
+        &mut self,
+        pid: u32,
+        counts: Counts,
+    ) -> (watch::Receiver<Counts>, oneshot::Receiver<Final>) {
+        let (tx, rx) = oneshot::channel();
+        self.exits.insert(pid, tx);
+        let (ctx, crx) = watch::channel(counts);
+        self.outputs.insert(pid, ctx);
+        (crx, rx)
+    }
 }
 
 /// The waiters, and whether the init is gone (readable without the lock).
@@ -179,16 +213,21 @@ fn pidfd_host_pid(fd: &OwnedFd) -> Option<u32> {
 
 impl Init {
     /// Start a sandbox's init: holder, namespaces, id maps, pid1, set-up. `join` puts
-    /// the holder into the sandbox's cgroups before it creates anything.
+    /// the holder into the sandbox's cgroups before it creates anything. A later daemon
+    /// reconnects through the socket `control` ([`Init::reconnect`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn start(
         launcher: &Launcher,
         spec: &InitSpec,
         uid_base: u32,
         uid_count: u32,
         log: &Path,
+        control: &Path,
         join: impl FnOnce(u32) -> std::io::Result<()>,
         timeout: Duration,
     ) -> Result<Self> {
+        let listener =
+            listen(control).map_err(|e| internal("cannot create the init's control socket", e))?;
         let (ours, theirs) = rustix::net::socketpair(
             rustix::net::AddressFamily::UNIX,
             rustix::net::SocketType::SEQPACKET,
@@ -251,8 +290,11 @@ impl Init {
             send_async(&sock, &ToInit::Mapped, &[])
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
-            // pid1 reads its own copy (never on its command line: that is visible inside).
-            send_async(&sock, &ToInit::Setup(spec.clone()), &[])
+            // pid1 reads its own copy (never on its command line: that is visible inside),
+            // with the socket a later daemon reconnects through, and the store.
+            let mut fds = vec![listener.as_fd()];
+            fds.extend(store.as_ref().map(|s| s.as_fd()));
+            send_async(&sock, &ToInit::Setup(spec.clone()), &fds)
                 .await
                 .map_err(|e| internal("cannot talk to the sandbox init", e))?;
             match recv_async(&sock, &mut buf).await {
@@ -280,12 +322,30 @@ impl Init {
                         std::io::Error::other("no child"),
                     )
                 })?;
-        let shared = Arc::new(Shared::default());
+        drop(listener);
+        Ok(Self::serve(
+            sock,
+            Some(child),
+            pid1,
+            store,
+            Shared::default(),
+        ))
+    }
+
+    /// The provider's side from here on: a reader of pid1's messages.
+    fn serve(
+        sock: Arc<AsyncFd<OwnedFd>>,
+        holder: Option<tokio::process::Child>,
+        pid1: u32,
+        store: Option<OwnedFd>,
+        shared: Shared,
+    ) -> Self {
+        let shared = Arc::new(shared);
         let stop = tokio_util::sync::CancellationToken::new();
         tokio::spawn(read_loop(sock.clone(), shared.clone(), stop.clone()));
-        Ok(Self {
+        Self {
             sock,
-            holder: Mutex::new(Some(child)),
+            holder: Mutex::new(holder),
             pid1,
             pid1_fd: rustix::process::Pid::from_raw(pid1 as i32).and_then(|p| {
                 rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
@@ -295,7 +355,119 @@ impl Init {
             shared,
             send_lock: Mutex::new(()),
             stop,
-        })
+        }
+    }
+
+    /// Take over the init of a sandbox whose daemon went away (a crash, `kill -9`):
+    /// connect to its control socket, learn the commands it knows. `Ok(None)` when no
+    /// init listens there (it ended: its orphan grace passed, or the machine rebooted).
+    pub(crate) async fn reconnect(
+        control: &Path,
+        timeout: Duration,
+    ) -> Result<Option<(Self, Vec<Adopted>)>> {
+        let conn = match connect(control) {
+            Ok(c) => c,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(internal("cannot reach the sandbox's init", e)),
+        };
+        let pid1 = rustix::net::sockopt::socket_peercred(&conn)
+            .map_err(|e| {
+                internal(
+                    "cannot identify the sandbox's init",
+                    std::io::Error::from(e),
+                )
+            })?
+            .pid
+            .as_raw_nonzero()
+            .get() as u32;
+        let sock =
+            Arc::new(async_fd(conn).map_err(|e| internal("cannot register the init socket", e))?);
+        let mut buf = vec![0u8; FROM_INIT_MAX];
+        let learn = async {
+            send_async(&sock, &ToInit::Reattach, &[])
+                .await
+                .map_err(|e| internal("cannot talk to the sandbox's init", e))?;
+            let mut waiters = Waiters::default();
+            let mut known = Vec::new();
+            loop {
+                match recv_async(&sock, &mut buf).await {
+                    Ok(Some((
+                        FromInit::Known {
+                            pid,
+                            tag,
+                            pty,
+                            counts,
+                            exit,
+                        },
+                        mut fds,
+                    ))) => {
+                        let running = match exit {
+                            Some(_) => None,
+                            None => {
+                                let (counts_rx, exit_rx) = waiters.track(pid, counts);
+                                Some(Spawned {
+                                    pid,
+                                    host_pid: fds.pop().as_ref().and_then(pidfd_host_pid),
+                                    counts: counts_rx,
+                                    exit: exit_rx,
+                                })
+                            }
+                        };
+                        known.push(Adopted {
+                            pid,
+                            tag,
+                            pty,
+                            counts,
+                            exit: exit.map(|e| ExitStatus {
+                                code: e.code,
+                                signal: e.signal,
+                            }),
+                            running,
+                        });
+                    }
+                    Ok(Some((FromInit::Attached, mut fds))) => {
+                        return Ok((waiters, known, fds.pop()));
+                    }
+                    Ok(Some((other, _))) => {
+                        tracing::debug!(message = ?other, "Unexpected message from a sandbox init during re-attach")
+                    }
+                    Ok(None) => {
+                        return Err(internal(
+                            "the sandbox's init went away during re-attach",
+                            std::io::Error::other("end of file"),
+                        ));
+                    }
+                    Err(e) => return Err(internal("cannot talk to the sandbox's init", e)),
+                }
+            }
+        };
+        let (waiters, known, store) =
+            tokio::time::timeout(timeout, learn).await.map_err(|_| {
+                init_failed(format!(
+                    "the sandbox's init did not answer a re-attach within {timeout:?}"
+                ))
+            })??;
+        let shared = Shared {
+            waiters: Mutex::new(waiters),
+            closed: AtomicBool::new(false),
+        };
+        Ok(Some((Self::serve(sock, None, pid1, store, shared), known)))
+    }
+
+    /// End the init listening at `control` that no daemon holds (best effort: one that
+    /// is not there is already gone). True when one was asked.
+    pub(crate) fn end_orphan(control: &Path) -> bool {
+        match connect(control) {
+            Ok(conn) => send(conn.as_fd(), &ToInit::Shutdown, &[]).is_ok(),
+            Err(_) => false,
+        }
     }
 
     /// Start a command with `fds` as stdin, stdout, stderr (or one pty descriptor).
@@ -306,8 +478,10 @@ impl Init {
         env: Vec<(String, String)>,
         cwd: PathBuf,
         pty: bool,
-        uid: u32,
-        gid: u32,
+        (uid, gid): (u32, u32),
+        tag: String,
+        caps: [u64; 2],
+        drain_ms: u64,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Spawned> {
         let req = self.next.fetch_add(1, Ordering::Relaxed);
@@ -327,6 +501,9 @@ impl Init {
             pty,
             uid,
             gid,
+            tag,
+            caps,
+            drain_ms,
         };
         {
             let _g = self.send_lock.lock().await;
@@ -335,13 +512,9 @@ impl Init {
                 .map_err(|e| spawn_failed("cannot reach the sandbox's init", Some(e)))?;
         }
         match rx.await {
-            Ok(SpawnReply::Ok(pid, pidfd, exit)) => {
-                let host_pid = pidfd.as_ref().and_then(pidfd_host_pid);
-                Ok(Spawned {
-                    pid,
-                    host_pid,
-                    exit,
-                })
+            Ok(SpawnReply::Ok(mut spawned, pidfd)) => {
+                spawned.host_pid = pidfd.as_ref().and_then(pidfd_host_pid);
+                Ok(spawned)
             }
             Ok(SpawnReply::Failed { not_found, message }) => Err(spawn_failed(
                 message,
@@ -360,8 +533,15 @@ impl Init {
         !self.shared.closed.load(Ordering::Acquire)
     }
 
+    /// Ask pid1 to end the sandbox (it does not end when the socket closes: a later
+    /// daemon may take it over).
+    pub(crate) fn shutdown_now(&self) {
+        let _ = send(self.sock.get_ref().as_fd(), &ToInit::Shutdown, &[]);
+    }
+
     /// SIGKILL pid 1, and so the whole pid namespace.
     pub(crate) fn kill_now(&self) {
+        self.shutdown_now();
         if let Some(fd) = &self.pid1_fd {
             let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
         }
@@ -395,10 +575,20 @@ async fn read_loop(
         let mut w = shared.waiters.lock().await;
         match msg {
             (FromInit::Spawned { req, pid }, mut fds) => {
-                let (tx, rx) = oneshot::channel();
-                w.exits.insert(pid, tx);
+                let (counts, exit) = w.track(pid, Counts::default());
                 if let Some(s) = w.spawns.remove(&req) {
-                    let _ = s.send(SpawnReply::Ok(pid, fds.pop(), rx));
+                    let spawned = Spawned {
+                        pid,
+                        host_pid: None,
+                        counts,
+                        exit,
+                    };
+                    let _ = s.send(SpawnReply::Ok(spawned, fds.pop()));
+                }
+            }
+            (FromInit::Output { pid, counts }, _) => {
+                if let Some(o) = w.outputs.get(&pid) {
+                    o.send_replace(counts);
                 }
             }
             (
@@ -413,9 +603,20 @@ async fn read_loop(
                     let _ = s.send(SpawnReply::Failed { not_found, message });
                 }
             }
-            (FromInit::Exited { pid, code, signal }, _) => {
+            (
+                FromInit::Exited {
+                    pid,
+                    code,
+                    signal,
+                    counts,
+                },
+                _,
+            ) => {
+                if let Some(o) = w.outputs.remove(&pid) {
+                    o.send_replace(counts);
+                }
                 if let Some(s) = w.exits.remove(&pid) {
-                    let _ = s.send(ExitStatus { code, signal });
+                    let _ = s.send((ExitStatus { code, signal }, counts));
                 }
             }
             (other, _) => {
@@ -429,6 +630,63 @@ async fn read_loop(
     // Dropping the senders tells every waiter the init is gone.
     w.spawns.clear();
     w.exits.clear();
+    w.outputs.clear();
+}
+
+/// A control socket bound at `path` (a stale one from an init that ended is replaced),
+/// reachable by the daemon's user only.
+fn listen(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let _ = std::fs::remove_file(path);
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    with_short_path(path, |p| rustix::net::bind(&fd, &SocketAddrUnix::new(p)?))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    // pid1 calls listen(2) (see [`crate::init`]).
+    Ok(fd)
+}
+
+/// Run `f` with a name of `path` that fits into a socket address (108 bytes): the
+/// path through a descriptor of its directory (`/proc/self/fd/N/name`), as a state
+/// directory's path may be longer than that.
+fn with_short_path(
+    path: &Path,
+    f: impl FnOnce(&Path) -> rustix::io::Result<()>,
+) -> std::io::Result<()> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::other("not a socket path"));
+    };
+    let dir = rustix::fs::open(
+        dir,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    let short = Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(name);
+    f(&short)?;
+    Ok(())
+}
+
+/// Connect to the control socket at `path`.
+fn connect(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    with_short_path(path, |p| {
+        rustix::net::connect(&fd, &SocketAddrUnix::new(p)?)
+    })?;
+    rustix::io::ioctl_fionbio(&fd, true)?;
+    Ok(fd)
 }
 
 // === impl Network ===
@@ -437,7 +695,10 @@ async fn read_loop(
 /// forwarded into the sandbox, and neither the host's loopback nor the gateway address
 /// leads to the host.
 pub(crate) struct Network {
-    child: tokio::process::Child,
+    /// The helper this daemon started; `None` for one it took over ([`Network::adopt`]).
+    child: Option<tokio::process::Child>,
+    /// The helper's pid.
+    pid: Option<u32>,
 }
 
 impl std::fmt::Debug for Network {
@@ -493,7 +754,11 @@ impl Network {
                     .any(|l| l.split_whitespace().nth(1) == Some("00000000"))
             });
             if ready {
-                return Ok(Self { child });
+                let pid = child.id();
+                return Ok(Self {
+                    child: Some(child),
+                    pid,
+                });
             }
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(init_failed(format!(
@@ -512,10 +777,31 @@ impl Network {
         }
     }
 
+    /// The NAT a previous daemon started for the sandbox whose pid 1 is `pid1`, if it
+    /// still runs.
+    pub(crate) fn adopt(helper: &Path, pid1: u32) -> Option<Self> {
+        let pid = nat_helpers(helper)
+            .into_iter()
+            .find_map(|(pid, target)| (target == pid1).then_some(pid))?;
+        Some(Self {
+            child: None,
+            pid: Some(pid as u32),
+        })
+    }
+
     /// Stop the NAT.
     pub(crate) async fn stop(&mut self) {
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+        match &mut self.child {
+            Some(child) => {
+                let _ = child.start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(2), child.wait()).await;
+            }
+            None => {
+                if let Some(pid) = self.pid {
+                    let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), NixSignal::SIGKILL);
+                }
+            }
+        }
     }
 }
 
@@ -542,10 +828,24 @@ const NAT_SIGNATURE: &[&str] = &[
 /// helper started by this provider (`helper` with exactly [`NAT_SIGNATURE`]) whose target
 /// sandbox pid no longer exists serves no sandbox. Returns how many were killed.
 pub(crate) fn sweep_orphaned_nats(helper: &Path) -> usize {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
     let mut killed = 0;
+    for (pid, target) in nat_helpers(helper) {
+        if !Path::new(&format!("/proc/{target}")).exists()
+            && nix::sys::signal::kill(Pid::from_raw(pid), NixSignal::SIGKILL).is_ok()
+        {
+            killed += 1;
+        }
+    }
+    killed
+}
+
+/// The NAT helpers of this provider that run (`helper` with exactly [`NAT_SIGNATURE`]):
+/// their pids and the sandbox pid each serves.
+fn nat_helpers(helper: &Path) -> Vec<(i32, u32)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in rd.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
@@ -569,14 +869,11 @@ pub(crate) fn sweep_orphaned_nats(helper: &Path) -> usize {
         let target = std::str::from_utf8(rest[NAT_SIGNATURE.len()])
             .ok()
             .and_then(|t| t.parse::<u32>().ok());
-        if let (true, Some(target)) = (signed, target)
-            && !Path::new(&format!("/proc/{target}")).exists()
-            && nix::sys::signal::kill(Pid::from_raw(pid), NixSignal::SIGKILL).is_ok()
-        {
-            killed += 1;
+        if let (true, Some(target)) = (signed, target) {
+            out.push((pid, target));
         }
     }
-    killed
+    out
 }
 
 // === process scans ===

@@ -25,6 +25,8 @@ pub const DEFAULT_MAX_GRACE_MS: u64 = 60_000;
 
 /// Default number of finished commands remembered per sandbox (for `attach` and `list`).
 pub const DEFAULT_FINISHED_COMMANDS_KEPT: usize = 256;
+/// Default [`LocalConfig::orphan_grace_ms`]: ten minutes.
+pub const DEFAULT_ORPHAN_GRACE_MS: u64 = 600_000;
 
 /// Default limit on how long `terminate()` waits for the kernel to reap a killed
 /// command before it reports survivors.
@@ -225,6 +227,12 @@ pub struct LocalConfig {
     /// Finished commands remembered per sandbox.
     #[serde(default = "default_finished_commands_kept")]
     pub finished_commands_kept: usize,
+    /// How long a sandbox outlives a daemon that went away without destroying it (a
+    /// crash, `kill -9`), in ms: its commands run on, their output is spooled, and a
+    /// daemon that starts within this time takes the sandbox over again, commands and
+    /// all. After it the sandbox ends (its files stay). 0 ends it at once.
+    #[serde(default = "default_orphan_grace_ms")]
+    pub orphan_grace_ms: u64,
 }
 
 impl Default for LocalConfig {
@@ -254,6 +262,7 @@ impl Default for LocalConfig {
             max_grace_ms: DEFAULT_MAX_GRACE_MS,
             kill_verify_ms: DEFAULT_KILL_VERIFY_MS,
             finished_commands_kept: DEFAULT_FINISHED_COMMANDS_KEPT,
+            orphan_grace_ms: DEFAULT_ORPHAN_GRACE_MS,
         }
     }
 }
@@ -445,4 +454,8 @@ fn default_kill_verify_ms() -> u64 {
 
 fn default_finished_commands_kept() -> usize {
     DEFAULT_FINISHED_COMMANDS_KEPT
+}
+
+fn default_orphan_grace_ms() -> u64 {
+    DEFAULT_ORPHAN_GRACE_MS
 }

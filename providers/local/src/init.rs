@@ -21,18 +21,26 @@
 //!    the template's read-only binds, the loopback interface up; then `pivot_root`s
 //!    into the sandbox root and detaches the host's. It says [`FromInit::Ready`].
 //! 4. From then on pid1 starts commands ([`ToInit::Spawn`], with the command's stdio
-//!    descriptors) as its children in their own process groups, answers
-//!    [`FromInit::Spawned`] with a pidfd of the new process, reaps every process of the
-//!    sandbox, and reports the exit of each command it started ([`FromInit::Exited`]).
+//!    descriptors, and for pipes their read ends and the output spools) as its children
+//!    in their own process groups, answers [`FromInit::Spawned`] with a pidfd of the new
+//!    process, copies each pipe into its spool up to its cap (draining the rest) and
+//!    reports the counts ([`FromInit::Output`]), reaps every process of the sandbox,
+//!    and reports each command's end once its leader exited and its pipes are done, or
+//!    the drain time after the leader's exit passed ([`FromInit::Exited`]).
 //!
-//! When the provider's end of the socket closes, pid1 exits, and the kernel kills every
-//! process of the pid namespace: nothing of a sandbox outlives its init.
+//! The sandbox ends on [`ToInit::Shutdown`]: pid1 exits, and the kernel kills every
+//! process of the pid namespace: nothing of a sandbox outlives its init. When the
+//! provider's end of the socket closes without it (the daemon crashed), pid1 keeps
+//! serving its commands and spooling their output, and listens on the control socket
+//! the provider bound for it (`state/init.sock`, outside the sandbox): a daemon that
+//! connects there within the orphan grace sends [`ToInit::Reattach`], learns every
+//! command ([`FromInit::Known`]: running ones with a pidfd, ended ones with their
+//! status) and carries on. After the grace pid1 ends the sandbox.
 //!
 //! pid1 is single-threaded: it waits on the socket and a `signalfd` for `SIGCHLD` with
 //! `poll`, so the standard library's own `waitpid` after a failed `exec` never races a
 //! reaper thread.
 
-use std::collections::HashSet;
 use std::ffi::OsString;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -56,7 +64,7 @@ use serde::{Deserialize, Serialize};
 pub(crate) const MAX_MESSAGE: usize = 1 << 20;
 
 /// Most descriptors passed with one message.
-const MAX_FDS: usize = 3;
+const MAX_FDS: usize = 8;
 
 /// What the init sets up (sent by the provider in [`ToInit::Setup`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,18 +102,24 @@ pub struct InitSpec {
     pub home_owner: (u32, u32),
     /// The host's `ip` program, used to bring the loopback interface up.
     pub ip: Option<PathBuf>,
+    /// How long pid1 waits for a daemon to reconnect after the control socket closed
+    /// without [`ToInit::Shutdown`], in ms ([`LocalConfig::orphan_grace_ms`](crate::LocalConfig::orphan_grace_ms)).
+    pub orphan_grace_ms: u64,
 }
 
 /// Provider to init.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case", deny_unknown_fields)]
 pub(crate) enum ToInit {
-    /// What to set up (to the holder).
+    /// What to set up (to the holder; to pid1 with the listening socket a later daemon
+    /// reconnects through, and the store).
     Setup(InitSpec),
     /// The uid and gid maps are written (to the holder).
     Mapped,
-    /// Start a command; the message carries its stdin, stdout and stderr (or one pty
-    /// descriptor for all three).
+    /// Start a command. Without a pty the message carries its stdin, stdout and stderr,
+    /// the read ends of its stdout and stderr pipes and the two spool files: pid1 copies
+    /// each pipe into its spool up to its cap, so output is kept while no daemon is
+    /// there. With a pty it carries the terminal only (the daemon spools the master).
     Spawn {
         req: u64,
         argv: Vec<String>,
@@ -114,7 +128,32 @@ pub(crate) enum ToInit {
         pty: bool,
         uid: u32,
         gid: u32,
+        /// The daemon's description of the command, handed back on [`ToInit::Reattach`].
+        tag: String,
+        /// Spool caps of stdout and stderr, in bytes.
+        caps: [u64; 2],
+        /// How long after the leader's exit output is still collected, in ms.
+        drain_ms: u64,
     },
+    /// First message of a daemon that reconnected: pid1 answers with every command it
+    /// knows ([`FromInit::Known`]), then [`FromInit::Attached`].
+    Reattach,
+    /// End the sandbox.
+    Shutdown,
+}
+
+/// Spooled (`kept`) and produced (`total`) bytes of stdout and stderr.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Counts {
+    pub kept: [u64; 2],
+    pub total: [u64; 2],
+}
+
+/// How a command's leader ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Ended {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
 }
 
 /// Init to provider.
@@ -135,12 +174,26 @@ pub(crate) enum FromInit {
         not_found: bool,
         message: String,
     },
-    /// A command's leader ended.
+    /// More output of a command was spooled (totals so far).
+    Output { pid: u32, counts: Counts },
+    /// A command ended: its leader exited and its pipes reached end of file (or the
+    /// drain time after the leader's exit passed). `counts` are final.
     Exited {
         pid: u32,
         code: Option<i32>,
         signal: Option<i32>,
+        counts: Counts,
     },
+    /// A command pid1 knows (after [`ToInit::Reattach`]); running ones carry a pidfd.
+    Known {
+        pid: u32,
+        tag: String,
+        pty: bool,
+        counts: Counts,
+        exit: Option<Ended>,
+    },
+    /// The end of the [`FromInit::Known`] list; carries the store when there is one.
+    Attached,
 }
 
 /// Send one message with `fds`.
@@ -542,15 +595,22 @@ fn set_mode(p: &str, mode: u32) -> std::io::Result<()> {
 }
 
 /// `__confine pid1`: read the spec from the socket, build the sandbox's view, serve.
+// pid1 is a plain single-threaded process without a runtime: std's clock is its clock.
+#[allow(clippy::disallowed_types)]
 pub(crate) fn pid1() -> ExitCode {
-    let spec = {
+    let (spec, mut fds) = {
         let stdin = std::io::stdin();
         match recv::<ToInit>(stdin.as_fd(), RecvFlags::empty()) {
-            Ok(Some((ToInit::Setup(spec), _))) => spec,
+            Ok(Some((ToInit::Setup(spec), fds))) => (spec, fds),
             Ok(_) => return fail("pid1 setup", "no setup message"),
             Err(e) => return fail("pid1 setup", e),
         }
     };
+    // The listening socket a later daemon reconnects through, and the store.
+    let store = (fds.len() > 1).then(|| fds.remove(1));
+    // pid1 listens (the daemon only bound it): a connecting daemon's peer credentials
+    // are the listener's, so they name pid1.
+    let listener = fds.pop().filter(|l| rustix::net::listen(l, 4).is_ok());
     if spec.isolate
         && let Err((step, e)) = build_root(&spec)
     {
@@ -565,158 +625,536 @@ pub(crate) fn pid1() -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail("signalfd", e),
     };
-    let stdin = std::io::stdin();
-    let sock = stdin.as_fd();
-    if let Err(e) = send(sock, &FromInit::Ready, &[]) {
+    let ctl = {
+        let stdin = std::io::stdin();
+        match stdin.as_fd().try_clone_to_owned() {
+            Ok(fd) => fd,
+            Err(e) => return fail("take the control socket", e),
+        }
+    };
+    // Nothing but the control socket (a close-on-exec copy) is the daemon's way in.
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        let _ = rustix::stdio::dup2_stdin(&null);
+    }
+    if let Err(e) = send(ctl.as_fd(), &FromInit::Ready, &[]) {
         return fail("report ready", e);
     }
-    serve(sock, &sfd);
+    let mut init = Pid1 {
+        ctl: Some(ctl),
+        listener,
+        store,
+        grace: std::time::Duration::from_millis(spec.orphan_grace_ms),
+        orphaned_at: None,
+        commands: Vec::new(),
+        finished: std::collections::VecDeque::new(),
+        buf: vec![0u8; MAX_MESSAGE],
+        want_write: false,
+    };
+    init.serve(&sfd);
     ExitCode::SUCCESS
 }
 
-fn serve(sock: BorrowedFd<'_>, sfd: &SignalFd) {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    let mut commands: HashSet<i32> = HashSet::new();
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        let (sock_ready, sig_ready) = {
-            let mut fds = [
-                PollFd::new(sock, PollFlags::POLLIN),
-                PollFd::new(sfd.as_fd(), PollFlags::POLLIN),
-            ];
-            match poll(&mut fds, PollTimeout::NONE) {
-                Ok(_) => {}
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(_) => return,
+/// Finished commands pid1 remembers for a daemon that reconnects (their ends may not
+/// have reached the daemon that went away).
+const FINISHED_KEPT: usize = 64;
+
+/// What pid1 reads from a pipe at once.
+const PIPE_CHUNK: usize = 64 * 1024;
+
+/// A command pid1 started.
+// pid1 is a plain single-threaded process without a runtime: std's clock is its clock.
+#[allow(clippy::disallowed_types)]
+struct Cmd {
+    pid: i32,
+    tag: String,
+    pty: bool,
+    /// Read ends of stdout and stderr (until end of file).
+    pipes: [Option<OwnedFd>; 2],
+    /// The spools (dropped once writing one fails: the disk is full).
+    spools: [Option<std::fs::File>; 2],
+    caps: [u64; 2],
+    counts: Counts,
+    drain: std::time::Duration,
+    /// The leader's end, and when it was seen.
+    leader: Option<(Ended, std::time::Instant)>,
+    /// The end was reported (output after it is read and dropped).
+    sealed: bool,
+    /// Counts changed since the daemon was last told.
+    dirty: bool,
+}
+
+impl Cmd {
+    fn pipes_done(&self) -> bool {
+        self.pipes.iter().all(Option::is_none)
+    }
+
+    /// Read once from stream `s`: spool what fits under the cap, count everything.
+    fn pump(&mut self, s: usize, buf: &mut [u8]) {
+        let Some(pipe) = &self.pipes[s] else { return };
+        let len = PIPE_CHUNK.min(buf.len());
+        let n = match rustix::io::read(pipe, &mut buf[..len]) {
+            Ok(0) => {
+                self.pipes[s] = None;
+                return;
             }
-            let r = |f: &PollFd<'_>| f.revents().is_some_and(|e| !e.is_empty());
-            (r(&fds[0]), r(&fds[1]))
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => return,
+            Err(_) => {
+                self.pipes[s] = None;
+                return;
+            }
         };
-        if sig_ready {
-            while let Ok(Some(_)) = sfd.read_signal() {}
-            reap(sock, &mut commands);
+        if self.sealed {
+            return;
         }
-        if sock_ready {
-            match recv_with::<ToInit>(sock, RecvFlags::DONTWAIT, &mut buf) {
-                Ok(Some((msg, fds))) => handle(sock, msg, fds, &mut commands),
-                Ok(None) => return,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => return,
+        self.counts.total[s] += n as u64;
+        let keep = (self.caps[s].saturating_sub(self.counts.kept[s])).min(n as u64) as usize;
+        if keep > 0
+            && let Some(f) = &mut self.spools[s]
+        {
+            use std::io::Write;
+            if f.write_all(&buf[..keep]).is_ok() {
+                self.counts.kept[s] += keep as u64;
+            } else {
+                self.spools[s] = None;
             }
         }
+        self.dirty = true;
     }
 }
 
-fn reap(sock: BorrowedFd<'_>, commands: &mut HashSet<i32>) {
-    loop {
-        let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
-            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
-            Ok(WaitStatus::StillAlive) | Err(_) => return,
-            Ok(_) => continue,
+/// pid1's state: the daemon's socket (when one is connected), the commands.
+// pid1 is a plain single-threaded process without a runtime: std's clock is its clock.
+#[allow(clippy::disallowed_types)]
+struct Pid1 {
+    ctl: Option<OwnedFd>,
+    listener: Option<OwnedFd>,
+    store: Option<OwnedFd>,
+    grace: std::time::Duration,
+    /// When the last daemon went away without shutting the sandbox down.
+    orphaned_at: Option<std::time::Instant>,
+    commands: Vec<Cmd>,
+    finished: std::collections::VecDeque<Cmd>,
+    buf: Vec<u8>,
+    /// An `Output` did not fit into the socket: wait until it is writable.
+    want_write: bool,
+}
+
+/// What woke pid1.
+enum Wake {
+    Ctl,
+    CtlWritable,
+    Listener,
+    Signal,
+    Pipe(usize, usize),
+}
+
+// pid1 is a plain single-threaded process without a runtime: std's clock is its clock.
+#[allow(clippy::disallowed_types)]
+impl Pid1 {
+    fn serve(&mut self, sfd: &SignalFd) {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        loop {
+            let now = std::time::Instant::now();
+            if let Some(at) = self.orphaned_at
+                && now.duration_since(at) >= self.grace
+            {
+                // No daemon came back: the sandbox ends (its files stay).
+                return;
+            }
+            let mut wakes = Vec::new();
+            let mut ready = Vec::new();
+            {
+                let mut fds = Vec::with_capacity(4 + 2 * self.commands.len());
+                let mut kinds = Vec::with_capacity(fds.capacity());
+                if let Some(c) = &self.ctl {
+                    let mut f = PollFlags::POLLIN;
+                    if self.want_write {
+                        f |= PollFlags::POLLOUT;
+                    }
+                    fds.push(PollFd::new(c.as_fd(), f));
+                    kinds.push(Wake::Ctl);
+                }
+                // Always: a daemon knocking while another is connected is turned away
+                // at once (its messages are never read later, by surprise).
+                if let Some(l) = &self.listener {
+                    fds.push(PollFd::new(l.as_fd(), PollFlags::POLLIN));
+                    kinds.push(Wake::Listener);
+                }
+                fds.push(PollFd::new(sfd.as_fd(), PollFlags::POLLIN));
+                kinds.push(Wake::Signal);
+                for (i, c) in self.commands.iter().enumerate() {
+                    for (s, p) in c.pipes.iter().enumerate() {
+                        if let Some(p) = p {
+                            fds.push(PollFd::new(p.as_fd(), PollFlags::POLLIN));
+                            kinds.push(Wake::Pipe(i, s));
+                        }
+                    }
+                }
+                let timeout = self.next_timer(now).map_or(PollTimeout::NONE, |d| {
+                    PollTimeout::try_from(d.as_millis().clamp(1, 60_000) as i32)
+                        .unwrap_or(PollTimeout::MAX)
+                });
+                match poll(&mut fds, timeout) {
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(_) => return,
+                }
+                for (f, k) in fds.iter().zip(kinds) {
+                    let Some(ev) = f.revents() else { continue };
+                    if ev.is_empty() {
+                        continue;
+                    }
+                    if matches!(k, Wake::Ctl) && ev.contains(PollFlags::POLLOUT) {
+                        wakes.push(Wake::CtlWritable);
+                    }
+                    if matches!(k, Wake::Ctl)
+                        && !ev
+                            .intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR)
+                    {
+                        continue;
+                    }
+                    ready.push(k);
+                }
+            }
+            wakes.extend(ready);
+            let mut shutdown = false;
+            for w in wakes {
+                match w {
+                    Wake::Pipe(i, s) => {
+                        if let Some(c) = self.commands.get_mut(i) {
+                            c.pump(s, &mut self.buf);
+                        }
+                    }
+                    Wake::Signal => {
+                        while let Ok(Some(_)) = sfd.read_signal() {}
+                        self.reap();
+                    }
+                    Wake::CtlWritable => self.want_write = false,
+                    Wake::Listener => self.accept(),
+                    Wake::Ctl => {
+                        if self.read_ctl() {
+                            shutdown = true;
+                        }
+                    }
+                }
+            }
+            if shutdown {
+                return;
+            }
+            self.settle();
+            if self.ctl.is_none() && self.orphaned_at.is_none() {
+                if self.listener.is_none() {
+                    // Nobody could reconnect: the sandbox ends with its daemon.
+                    return;
+                }
+                self.orphaned_at = Some(std::time::Instant::now());
+            }
+        }
+    }
+
+    /// Time until the next drain deadline or the end of the orphan grace.
+    fn next_timer(&self, now: std::time::Instant) -> Option<std::time::Duration> {
+        let drains = self.commands.iter().filter_map(|c| match c.leader {
+            Some((_, at)) if !c.sealed => Some((at + c.drain).saturating_duration_since(now)),
+            _ => None,
+        });
+        let orphan = self
+            .orphaned_at
+            .map(|at| (at + self.grace).saturating_duration_since(now));
+        drains.chain(orphan).min()
+    }
+
+    /// Reap every process of the sandbox; note the ends of commands' leaders.
+    fn reap(&mut self) {
+        loop {
+            let (pid, code, signal) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => (pid, Some(code), None),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, None, Some(sig as i32)),
+                Ok(WaitStatus::StillAlive) | Err(_) => return,
+                Ok(_) => continue,
+            };
+            if let Some(c) = self
+                .commands
+                .iter_mut()
+                .find(|c| c.pid == pid.as_raw() && c.leader.is_none())
+            {
+                c.leader = Some((Ended { code, signal }, std::time::Instant::now()));
+            }
+        }
+    }
+
+    /// Tell the daemon what changed: output, and the ends of commands whose leader
+    /// exited and whose pipes are done (or whose drain time passed).
+    fn settle(&mut self) {
+        let now = std::time::Instant::now();
+        let mut i = 0;
+        while i < self.commands.len() {
+            let c = &mut self.commands[i];
+            if let Some((end, at)) = c.leader
+                && !c.sealed
+                && (c.pipes_done() || now.duration_since(at) >= c.drain)
+            {
+                c.sealed = true;
+                c.dirty = false;
+                let msg = FromInit::Exited {
+                    pid: c.pid as u32,
+                    code: end.code,
+                    signal: end.signal,
+                    counts: c.counts,
+                };
+                if let Some(ctl) = &self.ctl {
+                    // Not sent (the daemon just went away): the next one learns it
+                    // from [`ToInit::Reattach`].
+                    let _ = send(ctl.as_fd(), &msg, &[]);
+                }
+            }
+            let c = &self.commands[i];
+            if c.sealed && c.pipes_done() {
+                let mut done = self.commands.swap_remove(i);
+                done.spools = [None, None];
+                self.finished.push_back(done);
+                while self.finished.len() > FINISHED_KEPT {
+                    self.finished.pop_front();
+                }
+                continue;
+            }
+            i += 1;
+        }
+        let Some(ctl) = &self.ctl else { return };
+        for c in self.commands.iter_mut().filter(|c| c.dirty && !c.sealed) {
+            let msg = FromInit::Output {
+                pid: c.pid as u32,
+                counts: c.counts,
+            };
+            // Counts are totals: one that does not fit is sent again, newer, later.
+            match send_nonblocking(ctl.as_fd(), &msg) {
+                Ok(true) => c.dirty = false,
+                Ok(false) => {
+                    self.want_write = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// A message from the daemon; true when the sandbox is to end.
+    fn read_ctl(&mut self) -> bool {
+        let Some(ctl) = &self.ctl else { return false };
+        match recv_with::<ToInit>(ctl.as_fd(), RecvFlags::DONTWAIT, &mut self.buf) {
+            Ok(Some((ToInit::Shutdown, _))) => true,
+            Ok(Some((ToInit::Reattach, _))) => {
+                self.reattach();
+                false
+            }
+            Ok(Some((msg, fds))) => {
+                self.spawn(msg, fds);
+                false
+            }
+            Ok(None) => {
+                self.disconnect();
+                false
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::Interrupted =>
+            {
+                false
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::InvalidData
+                    || e.kind() == std::io::ErrorKind::Other =>
+            {
+                // A message that does not parse: ignore it, keep serving.
+                false
+            }
+            Err(_) => {
+                self.disconnect();
+                false
+            }
+        }
+    }
+
+    fn disconnect(&mut self) {
+        // A later daemon learns every command again ([`ToInit::Reattach`]): the one
+        // that went away may not have recorded what it was told.
+        self.ctl = None;
+        self.want_write = false;
+    }
+
+    /// A daemon knocks: it becomes the one connected, unless one already is (then the
+    /// connection is closed unread).
+    fn accept(&mut self) {
+        let Some(l) = &self.listener else { return };
+        let Ok(conn) = rustix::net::accept_with(l, rustix::net::SocketFlags::CLOEXEC) else {
+            return;
         };
-        if commands.remove(&pid.as_raw()) {
+        if self.ctl.is_some() {
+            return;
+        }
+        self.ctl = Some(conn);
+        self.orphaned_at = None;
+    }
+
+    /// Answer [`ToInit::Reattach`]: every command known, then the store.
+    fn reattach(&mut self) {
+        let Some(ctl) = &self.ctl else { return };
+        for c in self.commands.iter_mut().chain(self.finished.iter_mut()) {
+            let exit = if c.sealed {
+                c.leader.map(|(e, _)| e)
+            } else {
+                None
+            };
+            let msg = FromInit::Known {
+                pid: c.pid as u32,
+                tag: c.tag.clone(),
+                pty: c.pty,
+                counts: c.counts,
+                exit,
+            };
+            // Only a leader not yet reaped: a reaped one's pid may be another's now.
+            let pidfd = if c.leader.is_none() {
+                rustix::process::Pid::from_raw(c.pid).and_then(|p| {
+                    rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+                })
+            } else {
+                None
+            };
+            let fds: Vec<BorrowedFd<'_>> = pidfd.iter().map(|f| f.as_fd()).collect();
+            if send(ctl.as_fd(), &msg, &fds).is_err() {
+                return;
+            }
+            c.dirty = false;
+        }
+        let fds: Vec<BorrowedFd<'_>> = self.store.iter().map(|f| f.as_fd()).collect();
+        let _ = send(ctl.as_fd(), &FromInit::Attached, &fds);
+        // What the daemon was told about is no longer needed here.
+        self.finished.clear();
+    }
+
+    fn spawn(&mut self, msg: ToInit, mut fds: Vec<OwnedFd>) {
+        let ToInit::Spawn {
+            req,
+            argv,
+            env,
+            cwd,
+            pty,
+            uid,
+            gid,
+            tag,
+            caps,
+            drain_ms,
+        } = msg
+        else {
+            return;
+        };
+        let Some(ctl) = &self.ctl else { return };
+        let refuse = |not_found: bool, message: String| {
             let _ = send(
-                sock,
-                &FromInit::Exited {
-                    pid: pid.as_raw() as u32,
-                    code,
-                    signal,
+                ctl.as_fd(),
+                &FromInit::SpawnFailed {
+                    req,
+                    not_found,
+                    message,
                 },
                 &[],
             );
+        };
+        let Some((program, args)) = argv.split_first() else {
+            return refuse(false, "empty command".into());
+        };
+        let expected = if pty { 1 } else { 7 };
+        if fds.len() != expected {
+            return refuse(
+                false,
+                format!("expected {expected} descriptors, got {}", fds.len()),
+            );
+        }
+        let mut cmd = if pty {
+            // setsid and the controlling terminal need code between fork and exec: a
+            // second pass through this binary does them, then execs the command.
+            let mut c = std::process::Command::new("/proc/self/exe");
+            c.arg(crate::confine::CONFINE_SUBCOMMAND)
+                .arg("ptyexec")
+                .arg(program)
+                .args(args);
+            c
+        } else {
+            let mut c = std::process::Command::new(program);
+            c.args(args).process_group(0);
+            c
+        };
+        let mut pipes = [None, None];
+        let mut spools = [None, None];
+        let (stdin, stdout, stderr) = if pty {
+            let slave = fds.remove(0);
+            let (Ok(a), Ok(b)) = (slave.try_clone(), slave.try_clone()) else {
+                return refuse(false, "cannot duplicate the pty".into());
+            };
+            (slave, a, b)
+        } else {
+            spools[1] = fds.pop().map(std::fs::File::from);
+            spools[0] = fds.pop().map(std::fs::File::from);
+            pipes[1] = fds.pop();
+            pipes[0] = fds.pop();
+            let stderr = fds.remove(2);
+            let stdout = fds.remove(1);
+            (fds.remove(0), stdout, stderr)
+        };
+        cmd.env_clear()
+            .envs(
+                env.iter()
+                    .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+            )
+            .current_dir(&cwd)
+            .stdin(Stdio::from(stdin))
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr));
+        if uid != 0 || gid != 0 {
+            cmd.uid(uid).gid(gid);
+        }
+        match cmd.spawn() {
+            Ok(child) => {
+                let pid = child.id();
+                // The command's ends of its pipes went with `cmd`: ours read to the end.
+                drop(cmd);
+                self.commands.push(Cmd {
+                    pid: pid as i32,
+                    tag,
+                    pty,
+                    pipes,
+                    spools,
+                    caps,
+                    counts: Counts::default(),
+                    drain: std::time::Duration::from_millis(drain_ms),
+                    leader: None,
+                    sealed: false,
+                    dirty: false,
+                });
+                let pidfd = rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
+                    rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+                });
+                let fds: Vec<BorrowedFd<'_>> = pidfd.iter().map(|f| f.as_fd()).collect();
+                let _ = send(ctl.as_fd(), &FromInit::Spawned { req, pid }, &fds);
+                // The child is reaped by `reap`, never through `child`.
+                drop(child);
+            }
+            Err(e) => refuse(
+                e.kind() == std::io::ErrorKind::NotFound,
+                format!("cannot execute {program}: {e}"),
+            ),
         }
     }
 }
 
-fn handle(sock: BorrowedFd<'_>, msg: ToInit, mut fds: Vec<OwnedFd>, commands: &mut HashSet<i32>) {
-    let ToInit::Spawn {
-        req,
-        argv,
-        env,
-        cwd,
-        pty,
-        uid,
-        gid,
-    } = msg
-    else {
-        return;
-    };
-    let refuse = |not_found: bool, message: String| {
-        let _ = send(
-            sock,
-            &FromInit::SpawnFailed {
-                req,
-                not_found,
-                message,
-            },
-            &[],
-        );
-    };
-    let Some((program, args)) = argv.split_first() else {
-        return refuse(false, "empty command".into());
-    };
-    let expected = if pty { 1 } else { 3 };
-    if fds.len() != expected {
-        return refuse(
-            false,
-            format!("expected {expected} descriptors, got {}", fds.len()),
-        );
-    }
-    let mut cmd = if pty {
-        // setsid and the controlling terminal need code between fork and exec: a
-        // second pass through this binary does them, then execs the command.
-        let mut c = std::process::Command::new("/proc/self/exe");
-        c.arg(crate::confine::CONFINE_SUBCOMMAND)
-            .arg("ptyexec")
-            .arg(program)
-            .args(args);
-        c
-    } else {
-        let mut c = std::process::Command::new(program);
-        c.args(args).process_group(0);
-        c
-    };
-    let (stdin, stdout, stderr) = if pty {
-        let slave = fds.remove(0);
-        let (Ok(a), Ok(b)) = (slave.try_clone(), slave.try_clone()) else {
-            return refuse(false, "cannot duplicate the pty".into());
-        };
-        (slave, a, b)
-    } else {
-        let stderr = fds.remove(2);
-        let stdout = fds.remove(1);
-        (fds.remove(0), stdout, stderr)
-    };
-    cmd.env_clear()
-        .envs(
-            env.iter()
-                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
-        )
-        .current_dir(&cwd)
-        .stdin(Stdio::from(stdin))
-        .stdout(Stdio::from(stdout))
-        .stderr(Stdio::from(stderr));
-    if uid != 0 || gid != 0 {
-        cmd.uid(uid).gid(gid);
-    }
-    match cmd.spawn() {
-        Ok(child) => {
-            let pid = child.id();
-            commands.insert(pid as i32);
-            let pidfd = rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
-                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
-            });
-            let fds: Vec<BorrowedFd<'_>> = pidfd.iter().map(|f| f.as_fd()).collect();
-            let _ = send(sock, &FromInit::Spawned { req, pid }, &fds);
-            // The child is reaped by `reap`, never through `child`.
-            drop(child);
-        }
-        Err(e) => refuse(
-            e.kind() == std::io::ErrorKind::NotFound,
-            format!("cannot execute {program}: {e}"),
-        ),
+/// [`send`] without waiting for room: `Ok(false)` when the socket is full.
+fn send_nonblocking<T: Serialize>(sock: BorrowedFd<'_>, msg: &T) -> std::io::Result<bool> {
+    let bytes = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    match rustix::net::send(sock, &bytes, SendFlags::NOSIGNAL | SendFlags::DONTWAIT) {
+        Ok(_) => Ok(true),
+        Err(rustix::io::Errno::AGAIN) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -10,6 +10,10 @@
 //! What is enforced is reported in `SandboxInfo::enforcement`; less than `full` is
 //! refused unless the configuration allows weaker isolation.
 //!
+//! A sandbox outlives a daemon that crashed by [`LocalConfig::orphan_grace_ms`]: its init
+//! spools its commands' output meanwhile, and the next daemon takes it over, running
+//! commands and all.
+//!
 //! File operations ([`LocalFs`]) act on the sandbox's root through its init's
 //! `/proc/<pid>/root`, with path resolution that cannot leave it, as the sandbox's
 //! user. The crate contains no `unsafe` code: namespaces, mounts and descriptor passing
@@ -32,8 +36,8 @@ mod tests;
 pub use client::CONFINE_BINARY;
 pub use config::{
     DEFAULT_DEVICE_PATHS, DEFAULT_DISK_BYTES, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_MEMORY_BYTES,
-    DEFAULT_PIDS, DEFAULT_READ_ONLY_PATHS, DEFAULT_TEMPLATE, DEFAULT_UID_BASE,
-    DEFAULT_WORKSPACE_PATH, Isolation, LocalConfig,
+    DEFAULT_ORPHAN_GRACE_MS, DEFAULT_PIDS, DEFAULT_READ_ONLY_PATHS, DEFAULT_TEMPLATE,
+    DEFAULT_UID_BASE, DEFAULT_WORKSPACE_PATH, Isolation, LocalConfig,
 };
 pub use confine::CONFINE_SUBCOMMAND;
 pub use error::CONFINE_FAILED_EXIT;
@@ -41,4 +45,4 @@ pub use fs::{LocalFs, READ_CHUNK, TEMP_PREFIX};
 pub use init::InitSpec;
 pub use process::{DEFAULT_PATH, LocalCommand, LocalProcess};
 pub use rootfs::{BuildProgress, build_base};
-pub use sandbox::{KIND, LocalProvider, LocalSandbox};
+pub use sandbox::{KIND, LocalProvider, LocalSandbox, end_orphaned_sandboxes};

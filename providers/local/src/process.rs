@@ -41,6 +41,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal as NixSignal;
+use serde::{Deserialize, Serialize};
 use tether_protocol::limits::LimitKind;
 use tether_protocol::process::{
     Command as CommandSpec, ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize, StdinMode,
@@ -50,8 +51,8 @@ use tether_provider::{
     CallCtx, EventStream, Process, ProcessHandle, ProcessSelector, ProviderError, Result, Signal,
     StreamOffsets, TerminateReport,
 };
+use tokio::io::AsyncWriteExt;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Mutex, watch};
 
 use crate::client::{group_members, open_pty, set_winsize, shell_argv, signal_group};
@@ -112,6 +113,83 @@ impl LocalProcess {
             .collect();
         for c in &commands {
             c.kill_now();
+        }
+    }
+
+    /// Take over the commands a reconnected init knew (a daemon restart): running ones
+    /// are supervised again from what their spools hold; ended ones are remembered with
+    /// their status. Their stdin was the previous daemon's and is gone; a pty command's
+    /// terminal went with it too (its output is what was spooled before).
+    pub(crate) async fn adopt(&self, adopted: Vec<crate::client::Adopted>) {
+        let core = &self.inner.core;
+        let mut table = self.inner.table.lock().await;
+        for a in adopted {
+            let meta: CommandMeta = match serde_json::from_str(&a.tag) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(sandbox.id = %core.id, pid = a.pid, error = %e, "A command of a re-attached sandbox has an unreadable description");
+                    continue;
+                }
+            };
+            let id = meta.id.clone();
+            let spool = core.state_dir.join("cmd").join(&meta.key);
+            let out_path = spool.join("stdout");
+            let err_path = spool.join("stderr");
+            let mut start = Progress::default();
+            if a.pty {
+                let len = std::fs::metadata(&out_path).map_or(0, |m| m.len());
+                start.out = len;
+                start.out_total = len;
+            } else {
+                start.apply(a.counts);
+            }
+            start.exited = a.exit;
+            let (progress, _) = watch::channel(start);
+            let host_pid = a.running.as_ref().and_then(|r| r.host_pid);
+            let command = Arc::new(LocalCommand {
+                id: meta.id.clone(),
+                pid: a.pid,
+                info: ProcessInfo {
+                    command_id: meta.id.clone(),
+                    pid: a.pid,
+                    command: meta.command,
+                    cwd: meta.cwd,
+                    pty: a.pty,
+                    exit: None,
+                },
+                spool,
+                out_path,
+                err_path,
+                stdin: Mutex::new(None),
+                pty: None,
+                progress,
+                host_pid,
+                limit: std::sync::OnceLock::new(),
+                grace: Duration::from_millis(meta.grace_ms),
+                verify: Duration::from_millis(core.cfg.kill_verify_ms),
+                terminating: Mutex::new(None),
+                released: std::sync::RwLock::new(StreamOffsets::default()),
+            });
+            table.by_id.insert(id.clone(), command.clone());
+            match a.running {
+                Some(running) => {
+                    let before = core
+                        .cgroup
+                        .as_ref()
+                        .map(|cg| (cg.oom_kills(), cg.pids_refusals()));
+                    core.tasks.spawn(supervise(
+                        running,
+                        before,
+                        command,
+                        Vec::new(),
+                        Arc::new(AtomicBool::new(false)),
+                        Duration::from_millis(core.cfg.drain_after_exit_ms),
+                        Arc::downgrade(&self.inner),
+                    ));
+                }
+                None => table.finished.push_back(id.clone()),
+            }
+            tracing::info!(sandbox.id = %core.id, command.id = %id, "Re-attached a command of a sandbox that outlived its daemon");
         }
     }
 
@@ -254,10 +332,6 @@ impl Process for LocalProcess {
         .await
         .map_err(crate::error::join)?
         .map_err(|e| internal("cannot create the output spool", e))?;
-        let (out_file, err_file) = (
-            tokio::fs::File::from_std(out_file),
-            tokio::fs::File::from_std(err_file),
-        );
         let (uid, gid) = match spec.user.as_deref() {
             None => core.user,
             Some(name) => lookup_user(core, name)?,
@@ -282,8 +356,7 @@ impl Process for LocalProcess {
         };
         let mut master = None;
         let mut stdin_w = None;
-        let mut out_r = None;
-        let mut err_r = None;
+        let mut pty_spool = None;
         let theirs: Vec<OwnedFd> = match spec.pty {
             Some(size) => {
                 let ptmx = PathBuf::from(format!("/proc/{}/root/dev/pts/ptmx", core.init.pid1));
@@ -295,6 +368,9 @@ impl Process for LocalProcess {
                     crate::client::async_fd(p.master)
                         .map_err(|e| spawn_failed("cannot register the pty", Some(e)))?,
                 ));
+                // The daemon spools a pty (pid1 never holds the terminal's master).
+                pty_spool = Some(tokio::fs::File::from_std(out_file));
+                drop(err_file);
                 vec![p.slave]
             }
             None => {
@@ -304,15 +380,45 @@ impl Process for LocalProcess {
                 }
                 let (o_r, o_w) = pipe()?;
                 let (e_r, e_w) = pipe()?;
-                out_r = Some(o_r);
-                err_r = Some(e_r);
-                vec![in_r, o_w, e_w]
+                // pid1 copies the pipes into the spools: output is kept while no daemon
+                // is there, and the daemon's part is to read the spools.
+                vec![
+                    in_r,
+                    o_w,
+                    e_w,
+                    o_r,
+                    e_r,
+                    OwnedFd::from(out_file),
+                    OwnedFd::from(err_file),
+                ]
             }
         };
+        let out_cap = spec.stdout_max_bytes.unwrap_or(core.cfg.max_output_bytes);
+        let err_cap = spec.stderr_max_bytes.unwrap_or(core.cfg.max_output_bytes);
+        let grace = Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms));
+        let meta = CommandMeta {
+            id: id.clone(),
+            key: key.clone(),
+            command: spec.command.clone(),
+            cwd: cwd_display.clone(),
+            grace_ms: grace.as_millis() as u64,
+        };
+        let tag = serde_json::to_string(&meta)
+            .map_err(|e| internal("cannot describe the command", std::io::Error::other(e)))?;
         let fds: Vec<BorrowedFd<'_>> = theirs.iter().map(|f| f.as_fd()).collect();
         let started = core
             .init
-            .spawn(argv, env, cwd.clone(), master.is_some(), uid, gid, &fds)
+            .spawn(
+                argv,
+                env,
+                cwd.clone(),
+                master.is_some(),
+                (uid, gid),
+                tag,
+                [out_cap, err_cap],
+                core.cfg.drain_after_exit_ms,
+                &fds,
+            )
             .await;
         // Our copies of the command's ends go now: end of file must come when the
         // command's side closes.
@@ -326,9 +432,6 @@ impl Process for LocalProcess {
             }
         };
         let pid = started.pid;
-
-        let out_cap = spec.stdout_max_bytes.unwrap_or(core.cfg.max_output_bytes);
-        let err_cap = spec.stderr_max_bytes.unwrap_or(core.cfg.max_output_bytes);
         let (progress, _) = watch::channel(Progress::default());
         let to_sender = |fd: OwnedFd| {
             tokio::net::unix::pipe::Sender::from_owned_fd(fd)
@@ -366,49 +469,23 @@ impl Process for LocalProcess {
             progress,
             host_pid: started.host_pid,
             limit: std::sync::OnceLock::new(),
-            grace: Duration::from_millis(spec.grace_ms.min(core.cfg.max_grace_ms)),
+            grace,
             verify: Duration::from_millis(core.cfg.kill_verify_ms),
             terminating: Mutex::new(None),
             released: std::sync::RwLock::new(StreamOffsets::default()),
         });
 
-        // Output pumps, then the supervisor that reports the exit.
+        // A pty's pump (pid1 spools pipes), then the supervisor that reports the exit.
         let sealed = Arc::new(AtomicBool::new(false));
         let mut pumps = Vec::new();
-        match &master {
-            Some(m) => {
-                pumps.push(core.tasks.spawn(pump_pty(
-                    m.clone(),
-                    out_file,
-                    out_cap,
-                    command.progress.clone(),
-                    sealed.clone(),
-                )));
-                drop(err_file);
-            }
-            None => {
-                let to_receiver = |fd: OwnedFd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd);
-                if let Some(Ok(out)) = out_r.map(to_receiver) {
-                    pumps.push(core.tasks.spawn(pump(
-                        out,
-                        out_file,
-                        out_cap,
-                        Stream::Out,
-                        command.progress.clone(),
-                        sealed.clone(),
-                    )));
-                }
-                if let Some(Ok(err)) = err_r.map(to_receiver) {
-                    pumps.push(core.tasks.spawn(pump(
-                        err,
-                        err_file,
-                        err_cap,
-                        Stream::Err,
-                        command.progress.clone(),
-                        sealed.clone(),
-                    )));
-                }
-            }
+        if let (Some(m), Some(file)) = (&master, pty_spool) {
+            pumps.push(core.tasks.spawn(pump_pty(
+                m.clone(),
+                file,
+                out_cap,
+                command.progress.clone(),
+                sealed.clone(),
+            )));
         }
         {
             let mut table = self.inner.table.lock().await;
@@ -416,7 +493,7 @@ impl Process for LocalProcess {
         }
         let drain = Duration::from_millis(core.cfg.drain_after_exit_ms);
         core.tasks.spawn(supervise(
-            started.exit,
+            started,
             before,
             command.clone(),
             pumps,
@@ -459,9 +536,10 @@ impl Process for LocalProcess {
     }
 }
 
-/// Wait for the leader, let the pumps drain (bounded), then report the exit.
+/// Follow the command's output counts (pid1 spools its pipes) until its end, let a
+/// pty's pump drain (bounded), then report the exit.
 async fn supervise(
-    exit: tokio::sync::oneshot::Receiver<ExitStatus>,
+    started: crate::client::Spawned,
     before: Option<(u64, u64)>,
     command: Arc<LocalCommand>,
     pumps: Vec<tokio::task::JoinHandle<()>>,
@@ -469,11 +547,38 @@ async fn supervise(
     drain: Duration,
     owner: Weak<Inner>,
 ) {
+    let crate::client::Spawned {
+        mut counts,
+        mut exit,
+        ..
+    } = started;
+    // pid1 counts pipes; a pty's counts are its pump's.
+    let mut follow = command.pty.is_none();
+    let ended = loop {
+        tokio::select! {
+            r = &mut exit => break r.ok(),
+            c = counts.changed(), if follow => match c {
+                Ok(()) => {
+                    let n = *counts.borrow_and_update();
+                    command.progress.send_modify(|p| p.apply(n));
+                }
+                Err(_) => follow = false,
+            },
+        }
+    };
     // The init is gone (the sandbox was destroyed): the command died with it.
-    let status = exit.await.unwrap_or(ExitStatus {
-        code: None,
-        signal: Some(NixSignal::SIGKILL as i32),
-    });
+    let status = match ended {
+        Some((status, n)) => {
+            if command.pty.is_none() {
+                command.progress.send_modify(|p| p.apply(n));
+            }
+            status
+        }
+        None => ExitStatus {
+            code: None,
+            signal: Some(NixSignal::SIGKILL as i32),
+        },
+    };
     if let Some(owner) = owner.upgrade() {
         let core = &owner.core;
         let hit = match (&core.cgroup, before) {
@@ -515,12 +620,6 @@ async fn supervise(
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Stream {
-    Out,
-    Err,
-}
-
 /// Free the blocks of `len` bytes of the spool at `path` from `offset` (a hole: the file
 /// keeps its length, so later offsets stay where they are).
 fn free_range(path: &std::path::Path, offset: u64, len: u64) -> std::io::Result<()> {
@@ -533,45 +632,6 @@ fn free_range(path: &std::path::Path, offset: u64, len: u64) -> std::io::Result<
         len,
     )?;
     Ok(())
-}
-
-/// Copy a pipe into its spool up to `cap` bytes, counting everything.
-async fn pump(
-    mut pipe: impl AsyncRead + Unpin,
-    mut file: tokio::fs::File,
-    cap: u64,
-    which: Stream,
-    progress: watch::Sender<Progress>,
-    sealed: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; CHUNK];
-    let mut spooled = 0u64;
-    loop {
-        let n = match pipe.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if sealed.load(Ordering::Acquire) {
-            continue;
-        }
-        let keep = (cap - spooled).min(n as u64) as usize;
-        if keep > 0 {
-            if file.write_all(&buf[..keep]).await.is_err() || file.flush().await.is_err() {
-                return;
-            }
-            spooled += keep as u64;
-        }
-        progress.send_modify(|p| match which {
-            Stream::Out => {
-                p.out += keep as u64;
-                p.out_total += n as u64;
-            }
-            Stream::Err => {
-                p.err += keep as u64;
-                p.err_total += n as u64;
-            }
-        });
-    }
 }
 
 /// Copy a pty's output into the stdout spool. The master reads `EIO` once every slave
@@ -639,6 +699,29 @@ struct Progress {
     out_total: u64,
     err_total: u64,
     exited: Option<ExitStatus>,
+}
+
+impl Progress {
+    /// Take pid1's counts of the pipes (they only grow).
+    fn apply(&mut self, n: crate::init::Counts) {
+        self.out = self.out.max(n.kept[0]);
+        self.err = self.err.max(n.kept[1]);
+        self.out_total = self.out_total.max(n.total[0]);
+        self.err_total = self.err_total.max(n.total[1]);
+    }
+}
+
+/// What the daemon tells pid1 about a command, and learns back from it after a restart
+/// (see [`LocalProcess::adopt`]).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommandMeta {
+    id: String,
+    /// The spool's directory name under `state/cmd/`.
+    key: String,
+    command: CommandSpec,
+    cwd: Option<String>,
+    grace_ms: u64,
 }
 
 #[derive(Debug)]

@@ -6,15 +6,19 @@
 //! <root>/<id>/sandbox.json     what it is (survives a daemon restart: `connect` reads it)
 //! <root>/<id>/store.img        its file system (ext4, as large as its disk limit)
 //! <root>/<id>/store/, rootfs/  the image's mount and the overlay root over the template
-//! <root>/<id>/state/           output spools of its commands, init.log (never inside)
+//! <root>/<id>/state/           output spools of its commands, init.log, the init's
+//!                              control socket init.sock (never inside)
 //! <root>-templates/            built templates (`host` skeleton, `base` Debian root)
 //! <root>-snapshots/<snap>/     file-system snapshots (an upper layer and its template)
 //! ```
 //!
 //! Its processes live in namespaces held by its init, in cgroups that carry its limits.
-//! Processes do not survive a daemon restart (the init exits when the daemon's end of
-//! its socket closes, and the kernel kills the pid namespace), files do: `connect`
-//! starts a new init over the same file system.
+//! A sandbox outlives a daemon that went away without ending it (a crash, `kill -9`) by
+//! `orphan_grace_ms`: its init keeps its commands running and spools their output, and
+//! listens on `state/init.sock`; `connect` in the next daemon takes it over there,
+//! commands and all. After the grace the init ends the sandbox (the kernel kills its
+//! pid namespace); files stay, and `connect` starts a new init over them. A daemon that
+//! stops cleanly ends its sandboxes' processes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -117,10 +121,10 @@ pub(crate) struct SandboxCore {
 }
 
 impl Drop for SandboxCore {
-    /// A sandbox dropped without `destroy` (the daemon is going away, and keeps its
-    /// sandboxes' files for a later daemon): its processes end now (they would when the
-    /// init's socket closes, but a paused sandbox would never notice), and its cgroups
-    /// go with them. Bounded: a sandbox that does not die at once keeps its cgroups
+    /// A sandbox dropped without `destroy` (the daemon stops cleanly, and keeps its
+    /// sandboxes' files for a later daemon): its processes end now (only a daemon that
+    /// dies without this keeps them, for its orphan grace), and its cgroups go with
+    /// them. Bounded: a sandbox that does not die at once keeps its cgroups
     /// until `destroy` or the next `connect`.
     fn drop(&mut self) {
         self.init.kill_now();
@@ -155,6 +159,10 @@ pub struct LocalSandbox {
     fs: LocalFs,
     process: LocalProcess,
 }
+
+/// The init's control socket in `state/`: a daemon that starts after a crash takes the
+/// sandbox over through it.
+const CONTROL_SOCKET: &str = "init.sock";
 
 /// `expires_ms` of a sandbox without expiry.
 const NO_EXPIRY: i64 = i64::MIN;
@@ -472,6 +480,7 @@ impl LocalProvider {
             home: self.cfg.workspace_path.clone(),
             home_owner: user,
             ip: self.ip.clone(),
+            orphan_grace_ms: self.cfg.orphan_grace_ms,
         };
         let state = dir.join("state");
         tokio::fs::create_dir_all(&state)
@@ -484,6 +493,7 @@ impl LocalProvider {
             uid_base,
             self.cfg.uid_count,
             &state.join("init.log"),
+            &state.join(CONTROL_SOCKET),
             move |pid| match &cg {
                 Some(cg) => cg.join(pid),
                 None => Ok(()),
@@ -579,19 +589,7 @@ impl LocalProvider {
         record: &SandboxRecord,
         dir: &Path,
     ) -> Result<Arc<LocalSandbox>> {
-        // The sandbox's user is the machine's `user` when it has one (a `base` root).
-        let passwd = tokio::fs::read_to_string("/etc/passwd")
-            .await
-            .unwrap_or_default();
-        let user = passwd
-            .lines()
-            .find_map(|l| {
-                let f: Vec<&str> = l.split(':').collect();
-                (f.len() > 3 && f[0] == rootfs::BASE_USER)
-                    .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
-                    .flatten()
-            })
-            .unwrap_or((0, 0));
+        let user = machine_user().await;
         let spec = InitSpec {
             isolate: false,
             root: PathBuf::from("/"),
@@ -608,6 +606,7 @@ impl LocalProvider {
             home: self.cfg.workspace_path.clone(),
             home_owner: user,
             ip: None,
+            orphan_grace_ms: self.cfg.orphan_grace_ms,
         };
         let state = dir.join("state");
         tokio::fs::create_dir_all(&state)
@@ -630,6 +629,7 @@ impl LocalProvider {
             0,
             0,
             &state.join("init.log"),
+            &state.join(CONTROL_SOCKET),
             |_| Ok(()),
             Duration::from_millis(self.cfg.init_timeout_ms),
         )
@@ -682,6 +682,18 @@ impl LocalProvider {
         }
         let dir = self.cfg.root.join(id);
         let record = read_record(&dir).await.ok_or_else(not_found)?;
+        // An init that outlived its daemon (a crash): take it over, commands and all.
+        match self.take_over(&record, &dir).await {
+            Ok(Some(sandbox)) => {
+                live.insert(id.to_owned(), sandbox.clone());
+                return Ok(sandbox);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(sandbox.id = %id, error = %e, "Could not take over a sandbox's running init; ending it and booting the sandbox again");
+                Init::end_orphan(&dir.join("state").join(CONTROL_SOCKET));
+            }
+        }
         if let Some(t) = &self.cgroups {
             // What the previous init left, if anything, goes first.
             let old = t.existing(id);
@@ -697,6 +709,79 @@ impl LocalProvider {
         let sandbox = self.boot(&record, &dir).await?;
         live.insert(id.to_owned(), sandbox.clone());
         Ok(sandbox)
+    }
+
+    /// Take over the running init of a sandbox whose daemon went away without ending
+    /// it: `Ok(None)` when none runs (the sandbox is booted again instead).
+    async fn take_over(
+        &self,
+        record: &SandboxRecord,
+        dir: &Path,
+    ) -> Result<Option<Arc<LocalSandbox>>> {
+        let state = dir.join("state");
+        let timeout = Duration::from_millis(self.cfg.init_timeout_ms);
+        let Some((init, known)) = Init::reconnect(&state.join(CONTROL_SOCKET), timeout).await?
+        else {
+            return Ok(None);
+        };
+        let isolated = self.cfg.isolation != Isolation::None;
+        let (user, creds) = if !isolated {
+            let u = machine_user().await;
+            (u, u)
+        } else if self
+            .template(&record.rootfs)
+            .is_ok_and(|t| t.name == "base")
+        {
+            let u = rootfs::BASE_USER_UID;
+            ((u, u), (self.cfg.uid_base + u, self.cfg.uid_base + u))
+        } else {
+            ((0, 0), (self.cfg.uid_base, self.cfg.uid_base))
+        };
+        let cgroup = if isolated {
+            self.cgroups.as_ref().map(|t| t.existing(&record.id))
+        } else {
+            None
+        };
+        let network = match (&self.net_helper, record.network && isolated) {
+            (Some(h), true) => match Network::adopt(h, init.pid1) {
+                Some(n) => Some(n),
+                None => Some(
+                    Network::start(
+                        h,
+                        init.pid1,
+                        Duration::from_millis(self.cfg.network_timeout_ms),
+                    )
+                    .await?,
+                ),
+            },
+            _ => None,
+        };
+        let ws = Workspace::open_root(
+            Path::new(&format!("/proc/{}/root", init.pid1)),
+            &self.cfg.workspace_str(),
+            &self.home,
+            Some(creds),
+        )
+        .map_err(|e| internal("cannot open the sandbox's root", e))?;
+        let core = SandboxCore {
+            id: record.id.clone(),
+            cfg: self.cfg.clone(),
+            ws: Arc::new(ws),
+            dir: dir.to_owned(),
+            state_dir: state,
+            init,
+            cgroup,
+            network: Mutex::new(network),
+            env: record.env.clone(),
+            user,
+            tasks: TaskTracker::new(),
+            closed: CancellationToken::new(),
+        };
+        let sandbox = LocalSandbox::new(Arc::new(core), record.clone());
+        let n = known.len();
+        sandbox.process.adopt(known).await;
+        tracing::info!(sandbox.id = %record.id, commands = n, "Took over a sandbox that outlived its daemon");
+        Ok(Some(Arc::new(sandbox)))
     }
 
     async fn create_in(
@@ -791,6 +876,42 @@ impl LocalProvider {
     fn snapshot_dir(&self, snap: &str) -> Option<PathBuf> {
         valid_id(snap).then(|| self.cfg.snapshots().join(snap))
     }
+}
+
+/// End the sandboxes under `root` (a [`LocalConfig::root`]) whose inits outlived their
+/// daemon and wait for their grace ([`LocalConfig::orphan_grace_ms`]) to pass, for a
+/// daemon that will not come back (an uninstall, a test). A sandbox a running daemon
+/// holds is not touched (its init takes one daemon at a time). Returns how many were
+/// asked to end.
+pub fn end_orphaned_sandboxes(root: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let control = e.path().join("state").join(CONTROL_SOCKET);
+        if control.exists() && Init::end_orphan(&control) {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// The sandbox's user where the sandbox is this machine: the machine's `user` when it
+/// has one (a `base` root), else root.
+async fn machine_user() -> (u32, u32) {
+    let passwd = tokio::fs::read_to_string("/etc/passwd")
+        .await
+        .unwrap_or_default();
+    passwd
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.len() > 3 && f[0] == rootfs::BASE_USER)
+                .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+                .flatten()
+        })
+        .unwrap_or((0, 0))
 }
 
 fn rootfs_default_disk() -> u64 {
@@ -919,8 +1040,9 @@ impl Provider for LocalProvider {
         match sandbox {
             Some(s) => s.shutdown().await,
             None => {
-                // Not live here (a daemon restart): processes it left may still be in
-                // its cgroups, and its file system mounted.
+                // Not live here (a daemon restart): its init may still run, processes
+                // it left may still be in its cgroups, and its file system mounted.
+                Init::end_orphan(&dir.join("state").join(CONTROL_SOCKET));
                 if let Some(t) = &self.cgroups {
                     let cg = t.existing(id);
                     cg.freeze(false);
