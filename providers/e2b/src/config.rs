@@ -171,6 +171,11 @@ pub struct E2bConfig {
     /// Finished commands remembered per sandbox (for `attach` and `list`). Default 256.
     #[serde(default = "d_finished")]
     pub finished_commands_kept: usize,
+    /// Start a signal relay beside every command, for backends that confine each
+    /// command in a user namespace of its own (see the envd client's `signal_relay`).
+    /// Default false.
+    #[serde(default)]
+    pub signal_relay: bool,
 }
 
 impl std::fmt::Debug for E2bConfig {
@@ -224,6 +229,7 @@ impl Default for E2bConfig {
             reattach_attempts: DEFAULT_REATTACH_ATTEMPTS,
             verify_writes: false,
             finished_commands_kept: DEFAULT_FINISHED_COMMANDS_KEPT,
+            signal_relay: false,
         }
     }
 }
@@ -374,6 +380,7 @@ impl E2bConfig {
             reattach_attempts: self.reattach_attempts,
             verify_writes: self.verify_writes,
             finished_commands_kept: self.finished_commands_kept,
+            signal_relay: self.signal_relay,
         }
     }
 }

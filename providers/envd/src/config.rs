@@ -127,6 +127,13 @@ pub struct EnvdClientConfig {
     pub verify_writes: bool,
     /// Finished commands remembered per sandbox (for `attach` and `list`).
     pub finished_commands_kept: usize,
+    /// Start a signal relay beside every command ([`crate::RELAY`]): for backends that
+    /// confine each command in a user namespace of its own, where a `kill` from another
+    /// command is refused. Off, signals other than envd's own are sent to the command's
+    /// group by a `kill` from a control command as the same user, which every backend
+    /// that runs commands in one machine (E2B's, tether's) allows; it saves three
+    /// programs per command. Default false.
+    pub signal_relay: bool,
 }
 
 impl Default for EnvdClientConfig {
@@ -149,6 +156,7 @@ impl Default for EnvdClientConfig {
             reattach_attempts: DEFAULT_REATTACH_ATTEMPTS,
             verify_writes: false,
             finished_commands_kept: DEFAULT_FINISHED_COMMANDS_KEPT,
+            signal_relay: false,
         }
     }
 }

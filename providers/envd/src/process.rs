@@ -11,12 +11,13 @@
 //!   broken stream the output is read back from exactly the offset that was reached,
 //!   without loss or duplication, and the stream's tail that envd may drop when the
 //!   process exits is recovered the same way;
-//! - forks a signal relay ([`RELAY`]) in the command's own namespace (in a process
-//!   group of its own, so group signals spare it), which makes and listens on a FIFO in
-//!   that directory. envd can only send SIGTERM and SIGKILL to one pid, and a backend may
-//!   confine each command in its own user namespace, where a `kill` from another
-//!   command is refused; the relay delivers any signal to the whole group. It makes its
-//!   FIFO off the command's path; a signal sent before that waits for it;
+//! - where configured (`signal_relay`), forks a signal relay ([`RELAY`]) in the command's
+//!   own namespace (in a process group of its own, so group signals spare it), which
+//!   makes and listens on a FIFO in that directory. envd can only send SIGTERM and
+//!   SIGKILL to one pid, and a backend may confine each command in its own user
+//!   namespace, where a `kill` from another command is refused; the relay delivers any
+//!   signal to the whole group. It makes its FIFO off the command's path; a signal sent
+//!   before that waits for it. Without a relay a control command signals the group;
 //! - then `exec`s the command, so envd's pid and end event are the command's own (its
 //!   exit code, or the signal that killed it).
 //!
@@ -57,7 +58,7 @@ use crate::sandbox::SandboxCore;
 use tether_provider::Clock;
 
 /// The wrapper every command runs under (`bash -c WRAPPER tether RELAY DIR TEE OUT_CAP
-/// ERR_CAP N [names to unset...] argv...`). The copies hold at most the capture caps,
+/// ERR_CAP N [names to unset...] argv...`; `RELAY` empty: no relay). The copies hold at most the capture caps,
 /// so a chatty long-running command cannot fill the sandbox's disk; envd still gets
 /// everything.
 ///
@@ -80,7 +81,7 @@ tc() {
   { tee -p /dev/fd/4 | head -c "$1" >"$2"; } 4>&1
 }
 if [ -n "$d" ] && mkdir -p -- "$d" 2>/dev/null; then
-  if : 2>/dev/null >"$d/ctl.wait"; then
+  if [ -n "$r" ] && : 2>/dev/null >"$d/ctl.wait"; then
     set -m
     ( set -- "$g" "$d/ctl"; eval "$r" ) </dev/null >/dev/null 2>&1 &
     set +m
@@ -822,7 +823,9 @@ impl EnvdCommand {
         let ctx = self.bg_ctx();
         let until = tokio::time::Instant::now()
             + Duration::from_millis(self.sandbox.cfg.drain_after_exit_ms);
-        let mut step = Duration::from_millis(5);
+        // The copies are complete a moment after the end (their `tee`s see end of file
+        // when the command's last descriptor closes): look again soon, then less often.
+        let mut step = Duration::from_millis(1);
         loop {
             match self.catch_up(&ctx).await {
                 Ok(true) => return,
@@ -1699,7 +1702,7 @@ impl Process for EnvdProcess {
             "-c".to_owned(),
             WRAPPER.to_owned(),
             "tether".to_owned(),
-            RELAY.to_owned(),
+            if cfg.signal_relay { RELAY } else { "" }.to_owned(),
             dir.clone(),
             if tee { "1" } else { "0" }.to_owned(),
             caps[OUT].to_string(),
