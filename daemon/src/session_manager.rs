@@ -149,6 +149,15 @@ impl Session {
         }
     }
 
+    /// The sandbox, paused or not (recovery re-attaches commands of a paused sandbox:
+    /// they go on when it is resumed).
+    fn sandbox_even_paused(&self) -> Option<Arc<dyn Sandbox>> {
+        self.sandbox
+            .read()
+            .ok()
+            .and_then(|g| g.as_ref().map(Arc::clone))
+    }
+
     /// The sandbox id, if one was leased.
     pub fn sandbox_id(&self) -> Option<String> {
         self.sandbox_id.read().ok().and_then(|g| g.clone())
@@ -497,8 +506,8 @@ impl SessionManager {
         unfinished: BTreeMap<String, (ProcessSpec, Option<i64>, Option<u64>)>,
     ) {
         for (command_id, (spec, deadline_ms, idle_ms)) in unfinished {
-            let found = match session.sandbox() {
-                Ok(sb) => {
+            let found = match session.sandbox_even_paused() {
+                Some(sb) => {
                     let ctx = CallCtx::new(format!("recover-{command_id}"))
                         .with_timeout(self.deadlines.sandbox_op, Clock::Total);
                     sb.process()
@@ -506,7 +515,7 @@ impl SessionManager {
                         .await
                         .map_err(|e| e.code().as_str())
                 }
-                Err(_) => Err("no sandbox"),
+                None => Err("no sandbox"),
             };
             let resumed = match found {
                 Ok(handle) => crate::exec::resume(session, handle, spec, deadline_ms, idle_ms)

@@ -645,6 +645,74 @@ async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
     assert!(r.to_string().contains("still here"), "{r}");
 }
 
+/// A paused local sandbox (its init frozen with it) is taken over after a `kill -9` too,
+/// and stays paused until resumed: then its command finishes with all its output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_local_sandbox_is_taken_over_paused_after_a_kill_9() {
+    let state = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
+    let sid = new_session(&http, &base).await;
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/processes"))
+        .json(&json!({"cmd": "for i in $(seq 1 15); do echo t$i; sleep 0.1; done", "command_id": "ticks", "timeout_ms": 120000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    wait_until("output under way", Duration::from_secs(30), || async {
+        stdout_of(&http, &base, &sid, "ticks")
+            .await
+            .contains("t2\n")
+    })
+    .await;
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/pause"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    child.kill_9();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _child = TetherdChild::spawn(state.path(), port);
+    wait_healthy(&http, &base).await;
+    // Still paused: nothing more is printed.
+    let before = stdout_of(&http, &base, &sid, "ticks").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        stdout_of(&http, &base, &sid, "ticks").await,
+        before,
+        "paused"
+    );
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/resume"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let w: Value = http
+        .post(format!("{base}/v1/sessions/{sid}/processes/ticks/wait"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(w["status"]["code"], 0, "{w}");
+    let want: String = (1..=15).map(|i| format!("t{i}\n")).collect();
+    assert_eq!(stdout_of(&http, &base, &sid, "ticks").await, want);
+}
+
 /// Host pids of processes whose command line is exactly `argv`.
 fn pids_of(argv: &[&str]) -> Vec<i32> {
     let mut out = Vec::new();

@@ -435,6 +435,9 @@ impl Init {
                     Ok(Some((FromInit::Attached, mut fds))) => {
                         return Ok((waiters, known, fds.pop()));
                     }
+                    // Counts pid1 had not sent to the daemon that went away; the list
+                    // has them too.
+                    Ok(Some((FromInit::Output { .. } | FromInit::Exited { .. }, _))) => {}
                     Ok(Some((other, _))) => {
                         tracing::debug!(message = ?other, "Unexpected message from a sandbox init during re-attach")
                     }

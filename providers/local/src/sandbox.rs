@@ -720,11 +720,22 @@ impl LocalProvider {
     ) -> Result<Option<Arc<LocalSandbox>>> {
         let state = dir.join("state");
         let timeout = Duration::from_millis(self.cfg.init_timeout_ms);
-        let Some((init, known)) = Init::reconnect(&state.join(CONTROL_SOCKET), timeout).await?
-        else {
+        let isolated = self.cfg.isolation != Isolation::None;
+        // A paused sandbox's init is frozen with it: thawed to answer, frozen again after.
+        let paused = isolated
+            .then(|| self.cgroups.as_ref().map(|t| t.existing(&record.id)))
+            .flatten()
+            .filter(|cg| cg.frozen());
+        if let Some(cg) = &paused {
+            cg.freeze(false);
+        }
+        let reconnected = Init::reconnect(&state.join(CONTROL_SOCKET), timeout).await;
+        if let Some(cg) = &paused {
+            cg.freeze(true);
+        }
+        let Some((init, known)) = reconnected? else {
             return Ok(None);
         };
-        let isolated = self.cfg.isolation != Isolation::None;
         let (user, creds) = if !isolated {
             let u = machine_user().await;
             (u, u)
