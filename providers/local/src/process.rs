@@ -403,8 +403,18 @@ impl Process for LocalProcess {
             cwd: cwd_display.clone(),
             grace_ms: grace.as_millis() as u64,
         };
-        let tag = serde_json::to_string(&meta)
+        let mut tag = serde_json::to_string(&meta)
             .map_err(|e| internal("cannot describe the command", std::io::Error::other(e)))?;
+        if tag.len() > MAX_TAG {
+            // pid1 hands the description back in one message: a long command line is
+            // summed up (the session log keeps it whole).
+            let len = tag.len();
+            tag = serde_json::to_string(&CommandMeta {
+                command: CommandSpec::Shell(format!("<a command of {len} bytes>")),
+                ..meta
+            })
+            .map_err(|e| internal("cannot describe the command", std::io::Error::other(e)))?;
+        }
         let fds: Vec<BorrowedFd<'_>> = theirs.iter().map(|f| f.as_fd()).collect();
         let started = core
             .init
@@ -710,6 +720,9 @@ impl Progress {
         self.err_total = self.err_total.max(n.total[1]);
     }
 }
+
+/// Largest description of a command pid1 keeps ([`CommandMeta`], as JSON).
+const MAX_TAG: usize = 16 * 1024;
 
 /// What the daemon tells pid1 about a command, and learns back from it after a restart
 /// (see [`LocalProcess::adopt`]).
