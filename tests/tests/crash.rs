@@ -809,4 +809,37 @@ async fn a_local_sandbox_whose_daemon_never_returns_ends_after_its_orphan_grace(
         .filter(|p| listens(p))
         .collect();
     assert!(sockets.is_empty(), "an init still listens: {sockets:?}");
+    // Stopping the test's daemon also removes the cgroups the ended sandbox left.
+    let ids: Vec<String> = std::fs::read_dir(state.path().join("sandboxes/local"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+        .filter(|n| n.len() == 32)
+        .collect();
+    assert!(!ids.is_empty());
+    drop(child);
+    let left: Vec<_> = ids.iter().flat_map(|id| cgroup_dirs(id)).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+}
+
+/// Directories named `name` in the cgroup hierarchies (a few levels deep).
+fn cgroup_dirs(name: &str) -> Vec<std::path::PathBuf> {
+    fn walk(d: &std::path::Path, name: &str, depth: usize, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(rd) = std::fs::read_dir(d) else { return };
+        for e in rd.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let p = e.path();
+            if e.file_name() == name {
+                out.push(p.clone());
+            }
+            if depth > 0 {
+                walk(&p, name, depth - 1, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(std::path::Path::new("/sys/fs/cgroup"), name, 6, &mut out);
+    out
 }

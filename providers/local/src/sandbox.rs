@@ -891,18 +891,41 @@ impl LocalProvider {
 
 /// End the sandboxes under `root` (a [`LocalConfig::root`]) whose inits outlived their
 /// daemon and wait for their grace ([`LocalConfig::orphan_grace_ms`]) to pass, for a
-/// daemon that will not come back (an uninstall, a test). A sandbox a running daemon
-/// holds is not touched (its init takes one daemon at a time). Returns how many were
-/// asked to end.
+/// daemon that will not come back (an uninstall, a test), and remove the cgroups they
+/// leave (under the caller's cgroup, as a daemon started by the caller makes them). A
+/// sandbox a running daemon holds is not touched (its init takes one daemon at a time).
+/// Returns how many were asked to end.
 pub fn end_orphaned_sandboxes(root: &Path) -> usize {
     let Ok(rd) = std::fs::read_dir(root) else {
         return 0;
     };
+    let dirs: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
     let mut n = 0;
-    for e in rd.flatten() {
-        let control = e.path().join("state").join(CONTROL_SOCKET);
+    for d in &dirs {
+        let control = d.join("state").join(CONTROL_SOCKET);
         if control.exists() && Init::end_orphan(&control) {
             n += 1;
+        }
+    }
+    let Some(tree) = CgroupTree::detect(None) else {
+        return n;
+    };
+    for d in &dirs {
+        let Some(id) = d
+            .file_name()
+            .and_then(|f| f.to_str())
+            .filter(|id| valid_id(id))
+        else {
+            continue;
+        };
+        let cg = tree.existing(id);
+        // Bounded: an init asked to end is gone within a few milliseconds.
+        for _ in 0..100 {
+            if cg.pids().is_empty() {
+                cg.remove();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
     n
