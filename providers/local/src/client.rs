@@ -149,7 +149,10 @@ pub(crate) struct Init {
 }
 
 impl Drop for Init {
+    /// An init this daemon lets go of ends its sandbox: only a daemon that dies (where
+    /// nothing is dropped) leaves a sandbox to its orphan grace.
     fn drop(&mut self) {
+        self.kill_now();
         self.stop.cancel();
     }
 }

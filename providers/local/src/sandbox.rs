@@ -539,13 +539,6 @@ impl LocalProvider {
         } else {
             None
         };
-        let ws = Workspace::open_root(
-            Path::new(&format!("/proc/{}/root", init.pid1)),
-            &self.cfg.workspace_str(),
-            &self.home,
-            Some(creds),
-        )
-        .map_err(|e| internal("cannot open the sandbox's root", e))?;
         let enforcement = if problems.is_empty() {
             Enforcement::Full
         } else {
@@ -559,20 +552,7 @@ impl LocalProvider {
             }
             return Err(e);
         }
-        let core = SandboxCore {
-            id: record.id.clone(),
-            cfg: self.cfg.clone(),
-            ws: Arc::new(ws),
-            dir: dir.to_owned(),
-            state_dir: state,
-            init,
-            cgroup,
-            network: Mutex::new(network),
-            env: record.env.clone(),
-            user,
-            tasks: TaskTracker::new(),
-            closed: CancellationToken::new(),
-        };
+        let core = self.assemble(record, dir, init, cgroup, network, user, creds)?;
         let record = SandboxRecord {
             enforcement,
             ..record.clone()
@@ -634,27 +614,7 @@ impl LocalProvider {
             Duration::from_millis(self.cfg.init_timeout_ms),
         )
         .await?;
-        let ws = Workspace::open_root(
-            Path::new(&format!("/proc/{}/root", init.pid1)),
-            &self.cfg.workspace_str(),
-            &self.home,
-            Some(user),
-        )
-        .map_err(|e| internal("cannot open the machine's root", e))?;
-        let core = SandboxCore {
-            id: record.id.clone(),
-            cfg: self.cfg.clone(),
-            ws: Arc::new(ws),
-            dir: dir.to_owned(),
-            state_dir: state,
-            init,
-            cgroup: None,
-            network: Mutex::new(None),
-            env: record.env.clone(),
-            user,
-            tasks: TaskTracker::new(),
-            closed: CancellationToken::new(),
-        };
+        let core = self.assemble(record, dir, init, None, None, user, user)?;
         let record = SandboxRecord {
             enforcement: Enforcement::None,
             ..record.clone()
@@ -709,6 +669,41 @@ impl LocalProvider {
         let sandbox = self.boot(&record, &dir).await?;
         live.insert(id.to_owned(), sandbox.clone());
         Ok(sandbox)
+    }
+
+    /// A booted or taken-over sandbox's shared parts: its root opened through its init.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        &self,
+        record: &SandboxRecord,
+        dir: &Path,
+        init: Init,
+        cgroup: Option<SandboxCgroup>,
+        network: Option<Network>,
+        user: (u32, u32),
+        creds: (u32, u32),
+    ) -> Result<SandboxCore> {
+        let ws = Workspace::open_root(
+            Path::new(&format!("/proc/{}/root", init.pid1)),
+            &self.cfg.workspace_str(),
+            &self.home,
+            Some(creds),
+        )
+        .map_err(|e| internal("cannot open the sandbox's root", e))?;
+        Ok(SandboxCore {
+            id: record.id.clone(),
+            cfg: self.cfg.clone(),
+            ws: Arc::new(ws),
+            dir: dir.to_owned(),
+            state_dir: dir.join("state"),
+            init,
+            cgroup,
+            network: Mutex::new(network),
+            env: record.env.clone(),
+            user,
+            tasks: TaskTracker::new(),
+            closed: CancellationToken::new(),
+        })
     }
 
     /// Take over the running init of a sandbox whose daemon went away without ending
@@ -767,27 +762,7 @@ impl LocalProvider {
             },
             _ => None,
         };
-        let ws = Workspace::open_root(
-            Path::new(&format!("/proc/{}/root", init.pid1)),
-            &self.cfg.workspace_str(),
-            &self.home,
-            Some(creds),
-        )
-        .map_err(|e| internal("cannot open the sandbox's root", e))?;
-        let core = SandboxCore {
-            id: record.id.clone(),
-            cfg: self.cfg.clone(),
-            ws: Arc::new(ws),
-            dir: dir.to_owned(),
-            state_dir: state,
-            init,
-            cgroup,
-            network: Mutex::new(network),
-            env: record.env.clone(),
-            user,
-            tasks: TaskTracker::new(),
-            closed: CancellationToken::new(),
-        };
+        let core = self.assemble(record, dir, init, cgroup, network, user, creds)?;
         let sandbox = LocalSandbox::new(Arc::new(core), record.clone());
         let n = known.len();
         sandbox.process.adopt(known).await;
