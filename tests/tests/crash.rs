@@ -485,6 +485,28 @@ async fn stdout_of(http: &reqwest::Client, base: &str, sid: &str, cid: &str) -> 
     String::from_utf8(out).unwrap()
 }
 
+/// A client for the tests below.
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+/// `tetherd serve` over `state` (with `config`) on a free port, healthy: the child and
+/// its base URL.
+async fn start(
+    http: &reqwest::Client,
+    state: &std::path::Path,
+    config: Option<&std::path::Path>,
+) -> (TetherdChild, String) {
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let child = TetherdChild::spawn_with(state, port, config);
+    wait_healthy(http, &base).await;
+    (child, base)
+}
+
 /// A command running on an SSH host when tetherd is killed with -9 runs on there; the
 /// restarted daemon finds it again by its id and supervises it to its end: the wait
 /// answers its real exit, its output is whole and in order (nothing lost, nothing twice),
@@ -503,14 +525,8 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
     );
     let config = state.path().join("tetherd.toml");
     std::fs::write(&config, toml::to_string(&cfg).unwrap()).unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let mut child = TetherdChild::spawn_with(state.path(), port, Some(&config));
-    wait_healthy(&http, &base).await;
+    let http = client();
+    let (mut child, base) = start(&http, state.path(), Some(&config)).await;
     let sid = new_session(&http, &base).await;
     let r = http
         .post(format!("{base}/v1/sessions/{sid}/processes"))
@@ -526,10 +542,7 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
     })
     .await;
     child.kill_9();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let _child = TetherdChild::spawn_with(state.path(), port, Some(&config));
-    wait_healthy(&http, &base).await;
+    let (_child, base) = start(&http, state.path(), Some(&config)).await;
     let w: Value = http
         .post(format!("{base}/v1/sessions/{sid}/processes/long/wait"))
         .json(&json!({}))
@@ -558,14 +571,8 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
     let state = tempfile::tempdir().unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let mut child = TetherdChild::spawn(state.path(), port);
-    wait_healthy(&http, &base).await;
+    let http = client();
+    let (mut child, base) = start(&http, state.path(), None).await;
     let sid = new_session(&http, &base).await;
     for (id, cmd) in [
         // Still running when the daemon is back.
@@ -594,10 +601,7 @@ async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
     child.kill_9();
     // Longer than "ended" has left to run.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let _child = TetherdChild::spawn(state.path(), port);
-    wait_healthy(&http, &base).await;
+    let (_child, base) = start(&http, state.path(), None).await;
     for (id, code, out) in [
         (
             "kept",
@@ -650,14 +654,8 @@ async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_local_sandbox_is_taken_over_paused_after_a_kill_9() {
     let state = tempfile::tempdir().unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let mut child = TetherdChild::spawn(state.path(), port);
-    wait_healthy(&http, &base).await;
+    let http = client();
+    let (mut child, base) = start(&http, state.path(), None).await;
     let sid = new_session(&http, &base).await;
     let r = http
         .post(format!("{base}/v1/sessions/{sid}/processes"))
@@ -680,10 +678,7 @@ async fn a_paused_local_sandbox_is_taken_over_paused_after_a_kill_9() {
         .unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     child.kill_9();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let _child = TetherdChild::spawn(state.path(), port);
-    wait_healthy(&http, &base).await;
+    let (_child, base) = start(&http, state.path(), None).await;
     // Still paused: nothing more is printed.
     let before = stdout_of(&http, &base, &sid, "ticks").await;
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -763,14 +758,8 @@ async fn a_local_sandbox_whose_daemon_never_returns_ends_after_its_orphan_grace(
     );
     let config = state.path().join("tetherd.toml");
     std::fs::write(&config, toml::to_string(&cfg).unwrap()).unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let mut child = TetherdChild::spawn_with(state.path(), port, Some(&config));
-    wait_healthy(&http, &base).await;
+    let http = client();
+    let (mut child, base) = start(&http, state.path(), Some(&config)).await;
     let sid = new_session(&http, &base).await;
     let argv = ["sleep", "613.25"];
     let r = http
