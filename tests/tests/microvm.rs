@@ -179,14 +179,6 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         .join("vms")
         .join(kept["sandbox_id"].as_str().unwrap());
     reaper.dirs.push(kept_vm.clone());
-    let (st, exp) = post(&http, format!("{base}/v1/sessions"), json!({"ttl_s": 3})).await;
-    assert_eq!(st, 201, "{exp}");
-    let exp_id = exp["id"].as_str().unwrap().to_owned();
-    let exp_vm = vm
-        .root
-        .join("vms")
-        .join(exp["sandbox_id"].as_str().unwrap());
-    reaper.dirs.push(exp_vm.clone());
     let out = bash(
         &http,
         &base,
@@ -200,6 +192,16 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
         "{out}"
     );
 
+    // Made last before the kill: its 3 s must not run out while the daemon is still up
+    // (a command under TCG on a loaded machine can take that long), only after.
+    let (st, exp) = post(&http, format!("{base}/v1/sessions"), json!({"ttl_s": 3})).await;
+    assert_eq!(st, 201, "{exp}");
+    let exp_id = exp["id"].as_str().unwrap().to_owned();
+    let exp_vm = vm
+        .root
+        .join("vms")
+        .join(exp["sandbox_id"].as_str().unwrap());
+    reaper.dirs.push(exp_vm.clone());
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.0.id() as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -219,8 +221,17 @@ async fn kill_9_of_tetherd_then_a_restart_finds_its_vms_and_stops_the_orphans() 
     reaper.dirs.push(orphan_vm.clone());
     drop(orphan);
 
-    for d in [&kept_vm, &exp_vm, &orphan_vm] {
-        assert_eq!(qemus_of(d), 1, "a VM died with its daemon: {}", d.display());
+    for (what, d) in [
+        ("kept", &kept_vm),
+        ("expiring", &exp_vm),
+        ("orphan", &orphan_vm),
+    ] {
+        assert_eq!(
+            qemus_of(d),
+            1,
+            "the {what} VM died with its daemon: {}",
+            d.display()
+        );
     }
 
     let _child = Tetherd::spawn(&config, state.path(), port);
