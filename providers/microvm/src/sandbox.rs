@@ -53,18 +53,6 @@ const TEMPLATE: &str = "tether-microvm-template/1";
 const SNAPSHOT: &str = "tether-microvm-snapshot/1";
 /// The workspace of every sandbox (E2B's).
 pub const WORKSPACE: &str = "/home/user";
-/// Removes a cgroup when dropped still holding it (a create that failed after making
-/// it; its qemu is killed by then).
-struct RemoveOnFailure(Option<Cgroup>);
-
-impl Drop for RemoveOnFailure {
-    fn drop(&mut self) {
-        if let Some(cg) = self.0.take() {
-            cg.remove();
-        }
-    }
-}
-
 /// The cgroup file-system root.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// How often a state save is polled.
@@ -860,8 +848,6 @@ impl MicrovmProvider {
         } else {
             None
         };
-        // A create that fails from here on leaves no cgroup behind.
-        let mut cgroup_guard = RemoveOnFailure(cgroup.clone());
         let net = self.net_for(spec.network, origin.net)?;
         let token = random_token()?;
         let created = now_ms();
@@ -986,7 +972,6 @@ impl MicrovmProvider {
                 return Err(e);
             }
         };
-        cgroup_guard.0 = None;
         self.live
             .write()
             .unwrap_or_else(|e| e.into_inner())
