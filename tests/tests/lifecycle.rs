@@ -830,3 +830,55 @@ async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
     assert!(kinds.contains(&"sandbox/paused") && kinds.contains(&"sandbox/resumed"));
     d.stop().await;
 }
+
+/// Creates under one idempotency key make one sandbox, also when the retry arrives while
+/// the first is still being made (a client whose answer was slow, retrying): it waits for
+/// that sandbox instead of making a second. A key whose sandbox is gone makes a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_creates_under_one_idempotency_key_make_one_sandbox() {
+    let d = TestDaemon::start().await;
+    let create = |key: &'static str| {
+        d.http
+            .post(d.url("/v2/sandboxes"))
+            .header("x-api-key", "e2b_lifecycle_test_key")
+            .header("idempotency-key", key)
+            .json(&json!({"templateID": "base", "timeout": 60}))
+            .send()
+    };
+    let id_of = |r: reqwest::Response| async move {
+        assert_eq!(r.status().as_u16(), 201);
+        r.json::<Value>().await.unwrap()["sandboxID"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    // Four at once: one makes the sandbox, three join it.
+    let (a, b, c, e) = tokio::join!(create("k1"), create("k1"), create("k1"), create("k1"));
+    let mut ids = Vec::new();
+    for r in [a, b, c, e] {
+        ids.push(id_of(r.unwrap()).await);
+    }
+    assert!(ids.iter().all(|i| *i == ids[0]), "{ids:?}");
+    // After it is made, the key still names it.
+    assert_eq!(id_of(create("k1").await.unwrap()).await, ids[0]);
+    let list = |d: &TestDaemon| {
+        d.http
+            .get(d.url("/v2/sandboxes"))
+            .header("x-api-key", "e2b_lifecycle_test_key")
+            .send()
+    };
+    let listed: Vec<Value> = list(&d).await.unwrap().json().await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    // Killed, the key makes a new one.
+    let r = d
+        .http
+        .delete(d.url(&format!("/sandboxes/{}", ids[0])))
+        .header("x-api-key", "e2b_lifecycle_test_key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    let fresh = id_of(create("k1").await.unwrap()).await;
+    assert_ne!(fresh, ids[0]);
+    d.stop().await;
+}

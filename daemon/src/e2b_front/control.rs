@@ -24,10 +24,13 @@ use tether_protocol::e2b::{
     SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
+use tokio::sync::watch;
 use tracing::Instrument;
 
 use super::auth::Tenant;
-use super::{CLIENT_ID, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339};
+use super::{
+    CLIENT_ID, Claim, Keyed, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339,
+};
 use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
@@ -208,7 +211,7 @@ async fn create(
 }
 
 async fn do_create(
-    state: &AppState,
+    state: &Arc<AppState>,
     ctx: &CallCtx,
     headers: &HeaderMap,
     body: &Bytes,
@@ -240,19 +243,6 @@ async fn do_create(
         .map(str::trim)
         .filter(|k| !k.is_empty())
         .map(|k| (tenant.0.clone(), k.to_owned()));
-    if let Some(key) = &idem {
-        let known = state
-            .e2b
-            .idempotency
-            .read()
-            .ok()
-            .and_then(|m| m.get(key).cloned());
-        if let Some(id) = known
-            && let Ok((s, extra)) = owned(state, &tenant, &id)
-        {
-            return Ok(sandbox_response(state, &s, &extra));
-        }
-    }
     let provider = state.e2b.cfg.provider.clone();
     let provider_name = provider
         .clone()
@@ -282,17 +272,89 @@ async fn do_create(
         },
         limits: Default::default(),
     };
+    let Some(key) = idem else {
+        return make(state, ctx, new, &req.template_id, allow_internet, None).await;
+    };
+    // A retry under the key joins the create in flight (a client whose answer was slow
+    // retries while the first is still being made) or gets the sandbox it made.
+    for _ in 0..CLAIM_ROUNDS {
+        match state.e2b.claim(&key) {
+            Claim::Join(mut rx) => {
+                let done = ctx
+                    .run(async {
+                        Ok(rx
+                            .wait_for(|k| *k != Keyed::InFlight)
+                            .await
+                            .map(|k| k.clone())
+                            .unwrap_or(Keyed::Failed))
+                    })
+                    .await
+                    .map_err(|e| RestError::from(crate::error::DaemonError::from(e)))?;
+                if let Keyed::Made(id) = done {
+                    match owned(state, &tenant, &id) {
+                        Ok((s, extra)) => return Ok(sandbox_response(state, &s, &extra)),
+                        Err(_) => state.e2b.unclaim(&key, &id),
+                    }
+                }
+            }
+            Claim::Make(tx) => {
+                // The create runs to its end and announces it even if this request is
+                // dropped (its client gave up): the retry then finds it.
+                let st = Arc::clone(state);
+                let template = req.template_id.clone();
+                let cctx = ctx.clone();
+                return state
+                    .tasks
+                    .spawn(
+                        async move {
+                            make(&st, &cctx, new, &template, allow_internet, Some(tx)).await
+                        }
+                        .in_current_span(),
+                    )
+                    .await
+                    .map_err(|e| {
+                        RestError::from(crate::error::DaemonError::internal(format!(
+                            "the create task failed: {e}"
+                        )))
+                    })?;
+            }
+            Claim::Unkeyed => break,
+        }
+    }
+    make(state, ctx, new, &req.template_id, allow_internet, None).await
+}
+
+/// How many times a create under a key looks again after the one it joined failed or its
+/// sandbox is gone, before it makes one without the key.
+const CLAIM_ROUNDS: usize = 3;
+
+/// Make the session of a create; `announce` tells those waiting under its key.
+async fn make(
+    state: &AppState,
+    ctx: &CallCtx,
+    new: NewSession,
+    template: &str,
+    allow_internet: bool,
+    announce: Option<watch::Sender<Keyed>>,
+) -> Result<SandboxResponse, RestError> {
     prune(state);
     // A create owns remote work: it runs to completion even if the client leaves.
-    let session = state.sessions.create_owned(ctx, new).await?;
+    let r = state.sessions.create_owned(ctx, new).await;
+    let session = match r {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(tx) = announce {
+                tx.send_replace(Keyed::Failed);
+            }
+            return Err(e.into());
+        }
+    };
     let extra = state.e2b.insert_extra(
         &session.id,
-        SandboxExtra::new(&req.template_id, allow_internet, state.e2b.fs_op),
+        SandboxExtra::new(template, allow_internet, state.e2b.fs_op),
     );
-    if let Some(key) = idem
-        && let Ok(mut m) = state.e2b.idempotency.write()
-    {
-        m.insert(key, session.id.clone());
+    if let Some(tx) = announce {
+        tx.send_replace(Keyed::Made(session.id.clone()));
     }
     Ok(sandbox_response(state, &session, &extra))
 }

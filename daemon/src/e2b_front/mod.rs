@@ -36,6 +36,7 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{ApiError, ConnectCode};
+use tokio::sync::watch;
 
 use crate::config::E2bFrontConfig;
 use crate::error::DaemonError;
@@ -65,7 +66,9 @@ pub struct FrontState {
     /// `Sandbox.connect` hands out a fresh token).
     token_secret: [u8; 32],
     sandboxes: RwLock<HashMap<String, Arc<SandboxExtra>>>,
-    idempotency: RwLock<HashMap<(String, String), String>>,
+    /// Creates by (tenant, idempotency key): a retry of a create still in flight waits
+    /// for it instead of making a second sandbox.
+    idempotency: RwLock<HashMap<(String, String), watch::Receiver<Keyed>>>,
     /// Deadline of the front's own file operations (stat of a cwd, entries of events).
     fs_op: std::time::Duration,
     /// The one sandbox of a guest agent (`[e2b_front.guest]`).
@@ -184,9 +187,62 @@ impl FrontState {
             extra.stop_watchers();
         }
         if let Ok(mut m) = self.idempotency.write() {
-            m.retain(|_, v| v != id);
+            m.retain(|_, v| !matches!(&*v.borrow(), Keyed::Made(made) if made == id));
         }
     }
+
+    /// The create under `key`: one already made or in flight to join, or (none, or the
+    /// last one failed) this caller's to make, announced through the sender.
+    fn claim(&self, key: &(String, String)) -> Claim {
+        let Ok(mut m) = self.idempotency.write() else {
+            return Claim::Unkeyed;
+        };
+        // Failed entries, and those whose maker is gone without a word, are dropped as
+        // they are met, so the map holds only keys of creates in flight or of sandboxes
+        // that live (`forget` drops those).
+        m.retain(|_, v| {
+            let made = matches!(&*v.borrow(), Keyed::Made(_));
+            let in_flight = *v.borrow() == Keyed::InFlight && v.has_changed().is_ok();
+            made || in_flight
+        });
+        if let Some(rx) = m.get(key) {
+            return Claim::Join(rx.clone());
+        }
+        let (tx, rx) = watch::channel(Keyed::InFlight);
+        m.insert(key.clone(), rx);
+        Claim::Make(tx)
+    }
+
+    /// Drop `key`'s entry if it still names `id` (a sandbox made under it that is gone).
+    fn unclaim(&self, key: &(String, String), id: &str) {
+        if let Ok(mut m) = self.idempotency.write()
+            && m.get(key)
+                .is_some_and(|v| matches!(&*v.borrow(), Keyed::Made(made) if made == id))
+        {
+            m.remove(key);
+        }
+    }
+}
+
+/// Where a create under an idempotency key is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Keyed {
+    /// Being made.
+    InFlight,
+    /// Made: the sandbox's id.
+    Made(String),
+    /// It failed: the next request under the key makes its own.
+    Failed,
+}
+
+/// What [`FrontState::claim`] hands a create.
+enum Claim {
+    /// Another request's create: wait for it.
+    Join(watch::Receiver<Keyed>),
+    /// This request makes the sandbox and sends its outcome.
+    Make(watch::Sender<Keyed>),
+    /// The table is unusable (a panic poisoned it): create without the key.
+    Unkeyed,
 }
 
 /// What the front knows about a sandbox beyond its session.
