@@ -8,7 +8,9 @@
 //!   reaching the upstream (a rate limit, a storm of 503s);
 //! - [`HttpFaultProxy::drop_end_frame`]: the next `n` matching responses that are Connect
 //!   streams lose their end-of-stream envelope: the body ends cleanly right before it (a
-//!   stream whose server went away between its last message and its end).
+//!   stream whose server went away between its last message and its end);
+//! - [`HttpFaultProxy::delay`]: the next `n` matching responses come `d` late, whole (a
+//!   backend slow to do what it was asked).
 //!
 //! Matching requests are counted, refused or not.
 
@@ -34,6 +36,7 @@ enum Action {
         retry_after_s: Option<u64>,
     },
     DropEndFrame,
+    Delay(std::time::Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -137,6 +140,16 @@ impl HttpFaultProxy {
         });
     }
 
+    /// Answer the next `n` requests whose path starts with `prefix` `d` late: the request
+    /// is forwarded at once, its answer held back that long.
+    pub fn delay(&self, prefix: &str, n: u32, d: std::time::Duration) {
+        self.push(Rule {
+            prefix: prefix.to_owned(),
+            action: Action::Delay(d),
+            remaining: n,
+        });
+    }
+
     fn push(&self, rule: Rule) {
         if let Ok(mut r) = self.state.rules.write() {
             r.push(rule);
@@ -153,7 +166,7 @@ impl HttpFaultProxy {
     }
 
     /// How many requests with a path starting with `prefix` were `what` (`forwarded`,
-    /// `refused`, `truncated`).
+    /// `refused`, `truncated`, `delayed`).
     pub fn count(&self, prefix: &str, what: &str) -> usize {
         self.state
             .seen
@@ -224,7 +237,19 @@ async fn handle(
         return Ok(r);
     }
     let truncate = matches!(action, Some(Action::DropEndFrame));
-    note(&st, &path, if truncate { "truncated" } else { "forwarded" });
+    let delay = match action {
+        Some(Action::Delay(d)) => Some(d),
+        _ => None,
+    };
+    note(
+        &st,
+        &path,
+        match (truncate, delay) {
+            (true, _) => "truncated",
+            (_, Some(_)) => "delayed",
+            _ => "forwarded",
+        },
+    );
     let pq = req
         .uri()
         .path_and_query()
@@ -246,6 +271,9 @@ async fn handle(
         Ok(r) => r,
         Err(e) => return Ok(full(StatusCode::BAD_GATEWAY, e.to_string())),
     };
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
+    }
     let mut out = Response::builder().status(resp.status().as_u16());
     for (k, v) in resp.headers() {
         if k != http::header::CONTENT_LENGTH && k != http::header::TRANSFER_ENCODING {

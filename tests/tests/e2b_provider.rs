@@ -144,6 +144,7 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
     proxy.blackhole();
     let mut cfg = client_config(&proxy.url());
     cfg.connect_timeout_ms = 300;
+    cfg.request_timeout_ms = 1_500;
     cfg.retry = RetryConfig {
         max_times: 2,
         min_delay_ms: 50,
@@ -152,6 +153,9 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
     let p = E2bProvider::new(cfg).expect("provider");
     // Three attempts of 300 ms and two backoffs of at most 100 ms.
     let limit = Duration::from_millis(3 * 300 + 2 * 100);
+    // A create is sent again under its idempotency key until its own limit (the request
+    // limit) is too near for another attempt.
+    let create_limit = Duration::from_millis(1_500);
     let margin = Duration::from_millis(800);
     for op in ["healthcheck", "list", "create", "connect", "destroy"] {
         let t = Instant::now();
@@ -174,6 +178,21 @@ async fn a_backend_that_never_answers_fails_with_connect_timeout() {
                 .expect_err("destroy"),
         };
         let took = t.elapsed();
+        if op == "create" {
+            assert!(
+                matches!(
+                    e.code(),
+                    ErrorCode::ConnectTimeout | ErrorCode::DeadlineExceeded
+                ),
+                "{op}: {e}"
+            );
+            assert!(
+                took >= create_limit - Duration::from_millis(400),
+                "the create gave up before its limit: {took:?}"
+            );
+            assert!(took < create_limit + margin, "{op} took {took:?}");
+            continue;
+        }
         assert_eq!(e.code(), ErrorCode::ConnectTimeout, "{op}: {e}");
         assert_eq!(e.clock(), Some(Clock::Connect), "{op}");
         assert!(e.retryable(), "{op}");

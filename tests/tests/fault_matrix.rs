@@ -265,9 +265,9 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
         // end in success.
         //
         // The create went out and no answer came: a v2 create carries its idempotency
-        // key, so it is retried, each attempt ended by the connect limit, until the
-        // retries are spent; the sandbox it may have made is cleaned up, so a retry by the
-        // caller is safe and the code may say so.
+        // key, so it is sent again, each attempt ended by the connect limit, until the
+        // call's deadline is too near for another; the sandbox it may have made is
+        // cleaned up, so a retry by the caller is safe and the code may say so.
         (Kind::E2b, Op::Create, Blackhole) => connect,
         // Connect is idempotent: retried until the policy is spent, a retryable code.
         (Kind::E2b, Op::Connect, Blackhole) => connect,
@@ -313,8 +313,8 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
 ///   connections may find an idle one in its HTTP pool (nothing is faulted: success) or
 ///   open a new one ([`expected`] holds). The SSH provider keeps one connection, so its
 ///   cells are fixed; create and connect use a fresh provider, so theirs are too;
-/// - the blackholed E2B create's retries may meet the total deadline before they are
-///   spent on a loaded machine (`DEADLINE_EXCEEDED`, with the same clean-up);
+/// - the blackholed E2B create's last attempt may be the one the total deadline ends
+///   (`DEADLINE_EXCEEDED`, with the same clean-up);
 /// - an SSH create or connect under a stall or a drip has, on one loaded run (CI, 2
 ///   cores), finished before the fault bit (the fault arms after the first bytes); it is
 ///   still bound by the cell's time limit and checked for duplicates;

@@ -238,3 +238,60 @@ async fn a_command_stream_without_its_end_frame_reports_the_real_exit_without_a_
     // Found again, never started again.
     assert_eq!(proxy.count("/process.Process/Start", "forwarded"), 0);
 }
+
+/// A create whose answer is slower than the connect limit, again and again, is sent again
+/// under its idempotency key until the create's own limit, not only as often as the retry
+/// policy allows: the backend answers the later attempts with the sandbox the first one
+/// made, and exactly one sandbox is made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_slower_than_the_connect_limit_is_sent_again_until_answered() {
+    let d = TestDaemon::start().await;
+    let proxy = HttpFaultProxy::start(&d.base).await;
+    let cfg = E2bConfig {
+        api_url: Some(proxy.url()),
+        sandbox_url: Some(proxy.url()),
+        api_key: Some("e2b_tether_test".into()),
+        inherit_env: false,
+        connect_timeout_ms: 300,
+        request_timeout_ms: 10_000,
+        // One retry: the slow answers outnumber it.
+        retry: RetryConfig {
+            max_times: 1,
+            min_delay_ms: 50,
+            max_delay_ms: 100,
+        },
+        ..E2bConfig::default()
+    };
+    let p = E2bProvider::new(cfg).expect("provider");
+    // The first four answers come 900 ms late: each attempt gives up on its answer.
+    proxy.delay("/v2/sandboxes", 4, Duration::from_millis(900));
+    let t = Instant::now();
+    let sb = p
+        .create(&ctx(), SandboxSpec::default())
+        .await
+        .expect("a slow create succeeds");
+    assert!(
+        t.elapsed() >= Duration::from_millis(4 * 300),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        proxy.count("/v2/sandboxes", "delayed"),
+        4,
+        "{:?}",
+        proxy.seen()
+    );
+    // The answered attempt, and the looks for sandboxes the others made (lists).
+    assert!(
+        proxy.count("/v2/sandboxes", "forwarded") >= 1,
+        "{:?}",
+        proxy.seen()
+    );
+    let listed = p.list(&ctx()).await.expect("list");
+    assert_eq!(
+        listed.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        [sb.info().id.as_str()],
+        "one create, one sandbox"
+    );
+    p.destroy(&ctx(), &sb.info().id).await.expect("destroy");
+}

@@ -11,7 +11,7 @@
 //! system and processes are `tether-envd-client`'s, over its envd.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -32,7 +32,7 @@ use tokio_util::task::TaskTracker;
 use tether_envd_client::error::{Op, from_status, malformed};
 use tether_envd_client::{
     EnvdClientConfig, EnvdEndpoint, EnvdFs, EnvdProcess, EnvdSandboxClient, EnvdVersion, Http,
-    decode, parse_time_ms, retry,
+    decode, parse_time_ms, retry, retry_unanswered,
 };
 
 use crate::client::{ApiClient, build_client};
@@ -48,6 +48,10 @@ pub const CREATE_MARKER: &str = "tether.create";
 
 /// How long a failed create keeps looking for the sandbox it may still have made, to kill it.
 const CREATE_CLEANUP_WINDOW: Duration = Duration::from_secs(60);
+
+/// How many times a create that returned after more than one attempt looks for the
+/// sandboxes its other attempts made (2 s apart).
+const DUPLICATE_LOOKS: usize = 3;
 
 /// The envd version assumed in debug mode (no control plane reports one), as the SDKs do.
 const DEBUG_ENVD_VERSION: EnvdVersion = EnvdVersion(99, 99, 99);
@@ -331,26 +335,46 @@ impl ProviderInner {
         self.create_v1(ctx, v1).await
     }
 
-    /// The sandbox carrying `marker`, if the backend lists one.
-    async fn find_by_marker(&self, ctx: &CallCtx, marker: &str) -> Result<Option<ListedSandbox>> {
+    /// The sandboxes carrying `marker` that the backend lists.
+    async fn find_by_marker(&self, ctx: &CallCtx, marker: &str) -> Result<Vec<ListedSandbox>> {
         Ok(self
             .list_all(ctx)
             .await?
             .into_iter()
-            .find(|s| s.metadata.get(CREATE_MARKER).map(String::as_str) == Some(marker)))
+            .filter(|s| s.metadata.get(CREATE_MARKER).map(String::as_str) == Some(marker))
+            .collect())
     }
 
-    /// After a create whose outcome is unknown: kill the sandbox it may have made.
-    fn cleanup_lost_create(self: &Arc<Self>, marker: String) {
+    /// After a create whose outcome is unknown (`keep` `None`), or one that took more than
+    /// one attempt (`keep` the sandbox it returned): kill the sandboxes it may have made
+    /// besides `keep` (a backend that does not honour the idempotency key makes one per
+    /// attempt), looking until one is found or the window ends; after a create that
+    /// returned, the earlier attempts were made before it, so a few looks suffice.
+    fn cleanup_lost_create(self: &Arc<Self>, marker: String, keep: Option<String>) {
         let this = self.clone();
+        let mut looks = if keep.is_some() {
+            DUPLICATE_LOOKS
+        } else {
+            usize::MAX
+        };
         self.tasks.spawn(async move {
             let until = tokio::time::Instant::now() + CREATE_CLEANUP_WINDOW;
-            while tokio::time::Instant::now() < until {
-                let ctx = CallCtx::new(format!("create-cleanup-{marker}"));
-                if let Ok(Some(s)) = this.find_by_marker(&ctx, &marker).await {
-                    tracing::warn!(sandbox.id = %s.sandbox_id, "Killing a sandbox whose create did not complete");
-                    let _ = this.kill(&ctx, &s.sandbox_id).await;
-                    return;
+            while tokio::time::Instant::now() < until && looks > 0 {
+                looks -= 1;
+                let ctx = CallCtx::new(format!("create-cleanup-{marker}"))
+                    .with_timeout(this.cfg.request_timeout(), Clock::Total);
+                if let Ok(found) = this.find_by_marker(&ctx, &marker).await {
+                    let extra: Vec<_> = found
+                        .into_iter()
+                        .filter(|s| Some(&s.sandbox_id) != keep.as_ref())
+                        .collect();
+                    for s in &extra {
+                        tracing::warn!(sandbox.id = %s.sandbox_id, "Killing a sandbox whose create did not complete");
+                        let _ = this.kill(&ctx, &s.sandbox_id).await;
+                    }
+                    if !extra.is_empty() {
+                        return;
+                    }
                 }
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
@@ -563,12 +587,21 @@ impl Provider for E2bProvider {
             ..v2.clone()
         };
         let v1_sent = AtomicBool::new(false);
-        let r = retry(ctx, i.http.retry, "create", || async {
+        let attempts = AtomicUsize::new(0);
+        // Each attempt's answer must start within the connect limit, or the create is sent
+        // again: under its idempotency key the backend answers with the sandbox the first
+        // attempt is making, so a backend slow to make one is waited for, for as long as
+        // the create's own limit allows (the request limit, or the caller's deadline if
+        // sooner), and a stalled answer costs one connect limit.
+        let cctx = ctx.with_timeout(i.cfg.request_timeout(), Clock::Total);
+        let ctx = &cctx;
+        let r = retry_unanswered(ctx, i.http.retry, "create", || async {
             // v1 has no idempotency key: before trying again after a v1 create was sent
             // (a backend known to lack v2, or the fallback of a first create on one not
             // probed yet), look for what a lost answer may have created.
+            attempts.fetch_add(1, Ordering::Relaxed);
             if v1_sent.load(Ordering::Acquire)
-                && let Some(s) = i.find_by_marker(ctx, &marker).await?
+                && let Some(s) = i.find_by_marker(ctx, &marker).await?.into_iter().next()
             {
                 return Ok(Adopted::Listed(s));
             }
@@ -578,7 +611,12 @@ impl Provider for E2bProvider {
         })
         .await;
         let resp = match r {
-            Ok(Adopted::Created(resp)) => resp,
+            Ok(Adopted::Created(resp)) => {
+                if attempts.load(Ordering::Relaxed) > 1 {
+                    i.cleanup_lost_create(marker.clone(), Some(resp.sandbox_id.clone()));
+                }
+                resp
+            }
             Ok(Adopted::Listed(s)) => {
                 let sb = self.connect(ctx, &s.sandbox_id).await?;
                 return Ok(sb);
@@ -595,7 +633,7 @@ impl Provider for E2bProvider {
                         | ErrorCode::TransportIdleTimeout
                         | ErrorCode::ConnectTimeout
                 ) {
-                    i.cleanup_lost_create(marker);
+                    i.cleanup_lost_create(marker, None);
                 }
                 return Err(e);
             }

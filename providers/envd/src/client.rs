@@ -22,6 +22,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::{Method, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tether_protocol::ErrorCode;
 use tether_protocol::connect::{self as codec, Decoder, Frame};
 use tether_protocol::e2b::InitRequest;
 use tether_provider::clock::{CancelReason, CancelToken, IdleWatchdog};
@@ -59,17 +60,64 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
+    retry_when(ctx, policy, what, false, f).await
+}
+
+/// [`retry`] for a call sent again to wait for a slow answer (a create under its
+/// idempotency key, which the backend answers with the sandbox the first attempt is
+/// making): an attempt whose answer did not start within the connect limit
+/// (`CONNECT_TIMEOUT`) is tried again however often that happens, until `ctx`'s deadline,
+/// which must be set; other failures count against the policy as usual.
+pub async fn retry_unanswered<T, F, Fut>(
+    ctx: &CallCtx,
+    policy: RetryConfig,
+    what: &'static str,
+    f: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    retry_when(ctx, policy, what, ctx.remaining().is_some(), f).await
+}
+
+async fn retry_when<T, F, Fut>(
+    ctx: &CallCtx,
+    policy: RetryConfig,
+    what: &'static str,
+    unanswered_free: bool,
+    f: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
     let backoff = ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(policy.min_delay_ms))
         .with_max_delay(Duration::from_millis(policy.max_delay_ms))
-        .with_max_times(policy.max_times)
         .with_jitter();
+    let backoff = if unanswered_free {
+        // The deadline bounds the attempts; `when` counts the other failures.
+        backoff.without_max_times()
+    } else {
+        backoff.with_max_times(policy.max_times)
+    };
     let max = Duration::from_millis(policy.max_delay_ms);
     let cancel = ctx.cancel.clone();
     let remaining = || ctx.remaining();
+    let mut counted = 0usize;
     f.retry(backoff)
         .sleep(tokio::time::sleep)
-        .when(|e: &ProviderError| e.retryable() && !cancel.is_cancelled())
+        .when(|e: &ProviderError| {
+            if !e.retryable() || cancel.is_cancelled() {
+                return false;
+            }
+            if !unanswered_free || e.code() == ErrorCode::ConnectTimeout {
+                return true;
+            }
+            counted += 1;
+            counted <= policy.max_times
+        })
         .adjust(|e, dur| {
             // The policy's budget bounds the retries (`dur` is `None` once it is spent);
             // `Retry-After` only says how long to wait before the next one.

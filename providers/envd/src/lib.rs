@@ -37,7 +37,9 @@ mod sandbox;
 #[cfg(test)]
 mod tests;
 
-pub use client::{EnvdEndpoint, EnvdVersion, Http, MAX_ENVELOPE_BYTES, decode, join, retry};
+pub use client::{
+    EnvdEndpoint, EnvdVersion, Http, MAX_ENVELOPE_BYTES, decode, join, retry, retry_unanswered,
+};
 pub use config::{EnvdClientConfig, RetryConfig};
 pub use error::WireError;
 pub use fs::{EnvdFs, TEMP_PREFIX, VERSION_META, resolve, to_stat, version_of};
