@@ -24,7 +24,7 @@ use tokio::sync::{Mutex, oneshot, watch};
 use crate::config::LocalConfig;
 use crate::confine::CONFINE_SUBCOMMAND;
 use crate::error::{internal, spawn_failed};
-use crate::init::{Counts, FromInit, InitSpec, ToInit, recv_with, send};
+use crate::init::{Counts, FromInit, InitSpec, MAX_RUNNING_REPLY, ToInit, recv_with, send};
 
 /// The standalone trampoline's file name.
 pub const CONFINE_BINARY: &str = "tether-confine";
@@ -568,7 +568,9 @@ async fn read_loop(
     shared: Arc<Shared>,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut buf = vec![0u8; FROM_INIT_MAX];
+    // Held for the sandbox's life (a thousand sandboxes, a thousand buffers): only as
+    // large as what pid1 sends while it runs.
+    let mut buf = vec![0u8; MAX_RUNNING_REPLY];
     loop {
         let next = tokio::select! {
             r = recv_async(&sock, &mut buf) => r,

@@ -63,6 +63,14 @@ use serde::{Deserialize, Serialize};
 /// Largest message on the control socket.
 pub(crate) const MAX_MESSAGE: usize = 1 << 20;
 
+/// Largest message pid1 sends once a sandbox runs, outside a reattach's list (a spawn's
+/// outcome, output counts, an exit): the daemon reads them into a buffer this large for
+/// the sandbox's whole life, so a spawn's failure message is cut to fit.
+pub(crate) const MAX_RUNNING_REPLY: usize = 4 * 1024;
+
+/// Longest failure message of a spawn.
+const MAX_SPAWN_MESSAGE: usize = 2 * 1024;
+
 /// Most descriptors passed with one message.
 const MAX_FDS: usize = 8;
 
@@ -248,6 +256,12 @@ pub(crate) fn recv_with<T: for<'de> Deserialize<'de>>(
     }
     if r.bytes == 0 {
         return Ok(None);
+    }
+    if r.flags.contains(rustix::net::ReturnFlags::TRUNC) {
+        return Err(std::io::Error::other(format!(
+            "a message longer than {} bytes was cut",
+            buf.len()
+        )));
     }
     let msg = serde_json::from_slice(&buf[..r.bytes]).map_err(std::io::Error::other)?;
     Ok(Some((msg, fds)))
@@ -1050,7 +1064,15 @@ impl Pid1 {
             return;
         };
         let Some(ctl) = &self.ctl else { return };
-        let refuse = |not_found: bool, message: String| {
+        let refuse = |not_found: bool, mut message: String| {
+            if message.len() > MAX_SPAWN_MESSAGE {
+                let mut end = MAX_SPAWN_MESSAGE;
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                message.truncate(end);
+                message.push('…');
+            }
             let _ = send(
                 ctl.as_fd(),
                 &FromInit::SpawnFailed {
