@@ -495,6 +495,18 @@ fn client() -> reqwest::Client {
 
 /// `tetherd serve` over `state` (with `config`) on a free port, healthy: the child and
 /// its base URL.
+/// Start a command in session `sid` (the native API's `POST .../processes` with `body`),
+/// which must be accepted (201).
+async fn start_command(http: &reqwest::Client, base: &str, sid: &str, body: Value) {
+    let r = http
+        .post(format!("{base}/v1/sessions/{sid}/processes"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+}
+
 async fn start(
     http: &reqwest::Client,
     state: &std::path::Path,
@@ -528,13 +540,7 @@ async fn a_command_running_at_a_kill_9_is_supervised_again_after_the_restart() {
     let http = client();
     let (mut child, base) = start(&http, state.path(), Some(&config)).await;
     let sid = new_session(&http, &base).await;
-    let r = http
-        .post(format!("{base}/v1/sessions/{sid}/processes"))
-        .json(&json!({"cmd": "for i in $(seq 1 40); do echo line$i; sleep 0.1; done", "command_id": "long", "timeout_ms": 120000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    start_command(&http, &base, &sid, json!({"cmd": "for i in $(seq 1 40); do echo line$i; sleep 0.1; done", "command_id": "long", "timeout_ms": 120000})).await;
     wait_until("output under way", Duration::from_secs(30), || async {
         stdout_of(&http, &base, &sid, "long")
             .await
@@ -583,13 +589,13 @@ async fn local_commands_run_on_through_a_kill_9_and_are_supervised_again() {
         // Ends while no daemon is there.
         ("ended", "echo a; sleep 1; echo b; exit 3"),
     ] {
-        let r = http
-            .post(format!("{base}/v1/sessions/{sid}/processes"))
-            .json(&json!({"cmd": cmd, "command_id": id, "timeout_ms": 120000}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+        start_command(
+            &http,
+            &base,
+            &sid,
+            json!({"cmd": cmd, "command_id": id, "timeout_ms": 120000}),
+        )
+        .await;
     }
     wait_until("output under way", Duration::from_secs(30), || async {
         stdout_of(&http, &base, &sid, "kept")
@@ -657,13 +663,7 @@ async fn a_paused_local_sandbox_is_taken_over_paused_after_a_kill_9() {
     let http = client();
     let (mut child, base) = start(&http, state.path(), None).await;
     let sid = new_session(&http, &base).await;
-    let r = http
-        .post(format!("{base}/v1/sessions/{sid}/processes"))
-        .json(&json!({"cmd": "for i in $(seq 1 15); do echo t$i; sleep 0.1; done", "command_id": "ticks", "timeout_ms": 120000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    start_command(&http, &base, &sid, json!({"cmd": "for i in $(seq 1 15); do echo t$i; sleep 0.1; done", "command_id": "ticks", "timeout_ms": 120000})).await;
     wait_until("output under way", Duration::from_secs(30), || async {
         stdout_of(&http, &base, &sid, "ticks")
             .await
@@ -762,13 +762,13 @@ async fn a_local_sandbox_whose_daemon_never_returns_ends_after_its_orphan_grace(
     let (mut child, base) = start(&http, state.path(), Some(&config)).await;
     let sid = new_session(&http, &base).await;
     let argv = ["sleep", "613.25"];
-    let r = http
-        .post(format!("{base}/v1/sessions/{sid}/processes"))
-        .json(&json!({"argv": argv, "command_id": "long"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
+    start_command(
+        &http,
+        &base,
+        &sid,
+        json!({"argv": argv, "command_id": "long"}),
+    )
+    .await;
     wait_until("the command runs", Duration::from_secs(30), || async {
         !pids_of(&argv).is_empty()
     })
