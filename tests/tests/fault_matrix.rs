@@ -313,8 +313,10 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
 ///   connections may find an idle one in its HTTP pool (nothing is faulted: success) or
 ///   open a new one ([`expected`] holds). The SSH provider keeps one connection, so its
 ///   cells are fixed; create and connect use a fresh provider, so theirs are too;
-/// - the blackholed E2B create's last attempt may be the one the total deadline ends
-///   (`DEADLINE_EXCEEDED`, with the same clean-up);
+/// - the blackholed E2B create is sent again until the cell's deadline (shorter than the
+///   create's own limit): the deadline may end an attempt (`DEADLINE_EXCEEDED`) or come
+///   too near for another one (the last attempt's `CONNECT_TIMEOUT`), with the same
+///   clean-up;
 /// - an SSH create or connect under a stall or a drip has, on one loaded run (CI, 2
 ///   cores), finished before the fault bit (the fault arms after the first bytes); it is
 ///   still bound by the cell's time limit and checked for duplicates;

@@ -506,7 +506,8 @@ fn e2b_provider(backend: &Backend, proxy: &FaultProxy) -> ProviderConfig {
     })
 }
 
-/// An E2B provider whose backend accepts connections and never answers.
+/// An E2B provider whose backend accepts connections and never answers. A create is sent
+/// again under its key until its own limit (the request limit), so that limit is short.
 fn unreachable_provider(dead: &FaultProxy) -> ProviderConfig {
     ProviderConfig::E2b(E2bConfig {
         api_url: Some(dead.url()),
@@ -514,6 +515,7 @@ fn unreachable_provider(dead: &FaultProxy) -> ProviderConfig {
         api_key: Some("e2b_prometheus_test".into()),
         inherit_env: false,
         connect_timeout_ms: 300,
+        request_timeout_ms: 1_000,
         retry: RetryConfig {
             max_times: 1,
             min_delay_ms: 50,

@@ -38,6 +38,7 @@ use tether_envd_client::{
 use crate::client::{ApiClient, build_client};
 use crate::config::{DEBUG_SANDBOX_ID, E2bConfig};
 use tether_provider::Clock;
+use tether_provider::clock::TimeoutReason;
 
 /// The provider kind.
 pub const KIND: &str = "e2b";
@@ -593,6 +594,7 @@ impl Provider for E2bProvider {
         // attempt is making, so a backend slow to make one is waited for, for as long as
         // the create's own limit allows (the request limit, or the caller's deadline if
         // sooner), and a stalled answer costs one connect limit.
+        let caller = ctx;
         let cctx = ctx.with_timeout(i.cfg.request_timeout(), Clock::Total);
         let ctx = &cctx;
         let r = retry_unanswered(ctx, i.http.retry, "create", || async {
@@ -610,6 +612,24 @@ impl Provider for E2bProvider {
                 .map(Adopted::Created)
         })
         .await;
+        // The create's own limit ended (the caller's has not): the backend answered no
+        // attempt in time. That is what the caller is told, whichever attempt the limit
+        // cut, so the outcome does not depend on where in an attempt it fell.
+        let r = r.map_err(|e| {
+            let own_limit = e.code() == ErrorCode::DeadlineExceeded
+                && e.clock() == Some(Clock::Total)
+                && caller.check().is_ok();
+            if own_limit {
+                ProviderError::Timeout {
+                    reason: TimeoutReason {
+                        clock: Clock::Connect,
+                        timeout_ms: i.http.connect.as_millis() as u64,
+                    },
+                }
+            } else {
+                e
+            }
+        });
         let resp = match r {
             Ok(Adopted::Created(resp)) => {
                 if attempts.load(Ordering::Relaxed) > 1 {
