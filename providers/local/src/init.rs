@@ -157,6 +157,40 @@ pub(crate) struct Counts {
     pub total: [u64; 2],
 }
 
+/// One output stream's capture: what it produced and what of it is kept under its cap.
+/// pid1's pipe pump and the daemon's pty pump count the same way through it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Capture {
+    /// Most bytes kept.
+    pub cap: u64,
+    /// Bytes kept.
+    pub kept: u64,
+    /// Bytes produced (kept or not).
+    pub total: u64,
+}
+
+impl Capture {
+    /// A capture keeping at most `cap` bytes.
+    pub fn new(cap: u64) -> Self {
+        Self {
+            cap,
+            ..Self::default()
+        }
+    }
+
+    /// Count `n` bytes just read: how many of the first of them fit under the cap.
+    /// [`Capture::kept`] records the ones actually kept.
+    pub fn read(&mut self, n: usize) -> usize {
+        self.total += n as u64;
+        self.cap.saturating_sub(self.kept).min(n as u64) as usize
+    }
+
+    /// `n` more bytes were kept.
+    pub fn kept(&mut self, n: usize) {
+        self.kept += n as u64;
+    }
+}
+
 /// How a command's leader ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Ended {
@@ -686,8 +720,7 @@ struct Cmd {
     pipes: [Option<OwnedFd>; 2],
     /// The spools (dropped once writing one fails: the disk is full).
     spools: [Option<std::fs::File>; 2],
-    caps: [u64; 2],
-    counts: Counts,
+    capture: [Capture; 2],
     drain: std::time::Duration,
     /// The leader's end, and when it was seen.
     leader: Option<(Ended, std::time::Instant)>,
@@ -698,6 +731,14 @@ struct Cmd {
 }
 
 impl Cmd {
+    fn counts(&self) -> Counts {
+        let [out, err] = self.capture;
+        Counts {
+            kept: [out.kept, err.kept],
+            total: [out.total, err.total],
+        }
+    }
+
     fn pipes_done(&self) -> bool {
         self.pipes.iter().all(Option::is_none)
     }
@@ -721,14 +762,13 @@ impl Cmd {
         if self.sealed {
             return;
         }
-        self.counts.total[s] += n as u64;
-        let keep = (self.caps[s].saturating_sub(self.counts.kept[s])).min(n as u64) as usize;
+        let keep = self.capture[s].read(n);
         if keep > 0
             && let Some(f) = &mut self.spools[s]
         {
             use std::io::Write;
             if f.write_all(&buf[..keep]).is_ok() {
-                self.counts.kept[s] += keep as u64;
+                self.capture[s].kept(keep);
             } else {
                 self.spools[s] = None;
             }
@@ -750,14 +790,14 @@ struct Pid1 {
     commands: Vec<Cmd>,
     finished: std::collections::VecDeque<Cmd>,
     buf: Vec<u8>,
-    /// An `Output` did not fit into the socket: wait until it is writable.
+    /// An `Output` did not fit into the socket: poll for writability too (the next
+    /// [`Pid1::settle`] sends it).
     want_write: bool,
 }
 
 /// What woke pid1.
 enum Wake {
     Ctl,
-    CtlWritable,
     Listener,
     Signal,
     Pipe(usize, usize),
@@ -777,7 +817,6 @@ impl Pid1 {
                 return;
             }
             let mut wakes = Vec::new();
-            let mut ready = Vec::new();
             {
                 let mut fds = Vec::with_capacity(4 + 2 * self.commands.len());
                 let mut kinds = Vec::with_capacity(fds.capacity());
@@ -819,19 +858,17 @@ impl Pid1 {
                     if ev.is_empty() {
                         continue;
                     }
-                    if matches!(k, Wake::Ctl) && ev.contains(PollFlags::POLLOUT) {
-                        wakes.push(Wake::CtlWritable);
-                    }
+                    // The socket only became writable: the settling below sends what
+                    // waits.
                     if matches!(k, Wake::Ctl)
                         && !ev
                             .intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR)
                     {
                         continue;
                     }
-                    ready.push(k);
+                    wakes.push(k);
                 }
             }
-            wakes.extend(ready);
             let mut shutdown = false;
             for w in wakes {
                 match w {
@@ -844,7 +881,6 @@ impl Pid1 {
                         while let Ok(Some(_)) = sfd.read_signal() {}
                         self.reap();
                     }
-                    Wake::CtlWritable => self.want_write = false,
                     Wake::Listener => self.accept(),
                     Wake::Ctl => {
                         if self.read_ctl() {
@@ -915,7 +951,7 @@ impl Pid1 {
                     pid: c.pid as u32,
                     code: end.code,
                     signal: end.signal,
-                    counts: c.counts,
+                    counts: c.counts(),
                 };
                 if let Some(ctl) = &self.ctl {
                     // Not sent (the daemon just went away): the next one learns it
@@ -935,11 +971,12 @@ impl Pid1 {
             }
             i += 1;
         }
+        self.want_write = false;
         let Some(ctl) = &self.ctl else { return };
         for c in self.commands.iter_mut().filter(|c| c.dirty && !c.sealed) {
             let msg = FromInit::Output {
                 pid: c.pid as u32,
-                counts: c.counts,
+                counts: c.counts(),
             };
             // Counts are totals: one that does not fit is sent again, newer, later.
             match send_nonblocking(ctl.as_fd(), &msg) {
@@ -1024,7 +1061,7 @@ impl Pid1 {
                 pid: c.pid as u32,
                 tag: c.tag.clone(),
                 pty: c.pty,
-                counts: c.counts,
+                counts: c.counts(),
                 exit,
             };
             // Only a leader not yet reaped: a reaped one's pid may be another's now.
@@ -1147,8 +1184,7 @@ impl Pid1 {
                     pty,
                     pipes,
                     spools,
-                    caps,
-                    counts: Counts::default(),
+                    capture: caps.map(Capture::new),
                     drain: std::time::Duration::from_millis(drain_ms),
                     leader: None,
                     sealed: false,

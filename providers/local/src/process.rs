@@ -57,6 +57,7 @@ use tokio::sync::{Mutex, watch};
 
 use crate::client::{group_members, open_pty, set_winsize, shell_argv, signal_group};
 use crate::error::{fs_errno, internal, spawn_failed};
+use crate::init::Capture;
 use crate::sandbox::SandboxCore;
 
 /// Size of the chunks read from pipes and spools.
@@ -654,7 +655,7 @@ async fn pump_pty(
     sealed: Arc<AtomicBool>,
 ) {
     let mut buf = vec![0u8; CHUNK];
-    let mut spooled = 0u64;
+    let mut capture = Capture::new(cap);
     loop {
         let Ok(mut guard) = master.readable().await else {
             return;
@@ -669,12 +670,12 @@ async fn pump_pty(
         if sealed.load(Ordering::Acquire) {
             continue;
         }
-        let keep = (cap - spooled).min(n as u64) as usize;
+        let keep = capture.read(n);
         if keep > 0 {
             if file.write_all(&buf[..keep]).await.is_err() || file.flush().await.is_err() {
                 return;
             }
-            spooled += keep as u64;
+            capture.kept(keep);
         }
         progress.send_modify(|p| {
             p.out += keep as u64;
