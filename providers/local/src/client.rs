@@ -183,6 +183,24 @@ async fn recv_async(
     }
 }
 
+/// [`recv_async`] for a running sandbox's init, whose messages are small: received into
+/// a buffer on the stack, so that a sandbox holds none between messages (a thousand
+/// sandboxes would hold a thousand).
+async fn recv_running(
+    sock: &AsyncFd<OwnedFd>,
+) -> std::io::Result<Option<(FromInit, Vec<OwnedFd>)>> {
+    loop {
+        let mut guard = sock.readable().await?;
+        match guard.try_io(|fd| {
+            let mut buf = [0u8; MAX_RUNNING_REPLY];
+            recv_with::<FromInit>(fd.get_ref().as_fd(), RecvFlags::DONTWAIT, &mut buf)
+        }) {
+            Ok(r) => return r,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
 async fn send_async(
     sock: &AsyncFd<OwnedFd>,
     msg: &ToInit,
@@ -568,12 +586,9 @@ async fn read_loop(
     shared: Arc<Shared>,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    // Held for the sandbox's life (a thousand sandboxes, a thousand buffers): only as
-    // large as what pid1 sends while it runs.
-    let mut buf = vec![0u8; MAX_RUNNING_REPLY];
     loop {
         let next = tokio::select! {
-            r = recv_async(&sock, &mut buf) => r,
+            r = recv_running(&sock) => r,
             () = stop.cancelled() => break,
         };
         let msg = match next {

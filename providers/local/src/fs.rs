@@ -444,13 +444,18 @@ struct Published {
     created: bool,
 }
 
+/// Publications a slow watcher may fall behind by before it is told it lagged.
+const PUBLISHED_QUEUE: usize = 256;
+
 /// The `Fs` of a local sandbox.
 #[derive(Debug)]
 pub struct LocalFs {
     ws: Arc<Workspace>,
     /// Serializes guard checks with publication.
     publish_lock: Mutex<()>,
-    published: broadcast::Sender<Published>,
+    /// Made by the first watch: most sandboxes are never watched, and the channel's
+    /// slots are most of an idle sandbox's memory.
+    published: std::sync::OnceLock<broadcast::Sender<Published>>,
     tasks: TaskTracker,
     closed: CancellationToken,
 }
@@ -460,7 +465,7 @@ impl LocalFs {
         Self {
             ws,
             publish_lock: Mutex::new(()),
-            published: broadcast::channel(256).0,
+            published: std::sync::OnceLock::new(),
             tasks,
             closed,
         }
@@ -724,7 +729,9 @@ impl Fs for LocalFs {
         drop(_publishing);
         match published {
             Ok((outcome, comps, created)) => {
-                let _ = self.published.send(Published { comps, created });
+                if let Some(tx) = self.published.get() {
+                    let _ = tx.send(Published { comps, created });
+                }
                 Ok(outcome)
             }
             Err(e) => {
@@ -921,7 +928,10 @@ impl Fs for LocalFs {
             tx,
             temp_cookies: Vec::new(),
         };
-        let published = self.published.subscribe();
+        let published = self
+            .published
+            .get_or_init(|| broadcast::channel(PUBLISHED_QUEUE).0)
+            .subscribe();
         let closed = self.closed.clone();
         self.tasks.spawn(watcher.run(published, closed));
         Ok(tokio_stream_from(rx))
