@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -33,7 +33,7 @@ use crate::invariants::Invariants;
 use crate::leases::{META_DAEMON, META_SESSION, now_ms};
 use crate::ops::SandboxOp;
 use crate::providers::ProviderRegistry;
-use crate::session_log::{LogConfig, SessionLog};
+use crate::session_log::{LogConfig, RepairReport, SessionLog};
 use crate::telemetry::Metrics;
 use tether_provider::Clock;
 
@@ -869,11 +869,12 @@ impl SessionManager {
     }
 
     async fn open_closed(&self, id: &str) -> Result<Arc<Session>> {
-        let log = {
+        let (log, facts) = {
             let _one = self.closed_opens.lock().await;
-            let (log, _) = SessionLog::open(&self.session_dir(id), self.log_config.clone()).await?;
+            let (log, _, facts) =
+                LogFacts::open(&self.session_dir(id), self.log_config.clone()).await?;
             log.close().await;
-            log
+            (log, facts)
         };
         let provider_name = log.header().params.provider.clone();
         let provider = self.providers.get(&provider_name).ok_or_else(|| {
@@ -882,7 +883,6 @@ impl SessionManager {
             ))
         })?;
         let last = last_time(&log);
-        let facts = LogFacts::of(&log).await?;
         let s = self.build_session(id.to_owned(), provider, log, &facts, last);
         s.closed.store(true, Ordering::Release);
         set(&s.detached_why, Some("the session is closed".into()));
@@ -1046,7 +1046,7 @@ impl SessionManager {
                     continue;
                 }
             }
-            let (log, repair) = match SessionLog::open(&dir, self.log_config.clone()).await {
+            let (log, repair, facts) = match LogFacts::open(&dir, self.log_config.clone()).await {
                 Ok(x) => x,
                 Err(e) => {
                     tracing::error!(session.id = %id, error = %e, "Cannot open a session log; leaving it and its sandbox alone");
@@ -1065,16 +1065,6 @@ impl SessionManager {
                 self.mark_unreadable(&id);
                 report.failed.push(id);
                 continue;
-            };
-            let facts = match LogFacts::of(&log).await {
-                Ok(f) => f,
-                Err(e) => {
-                    tracing::error!(session.id = %id, error = %e, "Cannot read a session log back; leaving it and its sandbox alone");
-                    log.close().await;
-                    self.mark_unreadable(&id);
-                    report.failed.push(id);
-                    continue;
-                }
             };
             let session = self.build_session(
                 id.clone(),
@@ -1290,45 +1280,58 @@ struct LogFacts {
 }
 
 impl LogFacts {
+    /// The facts of a log already open (a fork's), read back from it.
     async fn of(log: &SessionLog) -> Result<Self> {
         let mut facts = Self::default();
         let mut events = log.replay(None);
         while let Some(e) = futures_util::StreamExt::next(&mut events).await {
-            match e?.body {
-                EventBody::SandboxLeased { sandbox_id, .. } => {
-                    facts.leased = Some(sandbox_id);
-                    facts.paused = false;
-                }
-                EventBody::SandboxReleased { .. } => facts.leased = None,
-                EventBody::ExpirySet { expiry } => facts.expiry = Some(expiry),
-                EventBody::SandboxPaused { .. } => facts.paused = true,
-                EventBody::SandboxResumed { .. } => facts.paused = false,
-                EventBody::ProcessStarted {
-                    command_id,
-                    spec,
-                    deadline_ms,
-                    output_idle_ms,
-                    ..
-                } => {
-                    facts
-                        .unfinished
-                        .insert(command_id, (spec, deadline_ms, output_idle_ms));
-                }
-                EventBody::ProcessExited {
-                    command_id,
-                    stdout_bytes,
-                    stderr_bytes,
-                    ..
-                } => {
-                    facts.unfinished.remove(&command_id);
-                    facts.journaled = facts
-                        .journaled
-                        .saturating_add(stdout_bytes.saturating_add(stderr_bytes));
-                }
-                _ => {}
-            }
+            facts.see(&e?.body);
         }
         Ok(facts)
+    }
+
+    /// Open a session's log and take its facts in the same pass.
+    async fn open(dir: &Path, cfg: LogConfig) -> Result<(Arc<SessionLog>, RepairReport, Self)> {
+        let mut facts = Self::default();
+        let (log, repair) = SessionLog::open_seeing(dir, cfg, |e| facts.see(&e.body)).await?;
+        Ok((log, repair, facts))
+    }
+
+    fn see(&mut self, body: &EventBody) {
+        match body {
+            EventBody::SandboxLeased { sandbox_id, .. } => {
+                self.leased = Some(sandbox_id.clone());
+                self.paused = false;
+            }
+            EventBody::SandboxReleased { .. } => self.leased = None,
+            EventBody::ExpirySet { expiry } => self.expiry = Some(*expiry),
+            EventBody::SandboxPaused { .. } => self.paused = true,
+            EventBody::SandboxResumed { .. } => self.paused = false,
+            EventBody::ProcessStarted {
+                command_id,
+                spec,
+                deadline_ms,
+                output_idle_ms,
+                ..
+            } => {
+                self.unfinished.insert(
+                    command_id.clone(),
+                    (spec.clone(), *deadline_ms, *output_idle_ms),
+                );
+            }
+            EventBody::ProcessExited {
+                command_id,
+                stdout_bytes,
+                stderr_bytes,
+                ..
+            } => {
+                self.unfinished.remove(command_id);
+                self.journaled = self
+                    .journaled
+                    .saturating_add(stdout_bytes.saturating_add(*stderr_bytes));
+            }
+            _ => {}
+        }
     }
 }
 

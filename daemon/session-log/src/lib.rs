@@ -350,6 +350,17 @@ impl SessionLog {
     /// `Corrupt`, a violated invariant with `Invariant`, a log held by another writer with
     /// `Conflict`.
     pub async fn open(dir: &Path, cfg: LogConfig) -> Result<(Arc<Self>, RepairReport), LogError> {
+        Self::open_seeing(dir, cfg, |_| {}).await
+    }
+
+    /// [`SessionLog::open`], showing `see` every event of the file, in order, in the one
+    /// pass that reads it (a caller that folds the log into its own state reads it once).
+    /// The repair's events, appended after, are not shown.
+    pub async fn open_seeing(
+        dir: &Path,
+        cfg: LogConfig,
+        mut see: impl FnMut(&Event) + Send,
+    ) -> Result<(Arc<Self>, RepairReport), LogError> {
         let path = dir.join(EVENTS_FILE);
         let d = dir.to_owned();
         let (file, bytes) = blocking(move || store::open_existing(&d)).await?;
@@ -383,6 +394,7 @@ impl SessionLog {
         for e in &parsed.events {
             let mut undo = index.begin();
             index.apply(e.seq, &e.body, &cfg.invariants, &mut undo)?;
+            see(e);
         }
         let closers = repair::closers(&index);
         let log = Self::start(

@@ -441,6 +441,35 @@ async fn a_torn_last_line_is_truncated() {
 }
 
 #[tokio::test]
+async fn opening_shows_every_event_of_the_file_once_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let log = new_log(&dir, "s").await;
+    log.append_all(vec![user("a"), user("b"), user("c")])
+        .await
+        .unwrap();
+    log.close().await;
+    let torn = br#"{"seq":3,"time":1,"ty"#;
+    let good = std::fs::read(dir.join(EVENTS_FILE)).unwrap();
+    std::fs::write(dir.join(EVENTS_FILE), [good.as_slice(), torn].concat()).unwrap();
+    let mut seen = Vec::new();
+    let (log, report) = SessionLog::open_seeing(&dir, LogConfig::default(), |e| {
+        seen.push(e.clone());
+    })
+    .await
+    .unwrap();
+    assert_eq!(report.truncated_bytes, torn.len() as u64);
+    // What the file holds, each once: not the torn line.
+    assert_eq!(seen, disk_events(&dir));
+    assert_eq!(
+        seen.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    assert_eq!(seen[1].body, user("b"));
+    log.close().await;
+}
+
+#[tokio::test]
 async fn corruption_before_the_last_line_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
