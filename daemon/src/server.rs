@@ -41,20 +41,29 @@ pub fn router(state: Arc<AppState>) -> Router {
     if state.config.e2b_front.enabled && state.config.e2b_front.guest.is_none() {
         app = app.merge(crate::e2b_front::router());
     }
-    app.fallback(crate::http::not_found)
+    app = app
+        .fallback(crate::http::not_found)
         .method_not_allowed_fallback(crate::http::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             crate::http::auth_layer,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
+        ));
+    if state.config.e2b_front.enabled && state.config.e2b_front.guest.is_none() {
+        // Outside the native API's authentication: a sandbox's ports are public, as on
+        // E2B (see `e2b_front::ports`).
+        app = app.layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
-            crate::http::request_layer,
-        ))
-        .layer(axum::extract::DefaultBodyLimit::max(
-            usize::try_from(state.config.server.max_body_bytes).unwrap_or(usize::MAX),
-        ))
-        .with_state(state)
+            crate::e2b_front::ports::layer,
+        ));
+    }
+    app.layer(axum::middleware::from_fn_with_state(
+        Arc::clone(&state),
+        crate::http::request_layer,
+    ))
+    .layer(axum::extract::DefaultBodyLimit::max(
+        usize::try_from(state.config.server.max_body_bytes).unwrap_or(usize::MAX),
+    ))
+    .with_state(state)
 }
 
 /// A daemon being started.

@@ -123,6 +123,11 @@ pub struct Session {
 }
 
 impl Session {
+    /// The session's provider.
+    pub fn provider(&self) -> &Arc<dyn Provider> {
+        &self.provider
+    }
+
     /// The sandbox, or `SANDBOX_NOT_FOUND` when detached or closed, `CONFLICT` while it
     /// is paused (nothing runs in a paused sandbox: a call would only wait).
     pub fn sandbox(&self) -> Result<Arc<dyn Sandbox>> {

@@ -83,6 +83,8 @@ async fn run_suite(which: &str) {
         .env("E2B_API_KEY", &main_key)
         .env("TETHER_E2B_OTHER_KEY", &other_key)
         .env("TETHER_E2B_BAD_KEY", key("bad"))
+        // The local provider reaches a sandbox's ports (the port proxy's test runs).
+        .env("TETHER_SUITE_PORTS", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .stdin(Stdio::null())

@@ -23,6 +23,7 @@ mod control;
 mod envd;
 mod filesystem;
 mod multipart;
+pub(crate) mod ports;
 mod process;
 #[cfg(test)]
 mod tests;

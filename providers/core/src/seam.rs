@@ -288,7 +288,24 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         let _ = (ctx, id);
         Err(ProviderError::Unsupported { op: "metrics" })
     }
+
+    /// A TCP connection to `port` on the sandbox's own loopback: a server a command
+    /// started inside it, reached as E2B's port proxy reaches it (`<port>-<id>.<domain>`).
+    /// `SANDBOX_NOT_FOUND` for an unknown sandbox; a port nothing listens on is
+    /// `PROVIDER_UNAVAILABLE`. The stream is the caller's until it drops it.
+    async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
+        let _ = (ctx, id, port);
+        Err(ProviderError::Unsupported { op: "connect_port" })
+    }
 }
+
+/// A byte stream to a port of a sandbox ([`Provider::connect_port`]).
+pub trait PortIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> PortIo for T {}
+
+/// What [`Provider::connect_port`] yields.
+pub type PortStream = Box<dyn PortIo>;
 
 /// One live sandbox.
 pub trait Sandbox: Send + Sync + std::fmt::Debug {

@@ -1022,3 +1022,47 @@ pub(crate) fn shell_argv(cmd: &str) -> Vec<String> {
 pub(crate) fn async_fd(fd: OwnedFd) -> std::io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     tokio::io::unix::AsyncFd::new(fd)
 }
+
+/// Connect to `port` on the loopback of the network namespace `netns` (a sandbox's, held
+/// open by the caller). A thread of its own enters the namespace, because `setns` moves
+/// the calling thread, which must never be one of the runtime's; the thread ends with
+/// the connect, and the socket keeps the namespace it was made in. IPv4's loopback first
+/// (servers on `0.0.0.0` and dual-stack ones take it), then IPv6's; the first failure is
+/// the one reported.
+pub(crate) async fn connect_in_netns(
+    netns: std::fs::File,
+    port: u16,
+    limit: Duration,
+) -> std::io::Result<tokio::net::TcpStream> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+    let (tx, rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("tether-port".into())
+        .spawn(move || {
+            let connect = || -> std::io::Result<TcpStream> {
+                nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+                let mut first = None;
+                for ip in [
+                    IpAddr::V4(Ipv4Addr::LOCALHOST),
+                    IpAddr::V6(Ipv6Addr::LOCALHOST),
+                ] {
+                    match TcpStream::connect_timeout(&SocketAddr::new(ip, port), limit) {
+                        Ok(s) => {
+                            s.set_nonblocking(true)?;
+                            s.set_nodelay(true)?;
+                            return Ok(s);
+                        }
+                        Err(e) => {
+                            first.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(first.unwrap_or_else(|| std::io::Error::other("no loopback address")))
+            };
+            let _ = tx.send(connect());
+        })?;
+    let s = rx
+        .await
+        .map_err(|_| std::io::Error::other("the connecting thread ended"))??;
+    tokio::net::TcpStream::from_std(s)
+}

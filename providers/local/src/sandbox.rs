@@ -30,15 +30,15 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_protocol::limits::ResourceLimits;
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
-    SandboxInfo, SandboxMetrics, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
+    Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cgroup::{CgroupTree, SandboxCgroup};
-use crate::client::{Init, Launcher, Network, find_program, network_helper};
+use crate::client::{self, Init, Launcher, Network, find_program, network_helper};
 use crate::config::{Isolation, LocalConfig, workspace_components};
 use crate::error::internal;
 use crate::fs::{LocalFs, Workspace};
@@ -1186,6 +1186,34 @@ impl Provider for LocalProvider {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(internal("cannot remove the snapshot", e)),
         }
+    }
+
+    async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        let netns = std::fs::File::open(format!("/proc/{}/ns/net", sandbox.core.init.pid1))
+            .map_err(|e| internal("cannot open the sandbox's network namespace", e))?;
+        // Opened while pid1 lives, the namespace is the sandbox's (its pid was not reused).
+        if !sandbox.core.init.alive() {
+            return Err(ProviderError::SandboxNotFound { id: id.to_owned() });
+        }
+        // A caller without a deadline gets the network set-up's limit.
+        let limit = ctx
+            .remaining()
+            .unwrap_or(Duration::from_millis(self.cfg.network_timeout_ms))
+            .max(Duration::from_millis(1));
+        let stream = ctx
+            .run(async {
+                client::connect_in_netns(netns, port, limit)
+                    .await
+                    .map_err(|e| ProviderError::Unavailable {
+                        message: format!("nothing answers on port {port} of sandbox {id}: {e}"),
+                        retry_after: None,
+                        source: Some(Box::new(e)),
+                    })
+            })
+            .await?;
+        Ok(Box::new(stream))
     }
 
     async fn metrics(&self, ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {

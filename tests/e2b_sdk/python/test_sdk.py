@@ -17,6 +17,7 @@ import secrets
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import datetime, timedelta, timezone
 from typing import Callable, List, Optional, Set
@@ -965,3 +966,106 @@ def test_sandbox_get_metrics(make_sandbox):
     assert Sandbox.get_metrics(sbx.sandbox_id, end=utcnow() - timedelta(hours=1)) == []
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_metrics(bogus_sandbox_id())
+
+
+#: A server that answers any request with `101` and then echoes what it reads, upper-cased:
+#: an upgraded connection (what a WebSocket is to a proxy) through the port proxy.
+UPGRADE_ECHO = r"""
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8081))
+s.listen()
+while True:
+    c, _ = s.accept()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += c.recv(4096)
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+    rest = data.split(b"\r\n\r\n", 1)[1]
+    while True:
+        if rest:
+            c.sendall(rest.upper())
+        rest = c.recv(4096)
+        if not rest:
+            break
+    c.close()
+"""
+
+
+def _front_request(host: str, path: str = "/") -> "tuple[int, bytes]":
+    import http.client
+
+    front = urllib.parse.urlsplit(os.environ["E2B_API_URL"])
+    conn = http.client.HTTPConnection(front.hostname, front.port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("GET", path, headers={"Host": host})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+@sdk("Sandbox.get_host (the port proxy: HTTP, an upgraded connection, a closed port)")
+def test_get_host_reaches_servers_in_the_sandbox(env, make_sandbox):
+    import socket
+
+    if not os.environ.get("TETHER_SUITE_PORTS"):
+        pytest.skip("the provider of this run does not reach sandbox ports")
+    sbx = make_sandbox()
+    sbx.files.write("/tmp/www/hello.txt", "hello from the sandbox")
+    sbx.files.write("/tmp/echo.py", UPGRADE_ECHO)
+    sbx.commands.run("cd /tmp/www && exec python3 -m http.server 8080 --bind 127.0.0.1", background=True)
+    sbx.commands.run("exec python3 /tmp/echo.py", background=True)
+    host = sbx.get_host(8080)
+    assert host.startswith(f"8080-{sbx.sandbox_id}."), host
+    deadline = time.monotonic() + 20
+    while True:
+        status, body = _front_request(host, "/hello.txt")
+        if status == 200:
+            break
+        # E2B's answer while nothing listens yet.
+        assert status == 502 and b"port is not open" in body, (status, body)
+        assert time.monotonic() < deadline, "the server never came up"
+        time.sleep(0.2)
+    assert body == b"hello from the sandbox"
+    # Another sandbox's same port is its own: each host reaches its own sandbox's server.
+    other = make_sandbox()
+    other.files.write("/tmp/www/hello.txt", "hello from the other one")
+    other.commands.run("cd /tmp/www && exec python3 -m http.server 8080 --bind 127.0.0.1", background=True)
+    while True:
+        status, other_body = _front_request(other.get_host(8080), "/hello.txt")
+        if status == 200:
+            break
+        assert status == 502 and time.monotonic() < deadline + 20, (status, other_body)
+        time.sleep(0.2)
+    assert other_body == b"hello from the other one"
+    assert _front_request(host, "/hello.txt") == (200, b"hello from the sandbox")
+    # A port nothing listens on, and a sandbox that does not exist.
+    status, body = _front_request(sbx.get_host(9))
+    assert status == 502 and json.loads(body)["message"] == "The sandbox is running but port is not open"
+    status, body = _front_request(f"8080-{bogus_sandbox_id()}.{host.split('.', 1)[1]}")
+    assert status == 502 and json.loads(body)["message"] == "The sandbox was not found"
+    # An upgraded connection carries bytes both ways.
+    front = urllib.parse.urlsplit(os.environ["E2B_API_URL"])
+    up = sbx.get_host(8081)
+    while True:
+        s = socket.create_connection((front.hostname, front.port), timeout=REQUEST_TIMEOUT_S)
+        s.sendall(f"GET /ws HTTP/1.1\r\nHost: {up}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            assert chunk, head
+            head += chunk
+        if head.startswith(b"HTTP/1.1 101"):
+            break
+        s.close()
+        assert b" 502 " in head.split(b"\r\n", 1)[0], head
+        assert time.monotonic() < deadline + 20, "the upgrade server never came up"
+        time.sleep(0.2)
+    s.sendall(b"ping")
+    got = b""
+    while len(got) < 4:
+        got += s.recv(16)
+    assert got == b"PING"
+    s.close()

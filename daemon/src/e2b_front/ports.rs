@@ -1,0 +1,148 @@
+//! E2B's port proxy: a request for `<port>-<id>.<domain>` (what the SDKs' `get_host`
+//! returns), or one naming a sandbox and a port other than envd's by the
+//! `E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers, goes to that port on the sandbox's
+//! own loopback, as E2B's edge proxy sends it there: the request as it came, the answer
+//! as the server gives it, upgrades (WebSocket) carried both ways.
+//!
+//! Like E2B's, a sandbox's ports are public: whoever reaches the front and knows the
+//! sandbox id reaches them (a sandbox cannot: the front is on the host's loopback). The
+//! connection is the provider's ([`Provider::connect_port`](tether_provider::Provider::connect_port));
+//! it ends when either side ends it or the sandbox closes.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::{StatusCode, header};
+use hyper_util::rt::TokioIo;
+use tether_protocol::ErrorCode;
+use tether_protocol::e2b::{ENVD_PORT, ProxyError};
+use tether_provider::{CallCtx, Clock};
+use tracing::Instrument;
+
+use super::envd;
+use crate::state::AppState;
+
+/// Send a request addressed to a sandbox's port there; pass every other one on.
+pub(crate) async fn layer(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match envd::addressed(req.headers()) {
+        Some((id, port)) if port != ENVD_PORT => proxy(&state, id, port, req).await,
+        _ => next.run(req).await,
+    }
+}
+
+async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
+    let Some(target) = envd::find(state, &id) else {
+        return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+    };
+    let session = target.session;
+    let Some(sandbox_id) = session.sandbox_id() else {
+        return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+    };
+    let ctx = CallCtx::new(format!("port-{port}-{id}")).with_timeout(
+        state.config.limits.deadlines().process_start,
+        Clock::Connect,
+    );
+    let stream = match session
+        .provider()
+        .connect_port(&ctx, &sandbox_id, port)
+        .await
+    {
+        Ok(s) => s,
+        Err(e) if e.code() == ErrorCode::Unsupported => {
+            let why = format!(
+                "ports are not reachable on provider {}",
+                session.provider_name
+            );
+            return refuse(id, StatusCode::NOT_IMPLEMENTED, &why);
+        }
+        Err(e) if e.code() == ErrorCode::SandboxNotFound => {
+            return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+        }
+        Err(e) => {
+            tracing::debug!(sandbox.id = %id, port, error = %e, "Nothing answers on a sandbox port");
+            // E2B's words for a port nothing listens on.
+            return refuse(
+                id,
+                StatusCode::BAD_GATEWAY,
+                "The sandbox is running but port is not open",
+            );
+        }
+    };
+    session.touch();
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
+    {
+        Ok(x) => x,
+        Err(e) => {
+            return refuse(
+                id,
+                StatusCode::BAD_GATEWAY,
+                &format!("the port's server: {e}"),
+            );
+        }
+    };
+    // The connection runs until both ends are done with it, or the sandbox closes.
+    let closed = session.cancel.clone();
+    state.tasks.spawn(
+        async move {
+            tokio::select! {
+                r = conn.with_upgrades() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "A sandbox port's connection ended");
+                    }
+                }
+                () = closed.cancelled() => {}
+            }
+        }
+        .in_current_span(),
+    );
+    let upgrade = req
+        .headers()
+        .contains_key(header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    let mut resp = match sender.send_request(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                id,
+                StatusCode::BAD_GATEWAY,
+                &format!("the port's server: {e}"),
+            );
+        }
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+        && let Some(client) = upgrade
+    {
+        let server = hyper::upgrade::on(&mut resp);
+        let closed = session.cancel.clone();
+        state.tasks.spawn(
+            async move {
+                let (Ok(client), Ok(server)) = (client.await, server.await) else {
+                    return;
+                };
+                let (mut client, mut server) = (TokioIo::new(client), TokioIo::new(server));
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    () = closed.cancelled() => {}
+                }
+            }
+            .in_current_span(),
+        );
+    }
+    resp.map(Body::new)
+}
+
+fn refuse(sandbox_id: String, status: StatusCode, message: &str) -> Response {
+    let body = ProxyError {
+        sandbox_id,
+        message: message.to_owned(),
+        code: status.as_u16(),
+    };
+    (status, axum::Json(body)).into_response()
+}
