@@ -123,6 +123,7 @@ async fn create_session(
         metadata: req.metadata,
         network: req.network.unwrap_or(false),
         limits: req.limits,
+        ports: Default::default(),
         // A tenant's session is its own (and, like one made through the E2B front, an
         // E2B sandbox of that tenant); an admin's has no owner.
         owner: who.owner(),

@@ -19,7 +19,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tether_protocol::api::SessionInfo;
-use tether_protocol::events::{EventBody, Expiry, SessionHeader, SessionParams};
+use tether_protocol::events::{EventBody, Expiry, PortAccess, SessionHeader, SessionParams};
 use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec};
@@ -78,6 +78,8 @@ pub struct NewSession {
     pub expiry: Expiry,
     /// Resource limits (the provider's defaults fill the rest).
     pub limits: tether_protocol::limits::ResourceLimits,
+    /// Who reaches the sandbox's ports through the E2B front.
+    pub ports: PortAccess,
 }
 
 /// One session.
@@ -607,6 +609,7 @@ impl SessionManager {
             owner: req.owner,
             expiry: req.expiry,
             limits: req.limits,
+            ports: req.ports,
         };
         let id = new_id();
         // The header is the durable intent: a sandbox created for this id and not yet

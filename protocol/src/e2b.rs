@@ -29,7 +29,8 @@ pub const ENVD_PORT: u16 = 49983;
 // === control plane ===
 
 /// Body of `POST /sandboxes` (v1) and `POST /v2/sandboxes` (v2): the fields tether uses.
-/// Other fields (`mcp`, `network`, `iam`, `volumeMounts`, ...) are accepted and ignored.
+/// Other fields (`mcp`, `iam`, `volumeMounts`, ...) are accepted and ignored; `network`'s
+/// are each served or refused ([`SandboxNetwork`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NewSandboxRequest {
     /// Template id or alias.
@@ -53,6 +54,38 @@ pub struct NewSandboxRequest {
     /// Network access from inside the sandbox (snake_case on the wire, as E2B spells it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_internet_access: Option<bool>,
+    /// Network options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetwork>,
+}
+
+/// `network` of a create (E2B's `SandboxNetworkConfig`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetwork {
+    /// Whether the sandbox's ports are reached without its traffic access token
+    /// (default true).
+    #[serde(
+        rename = "allowPublicTraffic",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub allow_public_traffic: Option<bool>,
+    /// The `Host` header the sandbox's servers see; `${PORT}` is the port.
+    #[serde(
+        rename = "maskRequestHost",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub mask_request_host: Option<String>,
+    /// Egress allowed despite `denyOut`.
+    #[serde(rename = "allowOut", default, skip_serializing_if = "Option::is_none")]
+    pub allow_out: Option<Vec<String>>,
+    /// Egress denied.
+    #[serde(rename = "denyOut", default, skip_serializing_if = "Option::is_none")]
+    pub deny_out: Option<Vec<String>>,
+    /// Any other option, by name (refused unless empty: a rule is never silently dropped).
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
 }
 
 /// Response of create, connect and resume (`Sandbox` in E2B's spec).
@@ -299,6 +332,9 @@ pub struct ProxyError {
     pub message: String,
     /// 502.
     pub code: u16,
+    /// The port asked for, when that port is what is closed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
 }
 
 // === envd REST ===

@@ -55,6 +55,33 @@ pub struct SessionParams {
     pub expiry: Expiry,
     /// Resource limits asked for at create (the provider's defaults fill the rest).
     pub limits: crate::limits::ResourceLimits,
+    /// Who reaches the sandbox's ports through the E2B front's port proxy. A log
+    /// written before it existed: public, as every sandbox then was.
+    #[serde(default)]
+    pub ports: PortAccess,
+}
+
+/// How the E2B front's port proxy admits requests for a sandbox's ports (E2B's
+/// `network.allowPublicTraffic` and `network.maskRequestHost`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortAccess {
+    /// Reached without a token; otherwise a request carries the sandbox's traffic
+    /// access token in `e2b-traffic-access-token`.
+    pub public: bool,
+    /// The `Host` the sandbox's servers see (`${PORT}` is the port asked for); `None`:
+    /// the host the client asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_host: Option<String>,
+}
+
+impl Default for PortAccess {
+    fn default() -> Self {
+        Self {
+            public: true,
+            mask_host: None,
+        }
+    }
 }
 
 /// When a session expires by itself.

@@ -56,6 +56,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
                     owner: None,
                     expiry: Default::default(),
                     limits: Default::default(),
+                    ports: Default::default(),
                 },
             ),
             LogConfig::default(),

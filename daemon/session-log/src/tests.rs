@@ -22,6 +22,7 @@ fn params() -> SessionParams {
         owner: None,
         expiry: Default::default(),
         limits: Default::default(),
+        ports: Default::default(),
     }
 }
 

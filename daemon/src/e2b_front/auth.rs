@@ -76,11 +76,30 @@ impl KeyRing {
 
 /// The envd access token of a sandbox.
 pub(super) fn derive_token(secret: &[u8; 32], sandbox_id: &str) -> String {
+    derive(secret, b"envd-access-token", sandbox_id)
+}
+
+/// The traffic access token of a sandbox (its ports, when not public).
+pub(super) fn derive_traffic_token(secret: &[u8; 32], sandbox_id: &str) -> String {
+    derive(secret, b"traffic-access-token", sandbox_id)
+}
+
+fn derive(secret: &[u8; 32], label: &[u8], sandbox_id: &str) -> String {
     let mut h = Sha256::new();
     h.update(secret);
-    h.update(b"\0envd-access-token\0");
+    h.update(b"\0");
+    h.update(label);
+    h.update(b"\0");
     h.update(sandbox_id.as_bytes());
     hex::encode(&h.finalize()[..20])
+}
+
+/// Whether the request carries `expected` in `e2b-traffic-access-token`.
+pub(super) fn traffic_token_matches(headers: &HeaderMap, expected: &str) -> bool {
+    headers
+        .get("e2b-traffic-access-token")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|given| constant_time_eq(given.as_bytes(), expected.as_bytes()))
 }
 
 /// Whether the request carries `expected` in `X-Access-Token`. `None`: no token sent.

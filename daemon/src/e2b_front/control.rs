@@ -20,7 +20,7 @@ use serde::de::DeserializeOwned;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
-    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxResponse, SandboxState,
+    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork, SandboxResponse, SandboxState,
     SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
@@ -34,7 +34,7 @@ use super::{
 use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
-use tether_protocol::events::Expiry;
+use tether_protocol::events::{Expiry, PortAccess};
 
 /// Largest page of `GET /v2/sandboxes`.
 const MAX_PAGE: usize = 100;
@@ -147,9 +147,39 @@ fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> Sand
         envd_version: ENVD_VERSION.into(),
         alias: Some(extra.template.clone()),
         envd_access_token: Some(state.e2b.access_token(&s.id)),
-        traffic_access_token: None,
+        traffic_access_token: (!s.params.ports.public).then(|| state.e2b.traffic_token(&s.id)),
         domain: Some(state.e2b.cfg.domain.clone()),
     }
+}
+
+/// The port proxy's admission from a create's `network`. Egress rules are refused, not
+/// dropped: nothing enforces them here, and a sandbox must never look more confined
+/// than it is.
+fn port_access(n: SandboxNetwork) -> Result<PortAccess, RestError> {
+    let egress = [("allowOut", &n.allow_out), ("denyOut", &n.deny_out)];
+    if let Some((name, _)) = egress
+        .iter()
+        .find(|(_, rules)| rules.as_ref().is_some_and(|r| !r.is_empty()))
+    {
+        return Err(RestError::bad_request(format!(
+            "network.{name}: egress rules are not enforced by this server"
+        )));
+    }
+    let set = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => false,
+        serde_json::Value::Array(a) => !a.is_empty(),
+        serde_json::Value::Object(o) => !o.is_empty(),
+        _ => true,
+    };
+    if let Some(name) = n.other.iter().find(|(_, v)| set(v)).map(|(k, _)| k) {
+        return Err(RestError::bad_request(format!(
+            "network.{name} is not supported by this server"
+        )));
+    }
+    Ok(PortAccess {
+        public: n.allow_public_traffic.unwrap_or(true),
+        mask_host: n.mask_request_host.filter(|h| !h.is_empty()),
+    })
 }
 
 fn state_of(session: &Session) -> SandboxState {
@@ -217,7 +247,7 @@ async fn do_create(
     body: &Bytes,
 ) -> Result<SandboxResponse, RestError> {
     let tenant = tenant(state, headers)?;
-    let req: NewSandboxRequest = json_body(body, true)?;
+    let mut req: NewSandboxRequest = json_body(body, true)?;
     if req.template_id.trim().is_empty() {
         return Err(RestError::bad_request("templateID is required"));
     }
@@ -260,6 +290,7 @@ async fn do_create(
         }
     }
     let allow_internet = req.allow_internet_access.unwrap_or(true);
+    let ports = port_access(req.network.take().unwrap_or_default())?;
     let new = NewSession {
         provider,
         template: Some(req.template_id.clone()),
@@ -271,6 +302,7 @@ async fn do_create(
             at_ms: ms_after(timeout),
         },
         limits: Default::default(),
+        ports,
     };
     let Some(key) = idem else {
         return make(state, ctx, new, &req.template_id, allow_internet, None).await;

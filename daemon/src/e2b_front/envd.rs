@@ -76,7 +76,7 @@ pub(super) enum Reject {
     /// No such live sandbox.
     NotFound(String),
     /// The sandbox exists but the port asked for is not envd's.
-    PortClosed(String),
+    PortClosed(String, u16),
     /// Wrong or missing access token.
     Unauthorized,
     /// A signed `/files` URL whose signature is right but whose expiration has passed.
@@ -90,8 +90,12 @@ impl IntoResponse for Reject {
                 "missing header: E2b-Sandbox-Id (or a 49983-<id>.<domain> host)",
             )
             .into_response(),
-            Self::NotFound(id) => proxy_error(id, "The sandbox was not found"),
-            Self::PortClosed(id) => proxy_error(id, "The sandbox is running but port is not open"),
+            Self::NotFound(id) => proxy_error(id, "The sandbox was not found", None),
+            Self::PortClosed(id, port) => proxy_error(
+                id,
+                "The sandbox is running but port is not open",
+                Some(port),
+            ),
             Self::Unauthorized => unauthorized(
                 "unauthorized access, please provide a valid access token or method signing if supported",
             ),
@@ -110,13 +114,14 @@ fn unauthorized(message: &str) -> Response {
     (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
 }
 
-fn proxy_error(sandbox_id: String, message: &str) -> Response {
+fn proxy_error(sandbox_id: String, message: &str, port: Option<u16>) -> Response {
     (
         StatusCode::BAD_GATEWAY,
         axum::Json(ProxyError {
             sandbox_id,
             message: message.into(),
             code: 502,
+            port,
         }),
     )
         .into_response()
@@ -191,7 +196,7 @@ fn locate(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
     let (id, port) = addressed(headers).ok_or(Reject::NoSandbox)?;
     let target = find(state, &id).ok_or_else(|| Reject::NotFound(id.clone()))?;
     if port != ENVD_PORT {
-        return Err(Reject::PortClosed(id));
+        return Err(Reject::PortClosed(id, port));
     }
     Ok(target)
 }

@@ -149,6 +149,12 @@ impl FrontState {
         auth::derive_token(&self.token_secret, sandbox_id)
     }
 
+    /// The traffic access token of a sandbox whose ports are not public (derived like
+    /// the envd token, under another label: it survives a restart with nothing stored).
+    pub fn traffic_token(&self, sandbox_id: &str) -> String {
+        auth::derive_traffic_token(&self.token_secret, sandbox_id)
+    }
+
     /// The front's extras of a sandbox, created on first use (also after a restart).
     fn extra(&self, id: &str, template: Option<&str>) -> Arc<SandboxExtra> {
         if let Some(e) = self.sandboxes.read().ok().and_then(|m| m.get(id).cloned()) {
@@ -433,6 +439,7 @@ pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<
                 owner: Some(GUEST_TENANT.to_owned()),
                 expiry: tether_protocol::events::Expiry::Never,
                 limits: Default::default(),
+                ports: Default::default(),
             };
             state.sessions.create_owned(&ctx, new).await?
         }

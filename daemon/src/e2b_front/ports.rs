@@ -22,7 +22,7 @@ use tether_protocol::e2b::{ENVD_PORT, ProxyError};
 use tether_provider::{CallCtx, Clock};
 use tracing::Instrument;
 
-use super::envd;
+use super::{auth, envd};
 use crate::state::AppState;
 
 /// Send a request addressed to a sandbox's port there; pass every other one on.
@@ -45,6 +45,31 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
     let Some(sandbox_id) = session.sandbox_id() else {
         return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
     };
+    let access = &session.params.ports;
+    if !access.public && !auth::traffic_token_matches(req.headers(), &state.e2b.traffic_token(&id))
+    {
+        return refuse(
+            id,
+            StatusCode::FORBIDDEN,
+            "the sandbox's ports need its traffic access token (e2b-traffic-access-token)",
+        );
+    }
+    // The token is the front's, not the sandbox server's.
+    req.headers_mut().remove("e2b-traffic-access-token");
+    if let Some(mask) = &access.mask_host {
+        match http::HeaderValue::from_str(&mask.replace("${PORT}", &port.to_string())) {
+            Ok(v) => {
+                req.headers_mut().insert(header::HOST, v);
+            }
+            Err(_) => {
+                return refuse(
+                    id,
+                    StatusCode::BAD_GATEWAY,
+                    "maskRequestHost is not a valid host",
+                );
+            }
+        }
+    }
     let ctx = CallCtx::new(format!("port-{port}-{id}")).with_timeout(
         state.config.limits.deadlines().process_start,
         Clock::Connect,
@@ -68,10 +93,11 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
         Err(e) => {
             tracing::debug!(sandbox.id = %id, port, error = %e, "Nothing answers on a sandbox port");
             // E2B's words for a port nothing listens on.
-            return refuse(
+            return refuse_port(
                 id,
                 StatusCode::BAD_GATEWAY,
                 "The sandbox is running but port is not open",
+                Some(port),
             );
         }
     };
@@ -139,10 +165,20 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
 }
 
 fn refuse(sandbox_id: String, status: StatusCode, message: &str) -> Response {
+    refuse_port(sandbox_id, status, message, None)
+}
+
+fn refuse_port(
+    sandbox_id: String,
+    status: StatusCode,
+    message: &str,
+    port: Option<u16>,
+) -> Response {
     let body = ProxyError {
         sandbox_id,
         message: message.to_owned(),
         code: status.as_u16(),
+        port,
     };
     (status, axum::Json(body)).into_response()
 }

@@ -581,6 +581,7 @@ impl Provider for E2bProvider {
             auto_pause: Some(i.cfg.auto_pause),
             secure: None,
             allow_internet_access: Some(network),
+            network: None,
         };
         // v1: `secure` for an access token, and an explicit timeout (its default is 15 s).
         let v1 = NewSandboxRequest {

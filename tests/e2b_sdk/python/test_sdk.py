@@ -41,6 +41,7 @@ from e2b import (
     TimeoutException,
 )
 from e2b.sandbox.filesystem.filesystem import WriteEntry
+from e2b.sandbox.sandbox_api import SandboxNetworkOpts
 
 from conftest import REQUEST_TIMEOUT_S, RUN_ID, note
 
@@ -993,13 +994,13 @@ while True:
 """
 
 
-def _front_request(host: str, path: str = "/") -> "tuple[int, bytes]":
+def _front_request(host: str, path: str = "/", headers: Optional[dict] = None) -> "tuple[int, bytes]":
     import http.client
 
     front = urllib.parse.urlsplit(os.environ["E2B_API_URL"])
     conn = http.client.HTTPConnection(front.hostname, front.port, timeout=REQUEST_TIMEOUT_S)
     try:
-        conn.request("GET", path, headers={"Host": host})
+        conn.request("GET", path, headers={"Host": host, **(headers or {})})
         r = conn.getresponse()
         return r.status, r.read()
     finally:
@@ -1043,7 +1044,9 @@ def test_get_host_reaches_servers_in_the_sandbox(env, make_sandbox):
     assert _front_request(host, "/hello.txt") == (200, b"hello from the sandbox")
     # A port nothing listens on, and a sandbox that does not exist.
     status, body = _front_request(sbx.get_host(9))
-    assert status == 502 and json.loads(body)["message"] == "The sandbox is running but port is not open"
+    closed = json.loads(body)
+    assert status == 502 and closed["message"] == "The sandbox is running but port is not open", closed
+    assert (closed["sandboxId"], closed["port"]) == (sbx.sandbox_id, 9), closed
     status, body = _front_request(f"8080-{bogus_sandbox_id()}.{host.split('.', 1)[1]}")
     assert status == 502 and json.loads(body)["message"] == "The sandbox was not found"
     # An upgraded connection carries bytes both ways.
@@ -1069,3 +1072,51 @@ def test_get_host_reaches_servers_in_the_sandbox(env, make_sandbox):
         got += s.recv(16)
     assert got == b"PING"
     s.close()
+
+
+#: A server on port 8080 that answers every GET with the `Host` header it was sent.
+HOST_ECHO = r"""
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = self.headers.get("Host", "").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8080), H).serve_forever()
+"""
+
+
+@sdk("Sandbox.create(network=...): private ports with a traffic token, a masked host, egress rules refused")
+def test_network_private_ports_and_masked_host(env, make_sandbox):
+    if not os.environ.get("TETHER_SUITE_PORTS"):
+        pytest.skip("the provider of this run does not reach sandbox ports")
+    sbx = make_sandbox(
+        network=SandboxNetworkOpts(allow_public_traffic=False, mask_request_host="localhost:${PORT}")
+    )
+    token = sbx.traffic_access_token
+    assert token, "a sandbox with private ports has a traffic access token"
+    sbx.files.write("/tmp/host_echo.py", HOST_ECHO)
+    sbx.commands.run("exec python3 /tmp/host_echo.py", background=True)
+    host = sbx.get_host(8080)
+    # Without the token, or with another one: refused before the sandbox is reached.
+    assert _front_request(host)[0] == 403
+    assert _front_request(host, headers={"e2b-traffic-access-token": "0" * len(token)})[0] == 403
+    deadline = time.monotonic() + 20
+    while True:
+        status, body = _front_request(host, headers={"e2b-traffic-access-token": token})
+        if status == 200:
+            break
+        assert status == 502 and time.monotonic() < deadline, (status, body)
+        time.sleep(0.2)
+    # The server sees the masked host, not the proxy's.
+    assert body == b"localhost:8080"
+    # A sandbox with public ports has no traffic token.
+    assert make_sandbox().traffic_access_token is None
+    # Egress rules nothing here enforces are refused, never dropped.
+    with pytest.raises(SandboxException) as err:
+        make_sandbox(network=SandboxNetworkOpts(deny_out=["8.8.8.8"]))
+    assert "denyOut" in str(err.value)

@@ -295,6 +295,7 @@ pub fn session_log_tail(data: &[u8]) {
             owner: None,
             expiry: Default::default(),
             limits: Default::default(),
+            ports: Default::default(),
         };
         let header = SessionLog::new_header("fuzz", params);
         let Ok(log) = SessionLog::create(dir.path(), header, cfg()).await else {

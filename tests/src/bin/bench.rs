@@ -2038,6 +2038,7 @@ async fn measure_log(reps: Reps, report: &mut Report) -> Result<(), String> {
                 owner: None,
                 expiry: Default::default(),
                 limits: Default::default(),
+                ports: Default::default(),
             },
         ),
         LogConfig::default(),
