@@ -139,8 +139,13 @@ impl Daemon {
             Pipeline::new(&config.pipeline, &config.limits, metrics.clone())
                 .map_err(|e| DaemonError::invalid(e.to_string()))?,
         );
-        let e2b =
-            crate::e2b_front::FrontState::new(&config.e2b_front, config.limits.deadlines().fs_op);
+        let secret = crate::e2b_front::token_secret(&config.server.state_dir)
+            .map_err(|e| DaemonError::internal(format!("the E2B front's token secret: {e}")))?;
+        let e2b = crate::e2b_front::FrontState::new(
+            &config.e2b_front,
+            config.limits.deadlines().fs_op,
+            secret,
+        );
         let state = Arc::new(AppState {
             config: Arc::clone(&config),
             sessions: Arc::clone(&sessions),

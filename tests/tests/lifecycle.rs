@@ -182,6 +182,60 @@ async fn an_e2b_timeout_survives_a_restart() {
 }
 
 #[tokio::test]
+async fn e2b_access_and_private_ports_survive_a_restart() {
+    let d = TestDaemon::start().await;
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", "e2b_lifecycle_test_key")
+        .json(
+            &json!({"templateID": "base", "timeout": 60, "network": {"allowPublicTraffic": false}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let body = r.json::<Value>().await.unwrap();
+    let sid = body["sandboxID"].as_str().unwrap().to_owned();
+    let token = body["trafficAccessToken"].as_str().unwrap().to_owned();
+    let envd_token = body["envdAccessToken"].as_str().unwrap().to_owned();
+    let envd_read = |d: &TestDaemon, token: &str| {
+        d.http
+            .get(d.url("/files?path=/etc/os-release"))
+            .header("e2b-sandbox-id", sid.as_str())
+            .header("x-access-token", token)
+            .send()
+    };
+    let port_get = |d: &TestDaemon, token: Option<&str>| {
+        let mut r = d
+            .http
+            .get(d.url("/"))
+            .header("host", format!("8080-{sid}.localhost"));
+        if let Some(t) = token {
+            r = r.header("e2b-traffic-access-token", t);
+        }
+        r.send()
+    };
+    let status = |r: reqwest::Response| r.status().as_u16();
+    assert_eq!(status(port_get(&d, None).await.unwrap()), 403);
+    // With the token the request reaches the sandbox, where nothing listens on 8080.
+    assert_eq!(status(port_get(&d, Some(&token)).await.unwrap()), 502);
+    assert_eq!(status(envd_read(&d, &envd_token).await.unwrap()), 200);
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    // Recovered from the log header: still private, the same token still admits.
+    assert_eq!(status(port_get(&d, None).await.unwrap()), 403);
+    assert_eq!(status(port_get(&d, Some(&token)).await.unwrap()), 502);
+    // The envd access token handed out before the restart still admits (the secret both
+    // derive from is kept in the state dir); another does not.
+    assert_eq!(status(envd_read(&d, &envd_token).await.unwrap()), 200);
+    assert_eq!(status(envd_read(&d, &"0".repeat(40)).await.unwrap()), 401);
+    let (header, _) = read_log(d.dir.path(), &sid);
+    assert_eq!(header["params"]["ports"]["public"], false, "{header}");
+    d.stop().await;
+}
+
+#[tokio::test]
 async fn a_fork_keeps_network_and_expiry() {
     let d = TestDaemon::start().await;
     let (st, body) = d

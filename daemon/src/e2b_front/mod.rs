@@ -104,14 +104,51 @@ impl std::fmt::Debug for FrontState {
     }
 }
 
+/// The file of the state dir that keeps [`token_secret`].
+pub const TOKEN_SECRET_FILE: &str = "e2b-token-secret";
+
+/// The secret the sandboxes' access tokens derive from: made once per state dir and kept
+/// there (mode 0600), so that a token handed out before a restart still admits after it.
+/// A file that is not a secret stops the start (a new one would lock every client out
+/// of the sandboxes it holds, silently).
+pub fn token_secret(state_dir: &std::path::Path) -> std::io::Result<[u8; 32]> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = state_dir.join(TOKEN_SECRET_FILE);
+    match std::fs::read(&path) {
+        Ok(b) => {
+            return <[u8; 32]>::try_from(b.as_slice()).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is not a 32-byte secret", path.display()),
+                )
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut secret = [0u8; 32];
+    secret[..16].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    secret[16..].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    // Whole or absent: written aside, synced, renamed into place, the directory synced.
+    let tmp = state_dir.join(format!("{TOKEN_SECRET_FILE}.tmp"));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(&secret)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    std::fs::File::open(state_dir)?.sync_all()?;
+    Ok(secret)
+}
+
 impl FrontState {
-    /// The front's state for `cfg`; its own file operations are bounded by `fs_op`.
-    pub fn new(cfg: &E2bFrontConfig, fs_op: std::time::Duration) -> Self {
-        let a = uuid::Uuid::new_v4().into_bytes();
-        let b = uuid::Uuid::new_v4().into_bytes();
-        let mut token_secret = [0u8; 32];
-        token_secret[..16].copy_from_slice(&a);
-        token_secret[16..].copy_from_slice(&b);
+    /// The front's state for `cfg`; its own file operations are bounded by `fs_op`; its
+    /// access tokens derive from `token_secret` ([`token_secret`]).
+    pub fn new(cfg: &E2bFrontConfig, fs_op: std::time::Duration, token_secret: [u8; 32]) -> Self {
         Self {
             cfg: cfg.clone(),
             keys: auth::KeyRing::new(&cfg.api_keys),
