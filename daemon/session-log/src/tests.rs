@@ -1,6 +1,6 @@
 //! Tests of the session log against real files in temporary directories.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -408,9 +408,8 @@ async fn verify_detects_a_log_changed_behind_the_writer() {
 
 // === crash repair ===
 
-#[tokio::test]
-async fn a_torn_last_line_is_truncated() {
-    let tmp = tempfile::tempdir().unwrap();
+/// A closed log of three user events in `<tmp>/s`, and the bytes of its file.
+async fn closed_log_of_three(tmp: &tempfile::TempDir) -> (PathBuf, Vec<u8>) {
     let dir = tmp.path().join("s");
     let log = new_log(&dir, "s").await;
     log.append_all(vec![user("a"), user("b"), user("c")])
@@ -418,6 +417,13 @@ async fn a_torn_last_line_is_truncated() {
         .unwrap();
     log.close().await;
     let good = std::fs::read(dir.join(EVENTS_FILE)).unwrap();
+    (dir, good)
+}
+
+#[tokio::test]
+async fn a_torn_last_line_is_truncated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, good) = closed_log_of_three(&tmp).await;
     let line = serde_json::to_vec(&Event {
         seq: 3,
         time: 1,
@@ -444,14 +450,8 @@ async fn a_torn_last_line_is_truncated() {
 #[tokio::test]
 async fn opening_shows_every_event_of_the_file_once_in_order() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("s");
-    let log = new_log(&dir, "s").await;
-    log.append_all(vec![user("a"), user("b"), user("c")])
-        .await
-        .unwrap();
-    log.close().await;
+    let (dir, good) = closed_log_of_three(&tmp).await;
     let torn = br#"{"seq":3,"time":1,"ty"#;
-    let good = std::fs::read(dir.join(EVENTS_FILE)).unwrap();
     std::fs::write(dir.join(EVENTS_FILE), [good.as_slice(), torn].concat()).unwrap();
     let mut seen = Vec::new();
     let (log, report) = SessionLog::open_seeing(&dir, LogConfig::default(), |e| {
