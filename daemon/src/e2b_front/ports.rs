@@ -128,6 +128,32 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
         }
         .in_current_span(),
     );
+    // The sandbox's server speaks HTTP/1.1 whatever the client spoke to the front: the
+    // request goes in origin form, with the host an HTTP/2 client gave as its authority.
+    if !req.headers().contains_key(header::HOST)
+        && let Some(v) = req
+            .uri()
+            .authority()
+            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+    {
+        req.headers_mut().insert(header::HOST, v);
+    }
+    let origin = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .parse::<http::Uri>();
+    match origin {
+        Ok(uri) => *req.uri_mut() = uri,
+        Err(_) => {
+            return refuse(
+                id,
+                StatusCode::BAD_REQUEST,
+                "the request's path is not valid",
+            );
+        }
+    }
+    *req.version_mut() = http::Version::HTTP_11;
     let upgrade = req
         .headers()
         .contains_key(header::UPGRADE)
