@@ -33,8 +33,11 @@ use tether_provider::Clock;
 /// The whole router: native API, E2B front, layers.
 pub fn router(state: Arc<AppState>) -> Router {
     let mut app: Router<Arc<AppState>> = if state.config.e2b_front.guest.is_some() {
-        // A guest agent: envd for its one sandbox, nothing else.
-        crate::e2b_front::envd_router()
+        // A guest agent: envd for its one sandbox, and the tunnel to its ports.
+        crate::e2b_front::envd_router().route(
+            &format!("{}{{port}}", tether_protocol::e2b::GUEST_PORT_TUNNEL_PATH),
+            axum::routing::get(crate::e2b_front::ports::guest_tunnel),
+        )
     } else {
         crate::api::router()
     };

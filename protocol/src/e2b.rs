@@ -26,6 +26,15 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// The port envd listens on in a sandbox (`49983-<id>.<domain>` routing).
 pub const ENVD_PORT: u16 = 49983;
 
+/// Where a guest agent (tetherd inside a microVM) tunnels to a port of its machine: `GET`
+/// this path followed by the port, with its envd access token, `Connection: upgrade` and
+/// `Upgrade:` [`GUEST_PORT_TUNNEL_PROTOCOL`]; a `101` answer's connection is then spliced
+/// to that port on the guest's loopback, a `502` says nothing listens there.
+pub const GUEST_PORT_TUNNEL_PATH: &str = "/tether/port/";
+
+/// The `Upgrade` protocol of [`GUEST_PORT_TUNNEL_PATH`].
+pub const GUEST_PORT_TUNNEL_PROTOCOL: &str = "tether-port";
+
 // === control plane ===
 
 /// Body of `POST /sandboxes` (v1) and `POST /v2/sandboxes` (v2): the fields tether uses.

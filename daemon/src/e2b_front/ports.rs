@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use http::{StatusCode, header};
 use hyper_util::rt::TokioIo;
 use tether_protocol::ErrorCode;
-use tether_protocol::e2b::{ENVD_PORT, ProxyError};
+use tether_protocol::e2b::{ENVD_PORT, GUEST_PORT_TUNNEL_PROTOCOL, ProxyError};
 use tether_provider::{CallCtx, Clock};
 use tracing::Instrument;
 
@@ -207,4 +207,71 @@ fn refuse_port(
         port,
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// The guest agent's tunnel to a port of its machine
+/// ([`GUEST_PORT_TUNNEL_PATH`](tether_protocol::e2b::GUEST_PORT_TUNNEL_PATH)): the host's
+/// microVM provider asks, with the sandbox's envd access token, and the upgraded
+/// connection is spliced to that port on the guest's loopback. Served by guest agents
+/// only: on a host it would reach the host's own loopback.
+pub(crate) async fn guest_tunnel(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(port): axum::extract::Path<u16>,
+    mut req: Request,
+) -> Response {
+    let target = match envd::authorize(&state, req.headers()) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let wants = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case(GUEST_PORT_TUNNEL_PROTOCOL));
+    if !wants {
+        return refuse(
+            target.id,
+            StatusCode::BAD_REQUEST,
+            "the port tunnel needs an upgrade",
+        );
+    }
+    let limit = state.config.limits.deadlines().process_start;
+    let stream = match tokio::time::timeout(
+        limit,
+        tokio::net::TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port)),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        _ => {
+            return refuse_port(
+                target.id,
+                StatusCode::BAD_GATEWAY,
+                "The sandbox is running but port is not open",
+                Some(port),
+            );
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let closed = target.session.cancel.clone();
+    state.tasks.spawn(
+        async move {
+            let Ok(up) = on_upgrade.await else { return };
+            let (mut up, mut stream) = (TokioIo::new(up), stream);
+            tokio::select! {
+                _ = tokio::io::copy_bidirectional(&mut up, &mut stream) => {}
+                () = closed.cancelled() => {}
+            }
+        }
+        .in_current_span(),
+    );
+    (
+        StatusCode::SWITCHING_PROTOCOLS,
+        [
+            (header::CONNECTION, "upgrade"),
+            (header::UPGRADE, GUEST_PORT_TUNNEL_PROTOCOL),
+        ],
+    )
+        .into_response()
 }

@@ -30,8 +30,8 @@ use backon::{ConstantBuilder, Retryable};
 use serde::{Deserialize, Serialize};
 use tether_envd_client::{EnvdClientConfig, EnvdSandboxClient};
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
-    SandboxInfo, SandboxMetrics, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
+    Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 
 use crate::client::{
@@ -1403,6 +1403,62 @@ impl Provider for MicrovmProvider {
             let _ = tokio::fs::remove_dir_all(dir).await;
         }
         Ok(())
+    }
+
+    async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
+        let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        let s = core.stamp();
+        if s.suspended {
+            return Err(Self::not_found(id));
+        }
+        // The guest agent's tunnel: an upgraded connection it splices to that port on
+        // the guest's loopback.
+        let url = format!(
+            "http://127.0.0.1:{}{}{port}",
+            s.port,
+            tether_protocol::e2b::GUEST_PORT_TUNNEL_PATH
+        );
+        let resp = ctx
+            .run(async {
+                self.envd_http
+                    .get(url)
+                    .header("x-access-token", &s.token)
+                    .header(reqwest::header::CONNECTION, "upgrade")
+                    .header(
+                        reqwest::header::UPGRADE,
+                        tether_protocol::e2b::GUEST_PORT_TUNNEL_PROTOCOL,
+                    )
+                    .send()
+                    .await
+                    .map_err(|e| ProviderError::Unavailable {
+                        message: format!("microvm: the guest agent's port tunnel: {e}"),
+                        retry_after: None,
+                        source: Some(Box::new(e)),
+                    })
+            })
+            .await?;
+        if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+            return Err(ProviderError::Unavailable {
+                message: format!(
+                    "microvm: nothing answers on port {port} of sandbox {id} ({})",
+                    resp.status()
+                ),
+                retry_after: None,
+                source: None,
+            });
+        }
+        let upgraded = ctx
+            .run(async {
+                resp.upgrade()
+                    .await
+                    .map_err(|e| ProviderError::Unavailable {
+                        message: format!("microvm: the guest agent's port tunnel: {e}"),
+                        retry_after: None,
+                        source: Some(Box::new(e)),
+                    })
+            })
+            .await?;
+        Ok(Box::new(upgraded))
     }
 
     async fn metrics(&self, _ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
