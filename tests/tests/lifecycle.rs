@@ -217,6 +217,16 @@ async fn e2b_access_and_private_ports_survive_a_restart() {
         r.send()
     };
     let status = |r: reqwest::Response| r.status().as_u16();
+    // A mask that is no host is refused at create, not at every request.
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", "e2b_lifecycle_test_key")
+        .json(&json!({"templateID": "base", "network": {"maskRequestHost": "bad\nhost"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status(r), 400);
     assert_eq!(status(port_get(&d, None).await.unwrap()), 403);
     // With the token the request reaches the sandbox, where nothing listens on 8080.
     assert_eq!(status(port_get(&d, Some(&token)).await.unwrap()), 502);

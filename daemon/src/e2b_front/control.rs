@@ -176,9 +176,17 @@ fn port_access(n: SandboxNetwork) -> Result<PortAccess, RestError> {
             "network.{name} is not supported by this server"
         )));
     }
+    let mask_host = n.mask_request_host.filter(|h| !h.is_empty());
+    if let Some(h) = &mask_host
+        && http::HeaderValue::from_str(&h.replace("${PORT}", "1")).is_err()
+    {
+        return Err(RestError::bad_request(
+            "network.maskRequestHost is not a valid host",
+        ));
+    }
     Ok(PortAccess {
         public: n.allow_public_traffic.unwrap_or(true),
-        mask_host: n.mask_request_host.filter(|h| !h.is_empty()),
+        mask_host,
     })
 }
 
