@@ -90,8 +90,14 @@ impl IntoResponse for Reject {
                 "missing header: E2b-Sandbox-Id (or a 49983-<id>.<domain> host)",
             )
             .into_response(),
-            Self::NotFound(id) => proxy_error(id, "The sandbox was not found", None),
+            Self::NotFound(id) => proxy_error(
+                StatusCode::BAD_GATEWAY,
+                id,
+                "The sandbox was not found",
+                None,
+            ),
             Self::PortClosed(id, port) => proxy_error(
+                StatusCode::BAD_GATEWAY,
                 id,
                 "The sandbox is running but port is not open",
                 Some(port),
@@ -114,13 +120,19 @@ fn unauthorized(message: &str) -> Response {
     (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
 }
 
-fn proxy_error(sandbox_id: String, message: &str, port: Option<u16>) -> Response {
+/// An answer of E2B's edge proxy (`{sandboxId, message, code, port}`).
+pub(super) fn proxy_error(
+    status: StatusCode,
+    sandbox_id: String,
+    message: &str,
+    port: Option<u16>,
+) -> Response {
     (
-        StatusCode::BAD_GATEWAY,
+        status,
         axum::Json(ProxyError {
             sandbox_id,
             message: message.into(),
-            code: 502,
+            code: status.as_u16(),
             port,
         }),
     )

@@ -9,6 +9,7 @@
 //! connection is the provider's ([`Provider::connect_port`](tether_provider::Provider::connect_port));
 //! it ends when either side ends it or the sandbox closes.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -18,10 +19,12 @@ use axum::response::{IntoResponse, Response};
 use http::{StatusCode, header};
 use hyper_util::rt::TokioIo;
 use tether_protocol::ErrorCode;
-use tether_protocol::e2b::{ENVD_PORT, GUEST_PORT_TUNNEL_PROTOCOL, ProxyError};
+use tether_protocol::e2b::{ENVD_PORT, GUEST_PORT_TUNNEL_PROTOCOL};
+use tether_provider::clock::CancelToken;
 use tether_provider::{CallCtx, Clock};
 use tracing::Instrument;
 
+use super::envd::Reject;
 use super::{auth, envd};
 use crate::state::AppState;
 
@@ -39,11 +42,11 @@ pub(crate) async fn layer(
 
 async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
     let Some(target) = envd::find(state, &id) else {
-        return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+        return Reject::NotFound(id).into_response();
     };
     let session = target.session;
     let Some(sandbox_id) = session.sandbox_id() else {
-        return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+        return Reject::NotFound(id).into_response();
     };
     let access = &session.params.ports;
     if !access.public && !auth::traffic_token_matches(req.headers(), &state.e2b.traffic_token(&id))
@@ -88,17 +91,11 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
             return refuse(id, StatusCode::NOT_IMPLEMENTED, &why);
         }
         Err(e) if e.code() == ErrorCode::SandboxNotFound => {
-            return refuse(id, StatusCode::BAD_GATEWAY, "The sandbox was not found");
+            return Reject::NotFound(id).into_response();
         }
         Err(e) => {
             tracing::debug!(sandbox.id = %id, port, error = %e, "Nothing answers on a sandbox port");
-            // E2B's words for a port nothing listens on.
-            return refuse_port(
-                id,
-                StatusCode::BAD_GATEWAY,
-                "The sandbox is running but port is not open",
-                Some(port),
-            );
+            return Reject::PortClosed(id, port).into_response();
         }
     };
     session.touch();
@@ -172,41 +169,43 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
         && let Some(client) = upgrade
     {
         let server = hyper::upgrade::on(&mut resp);
-        let closed = session.cancel.clone();
-        state.tasks.spawn(
-            async move {
-                let (Ok(client), Ok(server)) = (client.await, server.await) else {
-                    return;
-                };
-                let (mut client, mut server) = (TokioIo::new(client), TokioIo::new(server));
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                    () = closed.cancelled() => {}
-                }
-            }
-            .in_current_span(),
+        splice(
+            state,
+            session.cancel.clone(),
+            async { client.await.ok().map(TokioIo::new) },
+            async { server.await.ok().map(TokioIo::new) },
         );
     }
     resp.map(Body::new)
 }
 
 fn refuse(sandbox_id: String, status: StatusCode, message: &str) -> Response {
-    refuse_port(sandbox_id, status, message, None)
+    envd::proxy_error(status, sandbox_id, message, None)
 }
 
-fn refuse_port(
-    sandbox_id: String,
-    status: StatusCode,
-    message: &str,
-    port: Option<u16>,
-) -> Response {
-    let body = ProxyError {
-        sandbox_id,
-        message: message.to_owned(),
-        code: status.as_u16(),
-        port,
-    };
-    (status, axum::Json(body)).into_response()
+/// Carry bytes both ways between two upgraded connections until either ends or the
+/// sandbox closes, on a tracked task.
+fn splice<A, B>(
+    state: &AppState,
+    closed: CancelToken,
+    a: impl Future<Output = Option<A>> + Send + 'static,
+    b: impl Future<Output = Option<B>> + Send + 'static,
+) where
+    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    state.tasks.spawn(
+        async move {
+            let (Some(mut a), Some(mut b)) = tokio::join!(a, b) else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+                () = closed.cancelled() => {}
+            }
+        }
+        .in_current_span(),
+    );
 }
 
 /// The guest agent's tunnel to a port of its machine
@@ -243,28 +242,15 @@ pub(crate) async fn guest_tunnel(
     .await
     {
         Ok(Ok(s)) => s,
-        _ => {
-            return refuse_port(
-                target.id,
-                StatusCode::BAD_GATEWAY,
-                "The sandbox is running but port is not open",
-                Some(port),
-            );
-        }
+        _ => return Reject::PortClosed(target.id, port).into_response(),
     };
     let _ = stream.set_nodelay(true);
     let on_upgrade = hyper::upgrade::on(&mut req);
-    let closed = target.session.cancel.clone();
-    state.tasks.spawn(
-        async move {
-            let Ok(up) = on_upgrade.await else { return };
-            let (mut up, mut stream) = (TokioIo::new(up), stream);
-            tokio::select! {
-                _ = tokio::io::copy_bidirectional(&mut up, &mut stream) => {}
-                () = closed.cancelled() => {}
-            }
-        }
-        .in_current_span(),
+    splice(
+        &state,
+        target.session.cancel.clone(),
+        async { on_upgrade.await.ok().map(TokioIo::new) },
+        async { Some(stream) },
     );
     (
         StatusCode::SWITCHING_PROTOCOLS,

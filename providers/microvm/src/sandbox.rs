@@ -1418,9 +1418,15 @@ impl Provider for MicrovmProvider {
             s.port,
             tether_protocol::e2b::GUEST_PORT_TUNNEL_PATH
         );
-        let resp = ctx
+        let tunnel = |e: reqwest::Error| ProviderError::Unavailable {
+            message: format!("microvm: the guest agent's port tunnel: {e}"),
+            retry_after: None,
+            source: Some(Box::new(e)),
+        };
+        let upgraded = ctx
             .run(async {
-                self.envd_http
+                let resp = self
+                    .envd_http
                     .get(url)
                     .header("x-access-token", &s.token)
                     .header(reqwest::header::CONNECTION, "upgrade")
@@ -1430,32 +1436,14 @@ impl Provider for MicrovmProvider {
                     )
                     .send()
                     .await
-                    .map_err(|e| ProviderError::Unavailable {
-                        message: format!("microvm: the guest agent's port tunnel: {e}"),
-                        retry_after: None,
-                        source: Some(Box::new(e)),
-                    })
-            })
-            .await?;
-        if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
-            return Err(ProviderError::Unavailable {
-                message: format!(
-                    "microvm: nothing answers on port {port} of sandbox {id} ({})",
-                    resp.status()
-                ),
-                retry_after: None,
-                source: None,
-            });
-        }
-        let upgraded = ctx
-            .run(async {
-                resp.upgrade()
-                    .await
-                    .map_err(|e| ProviderError::Unavailable {
-                        message: format!("microvm: the guest agent's port tunnel: {e}"),
-                        retry_after: None,
-                        source: Some(Box::new(e)),
-                    })
+                    .map_err(tunnel)?;
+                if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+                    return Err(unavailable(format!(
+                        "microvm: nothing answers on port {port} of sandbox {id} ({})",
+                        resp.status()
+                    )));
+                }
+                resp.upgrade().await.map_err(tunnel)
             })
             .await?;
         Ok(Box::new(upgraded))
