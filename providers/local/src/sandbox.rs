@@ -1113,6 +1113,9 @@ impl Provider for LocalProvider {
     async fn snapshot(&self, ctx: &CallCtx, id: &str) -> Result<String> {
         ctx.check()?;
         let sandbox = self.connect_local(id).await?;
+        let Some(store) = sandbox.core.init.store.as_ref() else {
+            return Err(ProviderError::Unsupported { op: "snapshot" });
+        };
         let snap = uuid::Uuid::new_v4().simple().to_string();
         let Some(snap_dir) = self.snapshot_dir(&snap) else {
             return Err(internal("bad snapshot id", std::io::Error::other(snap)));
@@ -1120,13 +1123,11 @@ impl Provider for LocalProvider {
         tokio::fs::create_dir_all(&snap_dir)
             .await
             .map_err(|e| internal("cannot create the snapshot dir", e))?;
-        // Frozen while copied: the layer is consistent with itself.
+        // Frozen while copied: the layer is consistent with itself. A sandbox frozen
+        // already (paused) stays frozen after.
         let frozen = match sandbox.core.cgroup.clone() {
-            Some(cg) => blocking(move || Ok(cg.freeze(true))).await?,
+            Some(cg) => blocking(move || Ok(!cg.frozen() && cg.freeze(true))).await?,
             None => false,
-        };
-        let Some(store) = sandbox.core.init.store.as_ref() else {
-            return Err(ProviderError::Unsupported { op: "snapshot" });
         };
         // The store is mounted in the sandbox's namespace only: reach it through the
         // descriptor its init handed over.
