@@ -47,6 +47,10 @@ pub struct CreateSessionRequest {
     /// fill what is not given.
     #[serde(default)]
     pub limits: crate::limits::ResourceLimits,
+    /// A snapshot (id or name) the sandbox's file system starts from, instead of the
+    /// template; the session's provider is the snapshot's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// A session as the API reports it.
@@ -139,6 +143,53 @@ pub struct ForkRequest {
     /// Inclusive boundary seq; the last event outside an open turn when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at_seq: Option<u64>,
+}
+
+/// `POST /v1/sessions/{id}/snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshotRequest {
+    /// A name, unique per owner: a later snapshot under the same name takes it over
+    /// (the earlier one is deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A snapshot as the API reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// The snapshot id.
+    pub id: String,
+    /// Its name, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The session it was taken of.
+    pub session_id: String,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+    /// The provider that keeps it.
+    pub provider: String,
+    /// When it was taken, ms since the Unix epoch.
+    pub created_ms: i64,
+}
+
+/// The query of `GET /v1/snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListSnapshotsQuery {
+    /// Only the snapshots of this session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// Only the snapshot of this name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListSnapshotsResponse {
+    /// Oldest first.
+    pub snapshots: Vec<SnapshotInfo>,
 }
 
 /// The query of `GET /v1/sessions/{id}/events`.

@@ -317,6 +317,52 @@ pub struct ConnectSandboxRequest {
     pub timeout: Option<i64>,
 }
 
+/// Body of `POST /sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    /// A name; a later snapshot under the same name takes it over.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Whether the sandbox's memory is kept too (where the provider can: the microVM
+    /// provider keeps it always, the local provider never).
+    #[serde(default)]
+    pub memory: Option<bool>,
+}
+
+/// A snapshot (`SnapshotInfo` in E2B's spec): answer of `POST /sandboxes/{id}/snapshots`,
+/// items of `GET /snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// `<name or id>:<tag>`: what `templateID` takes to create a sandbox from it.
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    /// Its full names (`<name>:<tag>`).
+    pub names: Vec<String>,
+}
+
+/// Body of `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkRequest {
+    /// Time to live of each fork, seconds (15 when absent, as E2B).
+    #[serde(default)]
+    pub timeout: Option<i64>,
+    /// How many forks (1 when absent).
+    #[serde(default)]
+    pub count: Option<i64>,
+}
+
+/// One fork's outcome in the answer of `POST /sandboxes/{id}/fork`: exactly one of the
+/// two is set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkResult {
+    /// The fork, when it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxResponse>,
+    /// Why it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+}
+
 /// The error body of the control plane and of envd's REST endpoints:
 /// `{"code": <HTTP status>, "message": ...}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -27,6 +27,8 @@ pub enum ErrorCode {
     SandboxNotFound,
     /// No command (process) with that id in this sandbox.
     CommandNotFound,
+    /// No snapshot with that id or name (for this tenant).
+    SnapshotNotFound,
     /// The request conflicts with the current state (e.g. a fork boundary inside an open turn).
     Conflict,
     /// The path does not exist.
@@ -122,6 +124,7 @@ impl ErrorCode {
         Self::SessionNotFound,
         Self::SandboxNotFound,
         Self::CommandNotFound,
+        Self::SnapshotNotFound,
         Self::Conflict,
         Self::FsNotFound,
         Self::FsNotDirectory,
@@ -175,6 +178,7 @@ impl ErrorCode {
             Self::SessionNotFound => "SESSION_NOT_FOUND",
             Self::SandboxNotFound => "SANDBOX_NOT_FOUND",
             Self::CommandNotFound => "COMMAND_NOT_FOUND",
+            Self::SnapshotNotFound => "SNAPSHOT_NOT_FOUND",
             Self::Conflict => "CONFLICT",
             Self::FsNotFound => "FS_NOT_FOUND",
             Self::FsNotDirectory => "FS_NOT_DIRECTORY",
@@ -366,6 +370,7 @@ mod tests {
             "SESSION_NOT_FOUND",
             "SANDBOX_NOT_FOUND",
             "COMMAND_NOT_FOUND",
+            "SNAPSHOT_NOT_FOUND",
             "CONFLICT",
             "FS_NOT_FOUND",
             "FS_NOT_DIRECTORY",

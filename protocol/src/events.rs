@@ -59,6 +59,10 @@ pub struct SessionParams {
     /// written before it existed: public, as every sandbox then was.
     #[serde(default)]
     pub ports: PortAccess,
+    /// The snapshot (a daemon snapshot id) the sandbox's file system started from, for a
+    /// session created from one; `None`: from its template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// How the E2B front's port proxy admits requests for a sandbox's ports (E2B's
@@ -335,6 +339,15 @@ pub enum EventBody {
     SandboxResumed {
         /// Sandbox id.
         sandbox_id: String,
+    },
+    /// A snapshot of the session's sandbox was taken (its file system, and its memory
+    /// where the provider keeps it): sandboxes can be created from it.
+    #[serde(rename = "sandbox/snapshot")]
+    SandboxSnapshot {
+        /// Sandbox id.
+        sandbox_id: String,
+        /// The daemon's snapshot id.
+        snapshot_id: String,
     },
     /// The session was closed.
     #[serde(rename = "session/closed")]

@@ -57,6 +57,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
                     expiry: Default::default(),
                     limits: Default::default(),
                     ports: Default::default(),
+                    snapshot: None,
                 },
             ),
             LogConfig::default(),

@@ -34,6 +34,7 @@ pub fn project(body: &EventBody) -> Option<Message> {
         | EventBody::ExpirySet { .. }
         | EventBody::SandboxPaused { .. }
         | EventBody::SandboxResumed { .. }
+        | EventBody::SandboxSnapshot { .. }
         | EventBody::SessionClosed { .. } => None,
     }
 }

@@ -210,6 +210,7 @@ impl Index {
             | EventBody::ExpirySet { .. }
             | EventBody::SandboxPaused { .. }
             | EventBody::SandboxResumed { .. }
+            | EventBody::SandboxSnapshot { .. }
             | EventBody::SessionClosed { .. } => {}
         }
         Ok(())

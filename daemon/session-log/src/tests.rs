@@ -23,6 +23,7 @@ fn params() -> SessionParams {
         expiry: Default::default(),
         limits: Default::default(),
         ports: Default::default(),
+        snapshot: None,
     }
 }
 

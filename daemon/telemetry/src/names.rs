@@ -42,6 +42,12 @@ pub const SANDBOX_PAUSE: &str = "sandbox.pause";
 pub const SANDBOX_RESUME: &str = "sandbox.resume";
 /// Reading a sandbox's resource use (`Provider::metrics`).
 pub const SANDBOX_METRICS: &str = "sandbox.metrics";
+/// Taking a snapshot of a session's sandbox (`Provider::snapshot`), for a snapshot or a
+/// fork.
+pub const SANDBOX_SNAPSHOT: &str = "sandbox.snapshot";
+/// Creating a sandbox from a snapshot (`Provider::create_from_snapshot`), for a session
+/// made from a snapshot or a fork.
+pub const SANDBOX_RESTORE: &str = "sandbox.restore";
 /// `Process::spawn`, until the command runs.
 pub const PROCESS_START: &str = "process.start";
 /// Streaming a command's output until it exits or a clock fires.
@@ -89,6 +95,8 @@ pub const ALL_SPANS: &[&str] = &[
     SANDBOX_PAUSE,
     SANDBOX_RESUME,
     SANDBOX_METRICS,
+    SANDBOX_SNAPSHOT,
+    SANDBOX_RESTORE,
     PROCESS_START,
     PROCESS_STREAM,
     PROCESS_ATTACH,

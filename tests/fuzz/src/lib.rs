@@ -296,6 +296,7 @@ pub fn session_log_tail(data: &[u8]) {
             expiry: Default::default(),
             limits: Default::default(),
             ports: Default::default(),
+            snapshot: None,
         };
         let header = SessionLog::new_header("fuzz", params);
         let Ok(log) = SessionLog::create(dir.path(), header, cfg()).await else {

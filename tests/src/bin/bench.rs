@@ -2039,6 +2039,7 @@ async fn measure_log(reps: Reps, report: &mut Report) -> Result<(), String> {
                 expiry: Default::default(),
                 limits: Default::default(),
                 ports: Default::default(),
+                snapshot: None,
             },
         ),
         LogConfig::default(),
