@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 use tether_protocol::api::*;
@@ -27,7 +27,7 @@ use crate::error::{DaemonError, Result};
 use crate::exec::{self, ExecLimits};
 use crate::http::{ApiJson, RequestCtx};
 use crate::ops::{self, FsOp, Surface};
-use crate::session_manager::{NewSession, Session};
+use crate::session_manager::{NewSession, Session, SnapshotRecord};
 use crate::state::AppState;
 use tether_protocol::events::Expiry;
 use tether_provider::Clock;
@@ -47,6 +47,9 @@ pub fn router() -> Router<Arc<AppState>> {
             post(post_message).get(get_messages),
         )
         .route("/v1/sessions/{id}/fork", post(fork))
+        .route("/v1/sessions/{id}/snapshots", post(create_snapshot))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/snapshots/{sid}", delete(delete_snapshot))
         .route("/v1/sessions/{id}/pause", post(pause_session))
         .route("/v1/sessions/{id}/resume", post(resume_session))
         .route(
@@ -124,6 +127,7 @@ async fn create_session(
         network: req.network.unwrap_or(false),
         limits: req.limits,
         ports: Default::default(),
+        snapshot: req.snapshot,
         // A tenant's session is its own (and, like one made through the E2B front, an
         // E2B sandbox of that tenant); an admin's has no owner.
         owner: who.owner(),
@@ -340,6 +344,61 @@ async fn fork(
         .await
         .map_err(|e| DaemonError::internal(e.to_string()))??;
     Ok((StatusCode::CREATED, ApiJson(child.info())).into_response())
+}
+
+fn snapshot_info(r: SnapshotRecord) -> SnapshotInfo {
+    SnapshotInfo {
+        id: r.id,
+        name: r.name,
+        session_id: r.session,
+        sandbox_id: r.sandbox_id,
+        provider: r.provider,
+        created_ms: r.created_ms,
+    }
+}
+
+async fn create_snapshot(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    body: Bytes,
+) -> Result<Response> {
+    let req: CreateSnapshotRequest = if body.is_empty() {
+        CreateSnapshotRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))?
+    };
+    let rec = state
+        .sessions
+        .snapshot(&ctx, &id, req.name, who.scope())
+        .await?;
+    Ok((StatusCode::CREATED, ApiJson(snapshot_info(rec))).into_response())
+}
+
+async fn list_snapshots(
+    State(state): St,
+    who: Principal,
+    Query(q): Query<ListSnapshotsQuery>,
+) -> ApiJson<ListSnapshotsResponse> {
+    let snapshots = state
+        .sessions
+        .snapshots()
+        .list(who.scope(), q.session_id.as_deref(), q.name.as_deref())
+        .into_iter()
+        .map(snapshot_info)
+        .collect();
+    ApiJson(ListSnapshotsResponse { snapshots })
+}
+
+async fn delete_snapshot(
+    State(state): St,
+    who: Principal,
+    Path(sid): Path<String>,
+) -> Result<StatusCode> {
+    state.sessions.delete_snapshot(&sid, who.scope()).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn start_process(

@@ -57,6 +57,12 @@ pub enum DaemonError {
         /// The id.
         id: String,
     },
+    /// No such snapshot (for this tenant).
+    #[error("snapshot {id} not found")]
+    SnapshotNotFound {
+        /// The id or name asked for.
+        id: String,
+    },
     /// The request conflicts with the state.
     #[error("conflict: {message}")]
     Conflict {
@@ -120,6 +126,7 @@ impl DaemonError {
             Self::SessionNotFound { .. } => ErrorCode::SessionNotFound,
             Self::Detached { .. } => ErrorCode::SandboxNotFound,
             Self::CommandNotFound { .. } => ErrorCode::CommandNotFound,
+            Self::SnapshotNotFound { .. } => ErrorCode::SnapshotNotFound,
             Self::Conflict { .. } => ErrorCode::Conflict,
             Self::Provider(e) => e.code(),
             Self::Log(e) => e.code(),
@@ -179,6 +186,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | C::SessionNotFound
         | C::SandboxNotFound
         | C::CommandNotFound
+        | C::SnapshotNotFound
         | C::FsNotFound => StatusCode::NOT_FOUND,
         C::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         C::PayloadTooLarge | C::FsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

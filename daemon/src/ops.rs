@@ -115,6 +115,8 @@ pub enum SandboxOp {
     Resume,
     /// Read its resource use.
     Metrics,
+    /// Take a snapshot of it (for a snapshot or a fork).
+    Snapshot,
 }
 
 impl SandboxOp {
@@ -124,6 +126,7 @@ impl SandboxOp {
             Self::Pause => crate::telemetry::names::SANDBOX_PAUSE,
             Self::Resume => crate::telemetry::names::SANDBOX_RESUME,
             Self::Metrics => crate::telemetry::names::SANDBOX_METRICS,
+            Self::Snapshot => crate::telemetry::names::SANDBOX_SNAPSHOT,
         }
     }
 
@@ -131,7 +134,8 @@ impl SandboxOp {
     pub fn limit(self, d: &crate::config::Deadlines) -> Duration {
         match self {
             Self::Pause | Self::Metrics => d.sandbox_op,
-            Self::Resume => d.sandbox_create,
+            // Both may copy a whole file system or save a machine's memory.
+            Self::Resume | Self::Snapshot => d.sandbox_create,
         }
     }
 
@@ -145,6 +149,7 @@ impl SandboxOp {
             Self::Pause => span!("sandbox.pause"),
             Self::Resume => span!("sandbox.resume"),
             Self::Metrics => span!("sandbox.metrics"),
+            Self::Snapshot => span!("sandbox.snapshot"),
         }
     }
 }

@@ -37,6 +37,9 @@ use crate::session_log::{LogConfig, RepairReport, SessionLog};
 use crate::telemetry::Metrics;
 use tether_provider::Clock;
 
+mod snapshots;
+pub use snapshots::{MAX_FORKS, SnapshotRecord, Snapshots, TAG as SNAPSHOT_TAG};
+
 /// Where a session stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionState {
@@ -80,6 +83,9 @@ pub struct NewSession {
     pub limits: tether_protocol::limits::ResourceLimits,
     /// Who reaches the sandbox's ports through the E2B front.
     pub ports: PortAccess,
+    /// A snapshot (its id or name, seen by `owner`) the sandbox starts from instead of
+    /// the template; its provider is the session's.
+    pub snapshot: Option<String>,
 }
 
 /// One session.
@@ -441,6 +447,7 @@ pub struct SessionManager {
     daemon_id: String,
     deadlines: Deadlines,
     log_config: LogConfig,
+    snapshots: Snapshots,
 }
 
 /// What is kept in memory of a closed session.
@@ -482,7 +489,9 @@ impl SessionManager {
                 id
             }
         };
+        let snapshots = Snapshots::open(state_dir.join("snapshots")).await?;
         Ok(Self {
+            snapshots,
             state_dir,
             providers,
             sessions: RwLock::new(HashMap::new()),
@@ -592,10 +601,32 @@ impl SessionManager {
         if self.shutdown.is_cancelled() {
             return Err(DaemonError::ShuttingDown);
         }
-        let provider_name = req
-            .provider
-            .clone()
-            .unwrap_or_else(|| self.providers.default_name().to_owned());
+        // A snapshot is seen by its owner (the native API's admin sees all).
+        let snapshot = match &req.snapshot {
+            Some(r) => {
+                let scope = match &req.owner {
+                    Some(o) => Scope::Owner(Some(o)),
+                    None => Scope::Any,
+                };
+                let rec = self
+                    .snapshots
+                    .find(r, scope)
+                    .ok_or_else(|| DaemonError::SnapshotNotFound { id: r.clone() })?;
+                if req.provider.as_ref().is_some_and(|p| *p != rec.provider) {
+                    return Err(DaemonError::invalid(format!(
+                        "snapshot {} is kept by the {:?} provider",
+                        rec.id, rec.provider
+                    )));
+                }
+                Some(rec)
+            }
+            None => None,
+        };
+        let provider_name = match (&snapshot, &req.provider) {
+            (Some(rec), _) => rec.provider.clone(),
+            (None, Some(p)) => p.clone(),
+            (None, None) => self.providers.default_name().to_owned(),
+        };
         let provider = self
             .providers
             .get(&provider_name)
@@ -610,6 +641,7 @@ impl SessionManager {
             expiry: req.expiry,
             limits: req.limits,
             ports: req.ports,
+            snapshot: snapshot.as_ref().map(|r| r.id.clone()),
         };
         let id = new_id();
         // The header is the durable intent: a sandbox created for this id and not yet
@@ -619,7 +651,8 @@ impl SessionManager {
         let log =
             SessionLog::create(&self.session_dir(&id), header, self.log_config.clone()).await?;
         let session = self.build_session(id, provider, log, &LogFacts::default(), created_ms);
-        self.lease(ctx, &session).await?;
+        let from = snapshot.map(|r| r.provider_snapshot);
+        self.lease(ctx, &session, from.as_deref()).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
         Ok(session)
@@ -686,7 +719,9 @@ impl SessionManager {
         Arc::new(s)
     }
 
-    async fn lease(&self, ctx: &CallCtx, session: &Arc<Session>) -> Result<()> {
+    /// Create the session's sandbox (from the provider's snapshot `from` when given) and
+    /// record it as leased; on failure the session is closed.
+    async fn lease(&self, ctx: &CallCtx, session: &Arc<Session>, from: Option<&str>) -> Result<()> {
         let id = &session.id;
         let p = &session.params;
         let mut metadata = p.metadata.clone();
@@ -700,30 +735,51 @@ impl SessionManager {
             network: p.network,
             limits: p.limits,
         };
-        let span = tracing::info_span!(
-            "sandbox.create",
-            session.id = %id,
-            provider.kind = %session.provider_kind,
-            sandbox.id = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            error.code = tracing::field::Empty,
-        );
+        macro_rules! span {
+            ($name:literal) => {
+                tracing::info_span!(
+                    $name,
+                    session.id = %id,
+                    provider.kind = %session.provider_kind,
+                    sandbox.id = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                    error.code = tracing::field::Empty,
+                )
+            };
+        }
+        let (span, name) = match from {
+            None => (
+                span!("sandbox.create"),
+                crate::telemetry::names::SANDBOX_CREATE,
+            ),
+            Some(_) => (
+                span!("sandbox.restore"),
+                crate::telemetry::names::SANDBOX_RESTORE,
+            ),
+        };
         let started = tokio::time::Instant::now();
         let cctx = ctx.with_timeout(self.deadlines.sandbox_create, Clock::Total);
-        let created = session
-            .provider
-            .create(&cctx, spec)
-            .instrument(span.clone())
-            .await;
+        let created = match from {
+            None => {
+                session
+                    .provider
+                    .create(&cctx, spec)
+                    .instrument(span.clone())
+                    .await
+            }
+            Some(snap) => {
+                session
+                    .provider
+                    .create_from_snapshot(&cctx, snap, spec)
+                    .instrument(span.clone())
+                    .await
+            }
+        };
         let outcome = created
             .as_ref()
             .map_or_else(|e| e.code().as_str(), |_| "ok");
-        self.metrics.remote_op(
-            "sandbox.create",
-            &session.provider_kind,
-            outcome,
-            started.elapsed(),
-        );
+        self.metrics
+            .remote_op(name, &session.provider_kind, outcome, started.elapsed());
         span.record("outcome", outcome);
         match created {
             Ok(sandbox) => {
@@ -988,10 +1044,13 @@ impl SessionManager {
     }
 
     /// Fork a session at a boundary: the new session gets a copy of the log prefix and a
-    /// fresh sandbox from the same provider, with the parent's parameters as they stand
-    /// now (network, template, environment, metadata, owner and expiry included).
+    /// sandbox from the same provider whose file system is a copy of the parent's (a
+    /// snapshot taken for the fork and deleted after; a fresh sandbox where the parent
+    /// has none or its provider takes no snapshots), with the parent's parameters as they
+    /// stand now (network, template, environment, metadata, owner and expiry included).
+    /// `CONFLICT` while the parent is paused.
     pub async fn fork(
-        &self,
+        self: &Arc<Self>,
         ctx: &CallCtx,
         id: &str,
         at_seq: Option<u64>,
@@ -1001,9 +1060,31 @@ impl SessionManager {
             return Err(DaemonError::ShuttingDown);
         }
         let parent = self.lookup(id, scope).await?;
+        let from = self.fork_source(ctx, &parent, false).await?;
+        let made = self
+            .fork_one(ctx, &parent, at_seq, parent.expiry(), from.as_deref())
+            .await;
+        if let Some(snap) = from {
+            self.drop_provider_snapshot(&parent.provider_name, &snap)
+                .await;
+        }
+        made
+    }
+
+    /// One fork of `parent` (see [`SessionManager::fork`]) expiring by `expiry`, its
+    /// sandbox from the provider's snapshot `from` when given.
+    async fn fork_one(
+        &self,
+        ctx: &CallCtx,
+        parent: &Session,
+        at_seq: Option<u64>,
+        expiry: Expiry,
+        from: Option<&str>,
+    ) -> Result<Arc<Session>> {
         let new = new_id();
         let params = SessionParams {
-            expiry: parent.expiry(),
+            expiry,
+            snapshot: None,
             ..parent.params.clone()
         };
         let log = parent
@@ -1012,7 +1093,7 @@ impl SessionManager {
             .await?;
         let facts = LogFacts::of(&log).await?;
         let session = self.build_session(new, Arc::clone(&parent.provider), log, &facts, now_ms());
-        self.lease(ctx, &session).await?;
+        self.lease(ctx, &session, from).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
         Ok(session)

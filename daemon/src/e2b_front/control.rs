@@ -36,7 +36,9 @@ use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_protocol::events::{Expiry, PortAccess};
 
-/// Largest page of `GET /v2/sandboxes`.
+mod snapshots;
+
+/// Largest page of `GET /v2/sandboxes` and `GET /snapshots`.
 const MAX_PAGE: usize = 100;
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
@@ -52,6 +54,7 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/metrics", get(metrics_one))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
+        .merge(snapshots::routes())
         .route("/sandboxes/{id}/{*rest}", any(unsupported))
         .route("/v2/sandboxes/{id}/{*rest}", any(unsupported))
 }
@@ -267,12 +270,24 @@ async fn do_create(
         .split_once(':')
         .map_or(req.template_id.as_str(), |(name, _)| name)
         .trim();
-    if !state.e2b.cfg.templates.iter().any(|t| t == identifier) {
-        return Err(RestError::new(
-            StatusCode::NOT_FOUND,
-            format!("template '{identifier}' not found"),
-        ));
-    }
+    // A snapshot of the tenant's is a template too (E2B's snapshot templates).
+    let snapshot = if state.e2b.cfg.templates.iter().any(|t| t == identifier) {
+        None
+    } else {
+        match state
+            .sessions
+            .snapshots()
+            .find(req.template_id.trim(), Scope::Owner(Some(&tenant.0)))
+        {
+            Some(rec) => Some(rec.id),
+            None => {
+                return Err(RestError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("template '{identifier}' not found"),
+                ));
+            }
+        }
+    };
     let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
     let timeout = check_timeout(state, req.timeout.unwrap_or(default), 1)?;
     let idem = headers
@@ -311,6 +326,7 @@ async fn do_create(
         },
         limits: Default::default(),
         ports,
+        snapshot,
     };
     let Some(key) = idem else {
         return make(state, ctx, new, &req.template_id, allow_internet, None).await;

@@ -477,6 +477,7 @@ pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<
                 expiry: tether_protocol::events::Expiry::Never,
                 limits: Default::default(),
                 ports: Default::default(),
+                snapshot: None,
             };
             state.sessions.create_owned(&ctx, new).await?
         }
@@ -587,6 +588,10 @@ impl RestError {
     pub(crate) fn status(&self) -> StatusCode {
         self.status
     }
+
+    fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 impl IntoResponse for RestError {
@@ -647,6 +652,7 @@ pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
         | C::SessionNotFound
         | C::SandboxNotFound
         | C::CommandNotFound
+        | C::SnapshotNotFound
         | C::FsNotFound
         | C::FsEditNotFound => K::NotFound,
         C::MethodNotAllowed | C::Unsupported => K::Unimplemented,

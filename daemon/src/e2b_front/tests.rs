@@ -449,8 +449,8 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
     assert_eq!(st, 201, "a paused sandbox is resumed by connect: {b}");
     let (st, b) = f
         .api(
-            reqwest::Method::POST,
-            &format!("/sandboxes/{id}/snapshots"),
+            reqwest::Method::PUT,
+            &format!("/sandboxes/{id}/network"),
             Some(KEY_A),
             Some(json!({})),
         )
