@@ -83,8 +83,10 @@ async fn run_suite(which: &str) {
         .env("E2B_API_KEY", &main_key)
         .env("TETHER_E2B_OTHER_KEY", &other_key)
         .env("TETHER_E2B_BAD_KEY", key("bad"))
-        // The local provider reaches a sandbox's ports (the port proxy's test runs).
+        // The local provider reaches a sandbox's ports (the port proxy's test runs) and
+        // takes snapshots (the snapshot and fork tests run).
         .env("TETHER_SUITE_PORTS", "1")
+        .env("TETHER_SUITE_SNAPSHOTS", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .stdin(Stdio::null())

@@ -1140,3 +1140,112 @@ sdkTest('Sandbox.getMetrics (instance and static, range)', async (ctx) => {
     'metrics of a missing sandbox',
   );
 });
+
+// === snapshots and forks (providers that take snapshots: TETHER_SUITE_SNAPSHOTS) ===
+
+const SNAPSHOTS = Boolean(process.env.TETHER_SUITE_SNAPSHOTS);
+
+function snapshotTest(name, fn) {
+  if (!SNAPSHOTS) {
+    test(name, { skip: 'the provider of this run takes no snapshots' }, () => {});
+    return;
+  }
+  sdkTest(name, fn, { timeoutMs: 240_000 });
+}
+
+async function allSnapshots(opts = {}) {
+  const pages = Sandbox.listSnapshots({ requestTimeoutMs: REQUEST_TIMEOUT_MS, ...opts });
+  const ids = [];
+  let n = 0;
+  while (pages.hasNext) {
+    n += 1;
+    assert.ok(n <= 50, 'Sandbox.listSnapshots paginator never ends');
+    for (const s of await pages.nextItems()) ids.push(s.snapshotId);
+  }
+  return ids;
+}
+
+snapshotTest('Sandbox.createSnapshot / listSnapshots / deleteSnapshot', async (ctx) => {
+  const sbx = await ctx.create();
+  const name = unique('snap');
+  const named = await sbx.createSnapshot({ name });
+  assert.ok(named.snapshotId && named.names.some((n) => n.includes(name)), JSON.stringify(named));
+  const unnamed = await Sandbox.createSnapshot(sbx.sandboxId);
+  assert.ok(unnamed.snapshotId && unnamed.snapshotId !== named.snapshotId);
+  try {
+    const every = await allSnapshots();
+    assert.ok(every.includes(named.snapshotId) && every.includes(unnamed.snapshotId));
+    // One per page, by sandbox: the cursor reaches both.
+    const paged = await allSnapshots({ sandboxId: sbx.sandboxId, limit: 1 });
+    assert.deepEqual(new Set(paged), new Set([named.snapshotId, unnamed.snapshotId]));
+    assert.deepEqual(await allSnapshots({ name }), [named.snapshotId]);
+    assert.deepEqual(await allSnapshots({ name: `${name}:default` }), [named.snapshotId]);
+    assert.deepEqual(await allSnapshots({ name: `${name}-does-not-exist` }), []);
+    const other = await allSnapshots({ apiKey: ctx.env.otherKey });
+    assert.ok(!other.includes(named.snapshotId) && !other.includes(unnamed.snapshotId));
+    assert.equal(await Sandbox.deleteSnapshot(named.snapshotId, { apiKey: ctx.env.otherKey }), false);
+  } finally {
+    assert.equal(await Sandbox.deleteSnapshot(named.snapshotId), true);
+    assert.equal(await Sandbox.deleteSnapshot(unnamed.snapshotId), true);
+  }
+  assert.equal(await Sandbox.deleteSnapshot(named.snapshotId), false);
+});
+
+snapshotTest('Sandbox.create(<snapshot id>): its files, outliving its sandbox', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/app/config.json`, '{"env":"test"}');
+  const snap = await sbx.createSnapshot();
+  try {
+    await sbx.kill();
+    ctx.forget(sbx.sandboxId);
+    const one = await Sandbox.create(snap.snapshotId, { requestTimeoutMs: REQUEST_TIMEOUT_MS });
+    ctx.created.set(one.sandboxId, ctx.env.apiKey);
+    const two = await Sandbox.create(snap.snapshotId, { requestTimeoutMs: REQUEST_TIMEOUT_MS });
+    ctx.created.set(two.sandboxId, ctx.env.apiKey);
+    assert.equal(await one.files.read(`${HOME}/app/config.json`), '{"env":"test"}');
+    await one.files.write(`${HOME}/app/config.json`, 'changed');
+    assert.equal(await two.files.read(`${HOME}/app/config.json`), '{"env":"test"}');
+    const err = await rejectsWith(
+      Sandbox.create(snap.snapshotId, { apiKey: ctx.env.otherKey, requestTimeoutMs: REQUEST_TIMEOUT_MS }),
+      SandboxError,
+      "another tenant's create from the snapshot",
+    );
+    assert.equal(err.statusCode, 404);
+  } finally {
+    await Sandbox.deleteSnapshot(snap.snapshotId);
+  }
+});
+
+snapshotTest('Sandbox.fork (one, two, by id; another tenant; a killed sandbox)', async (ctx) => {
+  const sbx = await ctx.create();
+  await sbx.files.write(`${HOME}/state.txt`, 'state before fork');
+  const forks = [];
+  const keep = (list) => {
+    for (const f of list) if (f instanceof Sandbox) {
+      forks.push(f);
+      ctx.created.set(f.sandboxId, ctx.env.apiKey);
+    }
+    return list;
+  };
+  const [fork] = keep(await sbx.fork());
+  assert.ok(fork instanceof Sandbox && fork.sandboxId !== sbx.sandboxId);
+  assert.ok((await sbx.isRunning()) && (await fork.isRunning()));
+  assert.equal(await fork.files.read(`${HOME}/state.txt`), 'state before fork');
+  await fork.files.write(`${HOME}/state.txt`, 'modified in fork');
+  assert.equal(await sbx.files.read(`${HOME}/state.txt`), 'state before fork');
+  const two = keep(await sbx.fork({ count: 2, timeoutMs: 60_000 }));
+  assert.equal(two.length, 2);
+  assert.ok(two.every((f) => f instanceof Sandbox), two.map(String).join(', '));
+  assert.equal(new Set(two.map((f) => f.sandboxId)).size, 2);
+  const byId = keep(await Sandbox.fork(sbx.sandboxId));
+  assert.ok(byId.length === 1 && (await byId[0].isRunning()));
+  await rejectsWith(
+    Sandbox.fork(sbx.sandboxId, { apiKey: ctx.env.otherKey }),
+    SandboxNotFoundError,
+    "another tenant's fork",
+  );
+  assert.deepEqual(await allSnapshots({ sandboxId: sbx.sandboxId }), []);
+  await sbx.kill();
+  ctx.forget(sbx.sandboxId);
+  await rejectsWith(sbx.fork(), SandboxNotFoundError, 'fork of a killed sandbox');
+});

@@ -1120,3 +1120,125 @@ def test_network_private_ports_and_masked_host(env, make_sandbox):
     with pytest.raises(SandboxException) as err:
         make_sandbox(network=SandboxNetworkOpts(deny_out=["8.8.8.8"]))
     assert "denyOut" in str(err.value)
+
+
+def _require_snapshots() -> None:
+    if not os.environ.get("TETHER_SUITE_SNAPSHOTS"):
+        pytest.skip("the provider of this run takes no snapshots")
+
+
+@sdk("Sandbox.create_snapshot / list_snapshots / delete_snapshot")
+@bound(180)
+def test_snapshots_are_listed_filtered_and_deleted_once(env, make_sandbox):
+    _require_snapshots()
+    sbx = make_sandbox()
+    name = unique("snap")
+    named = sbx.create_snapshot(name=name)
+    assert named.snapshot_id and any(name in n for n in named.names), named
+    unnamed = Sandbox.create_snapshot(sbx.sandbox_id)
+    assert unnamed.snapshot_id and unnamed.snapshot_id != named.snapshot_id
+    try:
+        every = Sandbox.list_snapshots()
+        assert every.has_next
+        listed = {s.snapshot_id for s in every.next_items()}
+        assert {named.snapshot_id, unnamed.snapshot_id} <= listed
+        of_sandbox = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
+        assert {s.snapshot_id for s in of_sandbox} == {named.snapshot_id, unnamed.snapshot_id}
+        by_name = Sandbox.list_snapshots(name=name).next_items()
+        assert [s.snapshot_id for s in by_name] == [named.snapshot_id]
+        assert Sandbox.list_snapshots(name=f"{name}-does-not-exist").next_items() == []
+        # Pages of one follow the server's cursor to the end.
+        pages, seen = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id, limit=1), []
+        while pages.has_next:
+            seen += [s.snapshot_id for s in pages.next_items()]
+            assert len(seen) <= 2
+        assert set(seen) == {named.snapshot_id, unnamed.snapshot_id}
+        # Another tenant sees none of them.
+        other = Sandbox.list_snapshots(api_key=env.other_key).next_items()
+        assert not {s.snapshot_id for s in other} & listed
+        assert Sandbox.delete_snapshot(named.snapshot_id, api_key=env.other_key) is False
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.create_snapshot(sbx.sandbox_id, api_key=env.other_key)
+    finally:
+        assert Sandbox.delete_snapshot(named.snapshot_id) is True
+        assert Sandbox.delete_snapshot(unnamed.snapshot_id) is True
+    assert Sandbox.delete_snapshot(named.snapshot_id) is False
+    assert not {s.snapshot_id for s in Sandbox.list_snapshots().next_items()} & {
+        named.snapshot_id,
+        unnamed.snapshot_id,
+    }
+
+
+@sdk("Sandbox.create(<snapshot id>): sandboxes from a snapshot, independent of each other")
+@bound(240)
+def test_sandboxes_from_a_snapshot_start_with_its_files(env, make_sandbox):
+    _require_snapshots()
+    sbx = make_sandbox()
+    sbx.files.make_dir(f"{HOME}/app")
+    sbx.files.write(f"{HOME}/app/config.json", '{"env": "test"}')
+    sbx.files.write(f"{HOME}/shared.txt", "shared snapshot content")
+    snapshot = sbx.create_snapshot()
+    try:
+        one = make_sandbox(template=snapshot.snapshot_id)
+        two = make_sandbox(template=snapshot.snapshot_id)
+        assert one.sandbox_id != two.sandbox_id
+        for s in (one, two):
+            assert s.files.exists(f"{HOME}/app")
+            assert s.files.read(f"{HOME}/app/config.json") == '{"env": "test"}'
+            assert s.files.read(f"{HOME}/shared.txt") == "shared snapshot content"
+        one.files.write(f"{HOME}/shared.txt", "modified in one")
+        assert one.files.read(f"{HOME}/shared.txt") == "modified in one"
+        assert two.files.read(f"{HOME}/shared.txt") == "shared snapshot content"
+        assert sbx.files.read(f"{HOME}/shared.txt") == "shared snapshot content"
+        # The snapshot outlives the sandbox it was taken of.
+        sbx.kill()
+        make_sandbox.forget(sbx.sandbox_id)
+        three = make_sandbox(template=snapshot.snapshot_id)
+        assert three.files.read(f"{HOME}/shared.txt") == "shared snapshot content"
+        # Another tenant's create does not find it.
+        with pytest.raises(SandboxException) as caught:
+            Sandbox.create(snapshot.snapshot_id, api_key=env.other_key, request_timeout=REQUEST_TIMEOUT_S)
+        assert getattr(caught.value, "status_code", None) == 404
+    finally:
+        assert Sandbox.delete_snapshot(snapshot.snapshot_id) is True
+
+
+@sdk("Sandbox.fork (one, several, by id; a killed sandbox; a bad count)")
+@bound(240)
+def test_fork_copies_the_sandbox_and_leaves_it_running(env, make_sandbox):
+    _require_snapshots()
+    with pytest.raises(InvalidArgumentException):
+        Sandbox.fork("sbx-test", count=0)
+    sbx = make_sandbox()
+    sbx.files.write(f"{HOME}/state.txt", "state before fork")
+    forks = sbx.fork()
+    assert len(forks) == 1 and isinstance(forks[0], Sandbox), forks
+    made = list(forks)
+    try:
+        fork = forks[0]
+        assert fork.sandbox_id != sbx.sandbox_id
+        assert sbx.is_running() and fork.is_running()
+        assert fork.files.read(f"{HOME}/state.txt") == "state before fork"
+        fork.files.write(f"{HOME}/state.txt", "modified in fork")
+        assert sbx.files.read(f"{HOME}/state.txt") == "state before fork"
+        more = sbx.fork(count=2, timeout=60)
+        made += [f for f in more if isinstance(f, Sandbox)]
+        assert len(more) == 2 and all(isinstance(f, Sandbox) for f in more), more
+        ids = {f.sandbox_id for f in more}
+        assert len(ids) == 2 and sbx.sandbox_id not in ids
+        assert all(f.files.read(f"{HOME}/state.txt") == "state before fork" for f in more)
+        by_id = Sandbox.fork(sbx.sandbox_id)
+        made += [f for f in by_id if isinstance(f, Sandbox)]
+        assert len(by_id) == 1 and by_id[0].is_running()
+        # A fork belongs to the tenant of its parent.
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.fork(sbx.sandbox_id, api_key=env.other_key)
+        # No snapshot is left behind by a fork.
+        assert Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == []
+    finally:
+        for f in made:
+            f.kill()
+    sbx.kill()
+    make_sandbox.forget(sbx.sandbox_id)
+    with pytest.raises(SandboxNotFoundException):
+        sbx.fork()
