@@ -335,8 +335,10 @@ async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
         .env("E2B_API_KEY", &main_key)
         .env("TETHER_E2B_OTHER_KEY", &other_key)
         .env("TETHER_E2B_BAD_KEY", key("bad"))
-        // The provider reaches the guests' ports (through the agents' tunnel).
+        // The provider reaches the guests' ports (through the agents' tunnel) and takes
+        // snapshots (saved machine state plus a copy of the overlay).
         .env("TETHER_SUITE_PORTS", "1")
+        .env("TETHER_SUITE_SNAPSHOTS", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         // File metadata as `user.e2b.*` extended attributes needs `Fs::xattrs`, which
