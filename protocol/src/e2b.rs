@@ -57,6 +57,21 @@ pub struct NewSandboxRequest {
     /// Pause instead of kill at timeout.
     #[serde(rename = "autoPause", default, skip_serializing_if = "Option::is_none")]
     pub auto_pause: Option<bool>,
+    /// Whether the pause at timeout keeps memory (a local sandbox's always does: it is
+    /// frozen, not stopped).
+    #[serde(
+        rename = "autoPauseMemory",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub auto_pause_memory: Option<bool>,
+    /// Resume a paused sandbox when traffic reaches it.
+    #[serde(
+        rename = "autoResume",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub auto_resume: Option<AutoResume>,
     /// v1 only: secure envd with an access token (always on in tether).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure: Option<bool>,
@@ -95,6 +110,13 @@ pub struct SandboxNetwork {
     /// Any other option, by name (refused unless empty: a rule is never silently dropped).
     #[serde(flatten)]
     pub other: BTreeMap<String, serde_json::Value>,
+}
+
+/// `autoResume` of a create (`SandboxAutoResumeConfig`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AutoResume {
+    /// Resume on traffic.
+    pub enabled: bool,
 }
 
 /// Response of create, connect and resume (`Sandbox` in E2B's spec).

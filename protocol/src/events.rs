@@ -63,6 +63,27 @@ pub struct SessionParams {
     /// session created from one; `None`: from its template.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// What happens at expiry and on traffic while paused (E2B's `autoPause` and
+    /// `autoResume`). A log written before it existed: closed at expiry.
+    #[serde(default)]
+    pub lifecycle: Lifecycle,
+}
+
+/// What happens to a session at its expiry, and to its paused sandbox when a request
+/// reaches it (E2B's `autoPause`, `autoResume`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lifecycle {
+    /// Pause the sandbox at expiry instead of closing the session (a paused sandbox does
+    /// not expire).
+    #[serde(default)]
+    pub pause_on_expiry: bool,
+    /// Resume the paused sandbox when a request for it (envd, a port) arrives.
+    #[serde(default)]
+    pub auto_resume: bool,
+    /// Its time to live after such a resume, ms (the create's timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_ttl_ms: Option<u64>,
 }
 
 /// How the E2B front's port proxy admits requests for a sandbox's ports (E2B's

@@ -58,6 +58,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
                     limits: Default::default(),
                     ports: Default::default(),
                     snapshot: None,
+                    lifecycle: Default::default(),
                 },
             ),
             LogConfig::default(),

@@ -24,6 +24,7 @@ fn params() -> SessionParams {
         limits: Default::default(),
         ports: Default::default(),
         snapshot: None,
+        lifecycle: Default::default(),
     }
 }
 

@@ -579,6 +579,8 @@ impl Provider for E2bProvider {
             metadata: Some(metadata.clone()),
             env_vars: Some(spec.env.clone()),
             auto_pause: Some(i.cfg.auto_pause),
+            auto_pause_memory: None,
+            auto_resume: None,
             secure: None,
             allow_internet_access: Some(network),
             network: None,

@@ -297,6 +297,7 @@ pub fn session_log_tail(data: &[u8]) {
             limits: Default::default(),
             ports: Default::default(),
             snapshot: None,
+            lifecycle: Default::default(),
         };
         let header = SessionLog::new_header("fuzz", params);
         let Ok(log) = SessionLog::create(dir.path(), header, cfg()).await else {

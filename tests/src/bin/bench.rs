@@ -2040,6 +2040,7 @@ async fn measure_log(reps: Reps, report: &mut Report) -> Result<(), String> {
                 limits: Default::default(),
                 ports: Default::default(),
                 snapshot: None,
+                lifecycle: Default::default(),
             },
         ),
         LogConfig::default(),
