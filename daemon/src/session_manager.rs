@@ -19,7 +19,9 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tether_protocol::api::SessionInfo;
-use tether_protocol::events::{EventBody, Expiry, PortAccess, SessionHeader, SessionParams};
+use tether_protocol::events::{
+    EventBody, Expiry, Lifecycle, PortAccess, SessionHeader, SessionParams,
+};
 use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec};
@@ -86,6 +88,8 @@ pub struct NewSession {
     /// A snapshot (its id or name, seen by `owner`) the sandbox starts from instead of
     /// the template; its provider is the session's.
     pub snapshot: Option<String>,
+    /// Pause at expiry, resume on traffic.
+    pub lifecycle: Lifecycle,
 }
 
 /// One session.
@@ -642,6 +646,7 @@ impl SessionManager {
             limits: req.limits,
             ports: req.ports,
             snapshot: snapshot.as_ref().map(|r| r.id.clone()),
+            lifecycle: req.lifecycle,
         };
         let id = new_id();
         // The header is the durable intent: a sandbox created for this id and not yet
@@ -1312,18 +1317,35 @@ impl SessionManager {
         failed
     }
 
-    /// Close every expired session. Returns their ids.
+    /// End every expired session: pause its sandbox where its lifecycle says so (a
+    /// paused sandbox does not expire), close it otherwise (also when the pause fails).
+    /// Returns the ids of those closed.
     pub async fn expire(&self) -> Vec<String> {
         let now = now_ms();
         let expired: Vec<_> = self
             .list(Scope::Any)
             .into_iter()
             .filter(|s| {
-                s.state() != SessionState::Closed && s.expires_ms() > 0 && s.expires_ms() <= now
+                s.state() != SessionState::Closed
+                    && !s.is_paused()
+                    && s.expires_ms() > 0
+                    && s.expires_ms() <= now
             })
             .collect();
         let mut ids = Vec::new();
         for s in expired {
+            if s.params.lifecycle.pause_on_expiry && s.state() == SessionState::Active {
+                let ctx = CallCtx::new(format!("expire-{}", s.id));
+                match s.pause(&ctx).await {
+                    Ok(()) | Err(DaemonError::Conflict { .. }) => {
+                        tracing::info!(session.id = %s.id, "Paused at its expiry");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(session.id = %s.id, code = %e.code(), error = %e, "Could not pause an expired session's sandbox; closing it");
+                    }
+                }
+            }
             if self.close_session(&s, "expired", true).await.is_ok() {
                 ids.push(s.id.clone());
             }

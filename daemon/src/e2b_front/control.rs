@@ -34,7 +34,7 @@ use super::{
 use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
-use tether_protocol::events::{Expiry, PortAccess};
+use tether_protocol::events::{Expiry, Lifecycle, PortAccess};
 
 mod snapshots;
 
@@ -312,6 +312,18 @@ async fn do_create(
             )));
         }
     }
+    let auto_resume = req.auto_resume.is_some_and(|a| a.enabled);
+    if auto_resume && req.auto_pause != Some(true) {
+        // As the SDKs refuse it: only a sandbox that pauses can resume.
+        return Err(RestError::bad_request(
+            "autoResume can only be enabled when autoPause is",
+        ));
+    }
+    let lifecycle = Lifecycle {
+        pause_on_expiry: req.auto_pause == Some(true),
+        auto_resume,
+        resume_ttl_ms: u64::try_from(timeout.saturating_mul(1000)).ok(),
+    };
     let allow_internet = req.allow_internet_access.unwrap_or(true);
     let ports = port_access(req.network.take().unwrap_or_default())?;
     let new = NewSession {
@@ -327,6 +339,7 @@ async fn do_create(
         limits: Default::default(),
         ports,
         snapshot,
+        lifecycle,
     };
     let Some(key) = idem else {
         return make(state, ctx, new, &req.template_id, allow_internet, None).await;
@@ -644,8 +657,13 @@ async fn get_one(
             domain: Some(state.e2b.cfg.domain.clone()),
             metadata: s.params.metadata.clone(),
             lifecycle: Some(SandboxLifecycle {
-                auto_resume: false,
-                on_timeout: "kill".into(),
+                auto_resume: s.params.lifecycle.auto_resume,
+                on_timeout: if s.params.lifecycle.pause_on_expiry {
+                    "pause"
+                } else {
+                    "kill"
+                }
+                .into(),
             }),
         };
         Ok::<_, RestError>(axum::Json(detail).into_response())

@@ -478,6 +478,7 @@ pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<
                 limits: Default::default(),
                 ports: Default::default(),
                 snapshot: None,
+                lifecycle: Default::default(),
             };
             state.sessions.create_owned(&ctx, new).await?
         }

@@ -28,16 +28,52 @@ use super::envd::Reject;
 use super::{auth, envd};
 use crate::state::AppState;
 
-/// Send a request addressed to a sandbox's port there; pass every other one on.
+/// Send a request addressed to a sandbox's port there; pass every other one on. A
+/// request for a paused sandbox that resumes on traffic (E2B's `autoResume`), to envd or
+/// to a port, resumes it first.
 pub(crate) async fn layer(
     State(state): State<Arc<AppState>>,
     req: Request,
     next: Next,
 ) -> Response {
-    match envd::addressed(req.headers()) {
+    let addressed = envd::addressed(req.headers());
+    if let Some((id, _)) = &addressed {
+        auto_resume(&state, id).await;
+    }
+    match addressed {
         Some((id, port)) if port != ENVD_PORT => proxy(&state, id, port, req).await,
         _ => next.run(req).await,
     }
+}
+
+/// Resume sandbox `id` if it is an E2B sandbox, paused, whose lifecycle resumes it on
+/// traffic; it then lives the create's timeout again. A failed resume is logged and the
+/// request is answered as for any paused sandbox.
+async fn auto_resume(state: &AppState, id: &str) {
+    let Ok(s) = state.sessions.get(id, crate::session_manager::Scope::Any) else {
+        return;
+    };
+    let life = s.params.lifecycle;
+    if s.owner.is_none() || !life.auto_resume || !s.is_paused() {
+        return;
+    }
+    let ctx = CallCtx::new(format!("auto-resume-{id}"));
+    match s.resume(&ctx).await {
+        // Another request resumed it meanwhile.
+        Ok(()) | Err(crate::error::DaemonError::Conflict { .. }) => {}
+        Err(e) => {
+            tracing::warn!(session.id = %id, code = %e.code(), error = %e, "Could not resume a sandbox on traffic");
+            return;
+        }
+    }
+    let ttl_ms = life
+        .resume_ttl_ms
+        .unwrap_or(state.e2b.cfg.default_timeout_s.saturating_mul(1000));
+    let at = super::now_ms().saturating_add(i64::try_from(ttl_ms).unwrap_or(i64::MAX));
+    if let Err(e) = s.set_expiry(at).await {
+        tracing::warn!(session.id = %id, error = %e, "Could not record the expiry of a resumed sandbox");
+    }
+    tracing::info!(session.id = %id, "Resumed on traffic");
 }
 
 async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
