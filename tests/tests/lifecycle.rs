@@ -946,3 +946,169 @@ async fn e2b_creates_under_one_idempotency_key_make_one_sandbox() {
     assert_ne!(fresh, ids[0]);
     d.stop().await;
 }
+
+/// `(status, body)` of an E2B control-plane call in development mode.
+async fn e2b(
+    d: &TestDaemon,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut r = d
+        .http
+        .request(method, d.url(path))
+        .header("x-api-key", "e2b_lifecycle_test_key");
+    if let Some(b) = body {
+        r = r.json(&b);
+    }
+    let r = r.send().await.unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn e2b_state(d: &TestDaemon, sid: &str) -> String {
+    let (st, body) = e2b(d, reqwest::Method::GET, &format!("/sandboxes/{sid}"), None).await;
+    assert_eq!(st, 200, "{body}");
+    body["state"].as_str().unwrap().to_owned()
+}
+
+async fn wait_e2b_state(d: &TestDaemon, sid: &str, want: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let now = e2b_state(d, sid).await;
+        if now == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{sid} is {now}, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_e2b_sandbox_pauses_at_its_timeout_stays_paused_across_a_restart_and_resumes_on_traffic()
+{
+    use reqwest::Method;
+    let d = TestDaemon::start().await;
+    // autoResume without autoPause is refused, as the SDKs refuse it.
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/sandboxes",
+        Some(json!({"templateID": "base", "autoResume": {"enabled": true}})),
+    )
+    .await;
+    assert_eq!(st, 400, "{body}");
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/sandboxes",
+        Some(json!({"templateID": "base", "timeout": 2, "autoPause": true, "autoResume": {"enabled": true}})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["sandboxID"].as_str().unwrap().to_owned();
+    let token = body["envdAccessToken"].as_str().unwrap().to_owned();
+    bash(
+        &d,
+        &sid,
+        "echo kept > /home/user/a; setsid sleep 3600 >/dev/null 2>&1 < /dev/null &",
+    )
+    .await;
+    let (_, info) = e2b(&d, Method::GET, &format!("/sandboxes/{sid}"), None).await;
+    assert_eq!(
+        info["lifecycle"],
+        json!({"autoResume": true, "onTimeout": "pause"})
+    );
+    // A second one pauses at its timeout too but resumes only on connect.
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/sandboxes",
+        Some(json!({"templateID": "base", "timeout": 1, "autoPause": true})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    let manual = body["sandboxID"].as_str().unwrap().to_owned();
+    let manual_token = body["envdAccessToken"].as_str().unwrap().to_owned();
+    // A third, killed at its timeout, is paused by hand: paused, it does not expire.
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/sandboxes",
+        Some(json!({"templateID": "base", "timeout": 2})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    let held = body["sandboxID"].as_str().unwrap().to_owned();
+    let (st, _) = e2b(&d, Method::POST, &format!("/sandboxes/{held}/pause"), None).await;
+    assert_eq!(st, 204);
+
+    wait_e2b_state(&d, &sid, "paused", Duration::from_secs(10)).await;
+    wait_e2b_state(&d, &manual, "paused", Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for id in [&sid, &manual, &held] {
+        assert_eq!(
+            e2b_state(&d, id).await,
+            "paused",
+            "{id} stays paused past its timeout"
+        );
+    }
+    let read = |d: &TestDaemon, id: &str, token: &str| {
+        d.http
+            .get(d.url("/files?path=/home/user/a"))
+            .header("e2b-sandbox-id", id)
+            .header("x-access-token", token)
+            .send()
+    };
+    // Traffic resumes the one that resumes on traffic, with its processes, for another
+    // timeout: then it pauses again.
+    let r = read(&d, &sid, &token).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.text().await.unwrap(), "kept\n");
+    assert_eq!(e2b_state(&d, &sid).await, "running");
+    let r = bash(&d, &sid, "pgrep -c -f 'sleep 3600'").await;
+    assert!(r["content"].as_str().unwrap().contains("\n1\n"), "{r}");
+    wait_e2b_state(&d, &sid, "paused", Duration::from_secs(10)).await;
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    for id in [&sid, &manual, &held] {
+        assert_eq!(
+            e2b_state(&d, id).await,
+            "paused",
+            "{id} is paused after the restart"
+        );
+    }
+    // After a restart too.
+    let r = read(&d, &sid, &token).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.text().await.unwrap(), "kept\n");
+    assert_eq!(e2b_state(&d, &sid).await, "running");
+    wait_e2b_state(&d, &sid, "paused", Duration::from_secs(10)).await;
+    // The other is not resumed by traffic; connect resumes it.
+    let r = read(&d, &manual, &manual_token).await.unwrap();
+    assert_ne!(r.status().as_u16(), 200);
+    assert_eq!(e2b_state(&d, &manual).await, "paused");
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        &format!("/sandboxes/{manual}/connect"),
+        Some(json!({"timeout": 60})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    assert_eq!(e2b_state(&d, &manual).await, "running");
+    let (_, events) = read_log(d.dir.path(), &sid);
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert!(
+        kinds.iter().filter(|k| **k == "sandbox/paused").count() >= 2,
+        "{kinds:?}"
+    );
+    for id in [&sid, &manual, &held] {
+        let (st, _) = e2b(&d, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(st, 204);
+    }
+    d.stop().await;
+}

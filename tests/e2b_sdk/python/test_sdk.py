@@ -1242,3 +1242,33 @@ def test_fork_copies_the_sandbox_and_leaves_it_running(env, make_sandbox):
     make_sandbox.forget(sbx.sandbox_id)
     with pytest.raises(SandboxNotFoundException):
         sbx.fork()
+
+
+@sdk("Sandbox.create(lifecycle=...): paused at its timeout, resumed by traffic or by connect")
+@bound(120)
+def test_lifecycle_pauses_at_timeout_and_resumes(env, make_sandbox):
+    def state(s: Sandbox) -> SandboxState:
+        return Sandbox.get_info(s.sandbox_id).state
+
+    auto = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    manual = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause"})
+    for s in (auto, manual):
+        s.files.write(f"{HOME}/life.txt", "alive")
+    assert auto.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+    assert manual.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+    for s in (auto, manual):
+        assert wait_until(lambda: state(s) == SandboxState.PAUSED, 30), state(s)
+    # Paused, neither expires: it is still there, paused, after its timeout again.
+    time.sleep(4)
+    assert state(auto) == SandboxState.PAUSED and state(manual) == SandboxState.PAUSED
+    # Traffic resumes the one that resumes on traffic, files and all.
+    assert auto.files.read(f"{HOME}/life.txt") == "alive"
+    assert state(auto) == SandboxState.RUNNING
+    assert auto.commands.run("echo up").stdout == "up\n"
+    # The other stays paused until connected.
+    with pytest.raises(SandboxException):
+        manual.files.read(f"{HOME}/life.txt", request_timeout=REQUEST_TIMEOUT_S)
+    assert state(manual) == SandboxState.PAUSED
+    resumed = manual.connect(timeout=60)
+    assert state(manual) == SandboxState.RUNNING
+    assert resumed.files.read(f"{HOME}/life.txt") == "alive"
