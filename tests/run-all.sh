@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs tether's whole test suite: installs the test fixtures it needs (idempotent: the
-# official E2B SDKs in a venv and node_modules, the OTLP receiver's venv), then every
-# test of every crate, the end-to-end tests, the conformance suite and the SDK suites.
+# official E2B SDKs in a venv and node_modules, the OpenAI Agents SDK in a venv, the OTLP
+# receiver's venv), then every test of every crate, the end-to-end tests, the conformance
+# suite and the SDK suites.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash tests/e2b_sdk/setup.sh
+bash tests/agents_sdk/setup.sh
 bash tests/otlp/setup.sh
 
 # The microVM guest agent: one static binary (glibc with crt-static), release, for the

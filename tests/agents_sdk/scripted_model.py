@@ -17,7 +17,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
 from agents.items import ModelResponse, TResponseOutputItem
@@ -50,6 +50,31 @@ def exec_command(call_id: str, cmd: str, **extra: Any) -> ResponseFunctionToolCa
     )
 
 
+def write_stdin(call_id: str, session_id: int, chars: str, yield_time_ms: int) -> ResponseFunctionToolCall:
+    """A call of the sandbox's `write_stdin` function tool (poll or type into a running command)."""
+    args = {"session_id": session_id, "chars": chars, "yield_time_ms": yield_time_ms}
+    return ResponseFunctionToolCall(
+        type="function_call",
+        id=f"fc_{call_id}",
+        call_id=call_id,
+        name="write_stdin",
+        arguments=json.dumps(args),
+        status="completed",
+    )
+
+
+def view_image(call_id: str, path: str) -> ResponseFunctionToolCall:
+    """A call of the sandbox's `view_image` function tool."""
+    return ResponseFunctionToolCall(
+        type="function_call",
+        id=f"fc_{call_id}",
+        call_id=call_id,
+        name="view_image",
+        arguments=json.dumps({"path": path}),
+        status="completed",
+    )
+
+
 def apply_patch(call_id: str, patch: str) -> ResponseCustomToolCall:
     """A call of the sandbox's `apply_patch` custom (freeform) tool with a V4A patch."""
     return ResponseCustomToolCall(
@@ -74,6 +99,7 @@ def final_message(text: str) -> ResponseOutputMessage:
 # === reading tool outputs ===
 
 _EXIT_RE = re.compile(r"^Process exited with code (-?\d+)$", re.MULTILINE)
+_SESSION_RE = re.compile(r"^Process running with session ID (\d+)$", re.MULTILINE)
 
 
 @dataclass
@@ -81,6 +107,8 @@ class ExecOutput:
     """`exec_command`'s answer, split into its exit code and the command's output."""
 
     exit_code: Optional[int]
+    #: Set while the command is still running (`write_stdin` reaches it by this id).
+    session_id: Optional[int]
     output: str
     raw: str
 
@@ -88,10 +116,12 @@ class ExecOutput:
 def parse_exec_output(raw: str) -> ExecOutput:
     m = _EXIT_RE.search(raw)
     code = int(m.group(1)) if m else None
+    s = _SESSION_RE.search(raw)
+    session = int(s.group(1)) if s else None
     marker = "\nOutput:\n"
     idx = raw.find(marker)
     output = raw[idx + len(marker) :] if idx >= 0 else ""
-    return ExecOutput(exit_code=code, output=output, raw=raw)
+    return ExecOutput(exit_code=code, session_id=session, output=output, raw=raw)
 
 
 # === looking at the sandbox from outside the agent ===
@@ -162,6 +192,11 @@ class _Pending:
     call_id: str
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
 def _item_field(item: Any, name: str) -> Any:
     if isinstance(item, Mapping):
         return item.get(name)
@@ -207,8 +242,11 @@ class ScriptedModel(Model):
             if kind in ("function_call_output", "custom_tool_call_output"):
                 call_id = _item_field(item, "call_id")
                 out = _item_field(item, "output")
-                if isinstance(out, list):  # structured output: keep its text parts
-                    out = "".join(str(_item_field(p, "text") or "") for p in out)
+                if isinstance(out, list):  # structured output: its text and image URLs
+                    out = "".join(
+                        str(_item_field(p, "text") or _item_field(p, "image_url") or "")
+                        for p in out
+                    )
                 self.outputs[str(call_id)] = str(out)
 
     async def get_response(
@@ -244,7 +282,7 @@ class ScriptedModel(Model):
                 try:
                     await pending.step.check(self.outputs[pending.call_id], probe)
                 except BaseException as e:
-                    self.trace.append(f"FAIL  {pending.step.label}: {type(e).__name__}: {e}")
+                    self.trace.append(f"FAIL  {pending.step.label}: {_first_line(e)}")
                     raise
             self.trace.append(f"PASS  {pending.step.label}")
 
@@ -256,7 +294,7 @@ class ScriptedModel(Model):
             if hasattr(item, "__await__"):
                 item = await item  # type: ignore[misc]
         except BaseException as e:
-            self.trace.append(f"FAIL  {step.label}: {type(e).__name__}: {e}")
+            self.trace.append(f"FAIL  {step.label}: {_first_line(e)}")
             raise
 
         kind = _item_field(item, "type")
