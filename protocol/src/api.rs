@@ -51,6 +51,10 @@ pub struct CreateSessionRequest {
     /// template; the session's provider is the snapshot's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// Egress rules, with `network` (`{allow?: [CIDR], deny?: [CIDR]}`): enforced where
+    /// the sandbox cannot change them, or the create is refused.
+    #[serde(default, skip_serializing_if = "crate::network::Egress::is_empty")]
+    pub egress: crate::network::Egress,
 }
 
 /// A session as the API reports it.

@@ -67,6 +67,9 @@ pub struct SessionParams {
     /// `autoResume`). A log written before it existed: closed at expiry.
     #[serde(default)]
     pub lifecycle: Lifecycle,
+    /// Egress rules of a sandbox with network (E2B's `allowOut` / `denyOut`).
+    #[serde(default, skip_serializing_if = "crate::network::Egress::is_empty")]
+    pub egress: crate::network::Egress,
 }
 
 /// What happens to a session at its expiry, and to its paused sandbox when a request

@@ -21,6 +21,7 @@ pub mod events;
 pub mod fs;
 pub mod limits;
 pub mod multipart;
+pub mod network;
 pub mod process;
 
 pub use error::{Clock, ErrorBody, ErrorCode, ErrorDetail};
