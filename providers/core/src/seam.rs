@@ -64,6 +64,9 @@ pub struct SandboxSpec {
     pub network: bool,
     /// Resource limits; unset ones take the provider's defaults.
     pub limits: ResourceLimits,
+    /// Egress rules (with `network`): enforced where the sandbox cannot change them, or
+    /// the create is refused (`UNSUPPORTED`); never ignored.
+    pub egress: tether_protocol::network::Egress,
 }
 
 /// What a sandbox uses, as the provider measures it.
