@@ -15,6 +15,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal as NixSignal;
 use nix::unistd::Pid;
 use rustix::net::RecvFlags;
+use tether_protocol::network::Egress;
 use tether_protocol::process::ExitStatus;
 use tether_provider::{ProviderError, Result};
 use tokio::io::unix::AsyncFd;
@@ -753,14 +754,26 @@ pub(crate) fn find_program(name: &str) -> Option<PathBuf> {
 
 impl Network {
     /// Attach the NAT to the network namespace of host pid `pid1` and wait until the
-    /// namespace has a default route.
-    pub(crate) async fn start(helper: &Path, pid1: u32, limit: Duration) -> Result<Self> {
+    /// namespace has a default route. `outer`: the namespace belongs to the host's user
+    /// namespace ([`InitSpec::outer_netns`](crate::init::InitSpec::outer_netns)), so the
+    /// helper joins it alone, not the sandbox's user namespace.
+    pub(crate) async fn start(
+        helper: &Path,
+        pid1: u32,
+        outer: bool,
+        limit: Duration,
+    ) -> Result<Self> {
         let mut cmd = Command::new(helper);
         // `--runas 0`: as root pasta would switch to `nobody`, which cannot join the
         // sandbox's user namespace (owned by root); it drops its capabilities itself.
-        cmd.args(NAT_SIGNATURE)
-            .arg(pid1.to_string())
-            .env_clear()
+        cmd.args(NAT_SIGNATURE);
+        if outer {
+            cmd.args(["--netns-only", "--netns"])
+                .arg(format!("/proc/{pid1}/ns/net"));
+        } else {
+            cmd.arg(pid1.to_string());
+        }
+        cmd.env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -847,6 +860,94 @@ const NAT_SIGNATURE: &[&str] = &[
     "none",
 ];
 
+// === egress rules ===
+
+/// `nft` and `nsenter`, which egress rules need, or why not.
+pub(crate) fn egress_tools() -> std::result::Result<(PathBuf, PathBuf), String> {
+    let nft = find_program("nft").ok_or("no nft (nftables) to enforce egress rules")?;
+    let nsenter =
+        find_program("nsenter").ok_or("no nsenter (util-linux) to enforce egress rules")?;
+    Ok((nft, nsenter))
+}
+
+/// The nftables rule set of `egress`: one table, `inet tether`, whose output chain
+/// accepts the loopback and the allowed networks and refuses (at once, not by silence)
+/// the denied ones. Written in the sandbox's own network namespace, which belongs to the
+/// host's user namespace: the sandbox cannot change it.
+pub(crate) fn egress_ruleset(egress: &Egress) -> String {
+    let mut out = String::from(
+        "table inet tether {\n  chain egress {\n    type filter hook output priority 0; policy accept;\n    oifname \"lo\" accept\n",
+    );
+    for (list, verdict) in [
+        (&egress.allow, "accept"),
+        (&egress.deny, "reject with icmpx admin-prohibited"),
+    ] {
+        for family in ["ip", "ip6"] {
+            let nets: Vec<String> = list
+                .iter()
+                .filter(|c| c.is_ipv4() == (family == "ip"))
+                .map(ToString::to_string)
+                .collect();
+            if !nets.is_empty() {
+                out.push_str(&format!(
+                    "    {family} daddr {{ {} }} {verdict}\n",
+                    nets.join(", ")
+                ));
+            }
+        }
+    }
+    out.push_str("  }\n}\n");
+    out
+}
+
+/// Write `egress`'s rule set into the network namespace of host pid `pid1` (replacing
+/// the one there), within `limit`.
+pub(crate) async fn apply_egress(pid1: u32, egress: &Egress, limit: Duration) -> Result<()> {
+    let (nft, nsenter) = egress_tools().map_err(|why| ProviderError::IsolationUnavailable {
+        requested: "egress rules".into(),
+        why,
+    })?;
+    // Replaced whole: the table is deleted and made again in one transaction.
+    let rules = format!(
+        "table inet tether {{}}\ndelete table inet tether\n{}",
+        egress_ruleset(egress)
+    );
+    let mut child = Command::new(nsenter)
+        .arg(format!("--net=/proc/{pid1}/ns/net"))
+        .arg(nft)
+        .args(["-f", "-"])
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| spawn_failed("cannot start nsenter for the egress rules", Some(e)))?;
+    let mut stdin = child.stdin.take();
+    let run = async {
+        if let Some(mut w) = stdin.take() {
+            tokio::io::AsyncWriteExt::write_all(&mut w, rules.as_bytes()).await?;
+        }
+        child.wait_with_output().await
+    };
+    let out = tokio::time::timeout(limit, run)
+        .await
+        .map_err(|_| {
+            init_failed(format!(
+                "the egress rules were not written within {limit:?}"
+            ))
+        })?
+        .map_err(|e| init_failed(format!("cannot write the egress rules: {e}")))?;
+    if !out.status.success() {
+        return Err(init_failed(format!(
+            "nft refused the egress rules ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
 /// Kill the NAT helpers left by a daemon that died without stopping them (kill -9): a
 /// helper started by this provider (`helper` with exactly [`NAT_SIGNATURE`]) whose target
 /// sandbox pid no longer exists serves no sandbox. Returns how many were killed.
@@ -880,18 +981,27 @@ fn nat_helpers(helper: &Path) -> Vec<(i32, u32)> {
         let Some((program, rest)) = args.split_first() else {
             continue;
         };
-        if *program != helper.as_os_str().as_encoded_bytes()
-            || rest.len() != NAT_SIGNATURE.len() + 1
-        {
+        if *program != helper.as_os_str().as_encoded_bytes() {
             continue;
         }
-        let signed = rest
-            .iter()
-            .zip(NAT_SIGNATURE)
-            .all(|(a, want)| *a == want.as_bytes());
-        let target = std::str::from_utf8(rest[NAT_SIGNATURE.len()])
-            .ok()
-            .and_then(|t| t.parse::<u32>().ok());
+        let signed = rest.len() > NAT_SIGNATURE.len()
+            && rest
+                .iter()
+                .zip(NAT_SIGNATURE)
+                .all(|(a, want)| *a == want.as_bytes());
+        // The target: `<pid>`, or `--netns-only --netns /proc/<pid>/ns/net`.
+        let target = match rest.get(NAT_SIGNATURE.len()..).unwrap_or_default() {
+            [pid] => std::str::from_utf8(pid)
+                .ok()
+                .and_then(|t| t.parse::<u32>().ok()),
+            [only, flag, path] if *only == b"--netns-only" && *flag == b"--netns" => {
+                std::str::from_utf8(path)
+                    .ok()
+                    .and_then(|p| p.strip_prefix("/proc/")?.strip_suffix("/ns/net"))
+                    .and_then(|t| t.parse::<u32>().ok())
+            }
+            _ => None,
+        };
         if let (true, Some(target)) = (signed, target) {
             out.push((pid, target));
         }
@@ -1065,4 +1175,38 @@ pub(crate) async fn connect_in_netns(
         .await
         .map_err(|_| std::io::Error::other("the connecting thread ended"))??;
     tokio::net::TcpStream::from_std(s)
+}
+
+#[cfg(test)]
+mod egress_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_rule_set_accepts_allowed_networks_before_it_refuses_denied_ones() {
+        let egress = Egress {
+            allow: vec![
+                "10.1.2.3".parse().unwrap(),
+                "2001:db8::/32".parse().unwrap(),
+            ],
+            deny: vec!["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()],
+        };
+        let r = egress_ruleset(&egress);
+        let at = |needle: &str| r.find(needle).unwrap_or_else(|| panic!("{needle} in {r}"));
+        assert!(at("oifname \"lo\" accept") < at("ip daddr { 10.1.2.3/32 } accept"));
+        assert!(at("ip6 daddr { 2001:db8::/32 } accept") < at("ip daddr { 0.0.0.0/0 } reject"));
+        assert!(
+            at("ip daddr { 10.1.2.3/32 } accept")
+                < at("ip6 daddr { ::/0 } reject with icmpx admin-prohibited")
+        );
+        // No rules of a family, no line for it.
+        let only_v4 = egress_ruleset(&Egress {
+            allow: Vec::new(),
+            deny: vec!["192.0.2.0/24".parse().unwrap()],
+        });
+        assert!(
+            !only_v4.contains("ip6") && !only_v4.contains("} accept"),
+            "{only_v4}"
+        );
+    }
 }

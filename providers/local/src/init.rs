@@ -113,6 +113,12 @@ pub struct InitSpec {
     /// How long pid1 waits for a daemon to reconnect after the control socket closed
     /// without [`ToInit::Shutdown`], in ms ([`LocalConfig::orphan_grace_ms`](crate::LocalConfig::orphan_grace_ms)).
     pub orphan_grace_ms: u64,
+    /// Make the network namespace before the user namespace, as host root: it then
+    /// belongs to the host's user namespace, so nothing in the sandbox (its root
+    /// included) can change its interfaces, routes or egress rules; the provider
+    /// configures it from outside.
+    #[serde(default)]
+    pub outer_netns: bool,
 }
 
 /// Provider to init.
@@ -339,13 +345,35 @@ pub(crate) fn holder() -> ExitCode {
     if let Err(e) = std::env::set_current_dir(&spec.root) {
         return fail("enter the sandbox root", e);
     }
-    let flags = CloneFlags::CLONE_NEWUSER
+    let mut flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWNET
         | CloneFlags::CLONE_NEWCGROUP;
+    if spec.outer_netns {
+        if let Err(e) = unshare(CloneFlags::CLONE_NEWNET) {
+            return fail("unshare the network namespace", e);
+        }
+        // Only host root can bring its loopback up now.
+        let up = spec.ip.as_ref().map(|ip| {
+            std::process::Command::new(ip)
+                .args(["link", "set", "lo", "up"])
+                .env_clear()
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+        });
+        match up {
+            Some(Ok(s)) if s.success() => {}
+            Some(Ok(s)) => return fail("bring the loopback up", format!("ip exited {s}")),
+            Some(Err(e)) => return fail("bring the loopback up", e),
+            None => return fail("bring the loopback up", "no ip program"),
+        }
+    } else {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
     if let Err(e) = unshare(flags) {
         return fail("unshare", e);
     }

@@ -29,6 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_protocol::limits::ResourceLimits;
+use tether_protocol::network::Egress;
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
     Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
@@ -85,6 +86,10 @@ struct SandboxRecord {
     network: bool,
     #[serde(default)]
     limits: ResourceLimits,
+    /// Egress rules: the sandbox's network namespace is the host's to configure (see
+    /// [`InitSpec::outer_netns`](crate::init::InitSpec::outer_netns)).
+    #[serde(default, skip_serializing_if = "Egress::is_empty")]
+    egress: Egress,
 }
 
 fn host_name() -> String {
@@ -351,6 +356,25 @@ impl LocalProvider {
         self.connect_local(id).await
     }
 
+    /// Egress rules need a machine-grade sandbox (its own network namespace, made by
+    /// root outside its user namespace), the network helper, `nft` and `nsenter`.
+    fn egress_problem(&self, machine: bool) -> Result<()> {
+        let why = if !machine {
+            Some("egress rules need machine-grade sandboxes (isolation = \"machine\")".to_owned())
+        } else if self.net_helper.is_none() {
+            Some("no userspace network helper (pasta) is installed".to_owned())
+        } else {
+            crate::client::egress_tools().err()
+        };
+        match why {
+            Some(why) => Err(ProviderError::IsolationUnavailable {
+                requested: "egress rules".into(),
+                why,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Why this host cannot run full sandboxes, if it cannot.
     fn host_problem(&self) -> Option<String> {
         if self.cfg.isolation == Isolation::None {
@@ -481,6 +505,7 @@ impl LocalProvider {
             home_owner: user,
             ip: self.ip.clone(),
             orphan_grace_ms: self.cfg.orphan_grace_ms,
+            outer_netns: record.network && !record.egress.is_empty(),
         };
         let state = dir.join("state");
         tokio::fs::create_dir_all(&state)
@@ -513,12 +538,29 @@ impl LocalProvider {
         let network = if record.network {
             let started = match &self.net_helper {
                 Some(h) => {
-                    Network::start(
-                        h,
-                        init.pid1,
-                        Duration::from_millis(self.cfg.network_timeout_ms),
-                    )
-                    .await
+                    // The rules first: the sandbox never has egress without them.
+                    let ruled = if record.egress.is_empty() {
+                        Ok(())
+                    } else {
+                        crate::client::apply_egress(
+                            init.pid1,
+                            &record.egress,
+                            Duration::from_millis(self.cfg.network_timeout_ms),
+                        )
+                        .await
+                    };
+                    match ruled {
+                        Ok(()) => {
+                            Network::start(
+                                h,
+                                init.pid1,
+                                !record.egress.is_empty(),
+                                Duration::from_millis(self.cfg.network_timeout_ms),
+                            )
+                            .await
+                        }
+                        Err(e) => Err(e),
+                    }
                 }
                 None => Err(ProviderError::IsolationUnavailable {
                     requested: "network".into(),
@@ -587,6 +629,7 @@ impl LocalProvider {
             home_owner: user,
             ip: None,
             orphan_grace_ms: self.cfg.orphan_grace_ms,
+            outer_netns: false,
         };
         let state = dir.join("state");
         tokio::fs::create_dir_all(&state)
@@ -755,6 +798,7 @@ impl LocalProvider {
                     Network::start(
                         h,
                         init.pid1,
+                        !record.egress.is_empty(),
                         Duration::from_millis(self.cfg.network_timeout_ms),
                     )
                     .await?,
@@ -799,6 +843,15 @@ impl LocalProvider {
                 op: "create_from_snapshot",
             });
         }
+        let network = spec.network || self.cfg.default_network;
+        let egress = if network {
+            spec.egress.clone()
+        } else {
+            Egress::default()
+        };
+        if !egress.is_empty() {
+            self.egress_problem(machine)?;
+        }
         blocking(move || {
             if !machine {
                 return Ok(());
@@ -827,8 +880,9 @@ impl LocalProvider {
                 .map(|t| created_ms.saturating_add(t.as_millis() as i64)),
             metadata: spec.metadata,
             env: spec.env,
-            network: spec.network || self.cfg.default_network,
+            network,
             limits,
+            egress,
         };
         self.boot(&record, dir).await
     }
