@@ -21,7 +21,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_PORT, ListedSandbox, NewSandboxRequest, SandboxDetail,
-    SandboxResponse, TimeoutRequest,
+    SandboxNetwork, SandboxResponse, TimeoutRequest,
 };
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
@@ -583,7 +583,12 @@ impl Provider for E2bProvider {
             auto_resume: None,
             secure: None,
             allow_internet_access: Some(network),
-            network: None,
+            // The backend enforces the rules (E2B's `allowOut` / `denyOut`).
+            network: (!spec.egress.is_empty()).then(|| SandboxNetwork {
+                allow_out: Some(spec.egress.allow.iter().map(ToString::to_string).collect()),
+                deny_out: Some(spec.egress.deny.iter().map(ToString::to_string).collect()),
+                ..SandboxNetwork::default()
+            }),
         };
         // v1: `secure` for an access token, and an explicit timeout (its default is 15 s).
         let v1 = NewSandboxRequest {

@@ -538,6 +538,11 @@ impl MicrovmProvider {
     /// A sandbox with egress is refused unless weaker isolation is allowed: slirp without
     /// `restrict` also gives the guest the host's loopback (10.0.2.2).
     fn check_network(&self, spec: &SandboxSpec) -> Result<()> {
+        if !spec.egress.is_empty() {
+            // passt has no destination filter, and a rule inside the guest is the
+            // guest's to undo: refused, never ignored.
+            return Err(ProviderError::Unsupported { op: "egress rules" });
+        }
         self.net_for(spec.network, NetBackend::Passt).map(|_| ())
     }
 
@@ -1191,6 +1196,9 @@ impl Provider for MicrovmProvider {
 
     async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
         ctx.check()?;
+        if !spec.egress.is_empty() {
+            return Err(ProviderError::Unsupported { op: "egress rules" });
+        }
         let (mem, cpus) = self.size_of(&spec)?;
         let t = self.template(ctx, mem, cpus).await?;
         let origin = Origin {

@@ -373,6 +373,10 @@ impl Provider for SshProvider {
 
     async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
         ctx.check()?;
+        if !spec.egress.is_empty() {
+            // A plain VM's network is its own: rules there would be the commands' to undo.
+            return Err(ProviderError::Unsupported { op: "egress rules" });
+        }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.hosts.len();
         let root = self.root(ctx, i).await?;
         let id = format!("{}-{}", self.hosts[i].name, uuid::Uuid::new_v4().simple());
