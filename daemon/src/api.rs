@@ -129,6 +129,7 @@ async fn create_session(
         ports: Default::default(),
         snapshot: req.snapshot,
         lifecycle: Default::default(),
+        egress: req.egress,
         // A tenant's session is its own (and, like one made through the E2B front, an
         // E2B sandbox of that tenant); an admin's has no owner.
         owner: who.owner(),

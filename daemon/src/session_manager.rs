@@ -90,6 +90,8 @@ pub struct NewSession {
     pub snapshot: Option<String>,
     /// Pause at expiry, resume on traffic.
     pub lifecycle: Lifecycle,
+    /// Egress rules (with network).
+    pub egress: tether_protocol::network::Egress,
 }
 
 /// One session.
@@ -647,6 +649,7 @@ impl SessionManager {
             ports: req.ports,
             snapshot: snapshot.as_ref().map(|r| r.id.clone()),
             lifecycle: req.lifecycle,
+            egress: req.egress,
         };
         let id = new_id();
         // The header is the durable intent: a sandbox created for this id and not yet
@@ -739,6 +742,7 @@ impl SessionManager {
             metadata,
             network: p.network,
             limits: p.limits,
+            egress: p.egress.clone(),
         };
         macro_rules! span {
             ($name:literal) => {

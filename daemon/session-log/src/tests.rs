@@ -25,6 +25,7 @@ fn params() -> SessionParams {
         ports: Default::default(),
         snapshot: None,
         lifecycle: Default::default(),
+        egress: Default::default(),
     }
 }
 

@@ -35,6 +35,7 @@ use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
 use tether_protocol::events::{Expiry, Lifecycle, PortAccess};
+use tether_protocol::network::{Cidr, Egress};
 
 mod snapshots;
 
@@ -155,19 +156,27 @@ fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> Sand
     }
 }
 
-/// The port proxy's admission from a create's `network`. Egress rules are refused, not
-/// dropped: nothing enforces them here, and a sandbox must never look more confined
-/// than it is.
-fn port_access(n: SandboxNetwork) -> Result<PortAccess, RestError> {
-    let egress = [("allowOut", &n.allow_out), ("denyOut", &n.deny_out)];
-    if let Some((name, _)) = egress
-        .iter()
-        .find(|(_, rules)| rules.as_ref().is_some_and(|r| !r.is_empty()))
-    {
-        return Err(RestError::bad_request(format!(
-            "network.{name}: egress rules are not enforced by this server"
-        )));
-    }
+/// The port proxy's admission and the egress rules of a create's `network`. A rule is
+/// enforced or refused, never dropped: one that names a domain (E2B also filters by
+/// host name) is refused, as is a provider that cannot enforce them (at create).
+fn network_of(n: SandboxNetwork) -> Result<(PortAccess, Egress), RestError> {
+    let cidrs = |name: &str, rules: &Option<Vec<String>>| -> Result<Vec<Cidr>, RestError> {
+        rules
+            .iter()
+            .flatten()
+            .map(|r| {
+                r.trim().parse::<Cidr>().map_err(|e| {
+                    RestError::bad_request(format!(
+                        "network.{name}: {e} (host names are not supported: give networks)"
+                    ))
+                })
+            })
+            .collect()
+    };
+    let egress = Egress {
+        allow: cidrs("allowOut", &n.allow_out)?,
+        deny: cidrs("denyOut", &n.deny_out)?,
+    };
     let set = |v: &serde_json::Value| match v {
         serde_json::Value::Null => false,
         serde_json::Value::Array(a) => !a.is_empty(),
@@ -187,10 +196,11 @@ fn port_access(n: SandboxNetwork) -> Result<PortAccess, RestError> {
             "network.maskRequestHost is not a valid host",
         ));
     }
-    Ok(PortAccess {
+    let ports = PortAccess {
         public: n.allow_public_traffic.unwrap_or(true),
         mask_host,
-    })
+    };
+    Ok((ports, egress))
 }
 
 fn state_of(session: &Session) -> SandboxState {
@@ -325,7 +335,7 @@ async fn do_create(
         resume_ttl_ms: u64::try_from(timeout.saturating_mul(1000)).ok(),
     };
     let allow_internet = req.allow_internet_access.unwrap_or(true);
-    let ports = port_access(req.network.take().unwrap_or_default())?;
+    let (ports, egress) = network_of(req.network.take().unwrap_or_default())?;
     let new = NewSession {
         provider,
         template: Some(req.template_id.clone()),
@@ -340,6 +350,7 @@ async fn do_create(
         ports,
         snapshot,
         lifecycle,
+        egress,
     };
     let Some(key) = idem else {
         return make(state, ctx, new, &req.template_id, allow_internet, None).await;

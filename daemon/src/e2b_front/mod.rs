@@ -479,6 +479,7 @@ pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<
                 ports: Default::default(),
                 snapshot: None,
                 lifecycle: Default::default(),
+                egress: Default::default(),
             };
             state.sessions.create_owned(&ctx, new).await?
         }
