@@ -59,6 +59,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
                     ports: Default::default(),
                     snapshot: None,
                     lifecycle: Default::default(),
+                    egress: Default::default(),
                 },
             ),
             LogConfig::default(),

@@ -87,6 +87,8 @@ async fn run_suite(which: &str) {
         // takes snapshots (the snapshot and fork tests run).
         .env("TETHER_SUITE_PORTS", "1")
         .env("TETHER_SUITE_SNAPSHOTS", "1")
+        // ... and enforces egress rules (nftables in the sandbox's namespace).
+        .env("TETHER_SUITE_EGRESS", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .stdin(Stdio::null())

@@ -1090,7 +1090,7 @@ http.server.HTTPServer(("127.0.0.1", 8080), H).serve_forever()
 """
 
 
-@sdk("Sandbox.create(network=...): private ports with a traffic token, a masked host, egress rules refused")
+@sdk("Sandbox.create(network=...): private ports with a traffic token, a masked host, egress rules enforced or refused")
 def test_network_private_ports_and_masked_host(env, make_sandbox):
     if not os.environ.get("TETHER_SUITE_PORTS"):
         pytest.skip("the provider of this run does not reach sandbox ports")
@@ -1116,10 +1116,26 @@ def test_network_private_ports_and_masked_host(env, make_sandbox):
     assert body == b"localhost:8080"
     # A sandbox with public ports has no traffic token.
     assert make_sandbox().traffic_access_token is None
-    # Egress rules nothing here enforces are refused, never dropped.
+    # A rule is enforced or refused, never dropped: a host name is refused everywhere.
     with pytest.raises(SandboxException) as err:
-        make_sandbox(network=SandboxNetworkOpts(deny_out=["8.8.8.8"]))
+        make_sandbox(network=SandboxNetworkOpts(deny_out=["example.com"]))
     assert "denyOut" in str(err.value)
+    if not os.environ.get("TETHER_SUITE_EGRESS"):
+        # A provider that cannot enforce networks' rules refuses them.
+        with pytest.raises(SandboxException):
+            make_sandbox(network=SandboxNetworkOpts(deny_out=["10.255.255.1/32"]))
+        return
+    # Where enforced, a denied network is refused at once inside the sandbox (nothing
+    # leaves it), and `allow_out` wins over `deny_out`.
+    ruled = make_sandbox(
+        network=SandboxNetworkOpts(deny_out=["10.255.255.0/24"], allow_out=["10.255.255.2"])
+    )
+    started = time.monotonic()
+    r = ruled.commands.run(
+        "timeout 5 bash -c 'exec 3<>/dev/tcp/10.255.255.1/80'; echo $?", request_timeout=REQUEST_TIMEOUT_S
+    )
+    assert r.stdout.strip().splitlines()[-1] == "1", r.stdout + r.stderr
+    assert time.monotonic() - started < 4
 
 
 def _require_snapshots() -> None:

@@ -298,6 +298,7 @@ pub fn session_log_tail(data: &[u8]) {
             ports: Default::default(),
             snapshot: None,
             lifecycle: Default::default(),
+            egress: Default::default(),
         };
         let header = SessionLog::new_header("fuzz", params);
         let Ok(log) = SessionLog::create(dir.path(), header, cfg()).await else {

@@ -2041,6 +2041,7 @@ async fn measure_log(reps: Reps, report: &mut Report) -> Result<(), String> {
                 ports: Default::default(),
                 snapshot: None,
                 lifecycle: Default::default(),
+                egress: Default::default(),
             },
         ),
         LogConfig::default(),
