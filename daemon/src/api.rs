@@ -323,6 +323,15 @@ async fn get_messages(
     }))
 }
 
+/// A JSON body that may be left out (its default then).
+fn optional_json<T: Default + serde::de::DeserializeOwned>(body: &Bytes) -> Result<T> {
+    if body.is_empty() {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))
+}
+
 async fn fork(
     State(state): St,
     who: Principal,
@@ -330,12 +339,7 @@ async fn fork(
     RequestCtx(ctx): RequestCtx,
     body: Bytes,
 ) -> Result<Response> {
-    let req: ForkRequest = if body.is_empty() {
-        ForkRequest::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))?
-    };
+    let req: ForkRequest = optional_json(&body)?;
     let s2 = Arc::clone(&state);
     let child = state
         .tasks
@@ -366,12 +370,7 @@ async fn create_snapshot(
     RequestCtx(ctx): RequestCtx,
     body: Bytes,
 ) -> Result<Response> {
-    let req: CreateSnapshotRequest = if body.is_empty() {
-        CreateSnapshotRequest::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| DaemonError::invalid(format!("invalid JSON body: {e}")))?
-    };
+    let req: CreateSnapshotRequest = optional_json(&body)?;
     let rec = state
         .sessions
         .snapshot(&ctx, &id, req.name, who.scope())

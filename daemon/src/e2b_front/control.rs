@@ -611,32 +611,44 @@ async fn list_v2(
         let q = ListQuery::parse(raw.as_deref())?;
         let all = matching(&state, &tenant, &q);
         let total_running = all.iter().filter(|(s, _)| !s.is_paused()).count();
-        // The cursor is the last returned sandbox's id: continue after it.
-        let start = match &q.next_token {
-            Some(tok) => match all.iter().position(|(s, _)| &s.id == tok) {
-                Some(i) => i + 1,
-                None => return Err(RestError::bad_request("invalid nextToken")),
-            },
-            None => 0,
-        };
-        let page: Vec<_> = all.iter().skip(start).take(q.limit).collect();
-        let more = start + page.len() < all.len();
+        let (page, next) = paged(&all, q.next_token.as_deref(), q.limit, |(s, _)| &s.id)?;
         let items: Vec<ListedSandbox> = page.iter().map(|(s, e)| listed(&state, s, e)).collect();
         let mut resp = axum::Json(&items).into_response();
-        if more
-            && let Some((last, _)) = page.last()
-            && let Ok(v) = HeaderValue::from_str(&last.id)
-        {
+        if let Some(v) = next {
             resp.headers_mut().insert("x-next-token", v);
         }
         if let Ok(v) = HeaderValue::from_str(&total_running.to_string()) {
             resp.headers_mut().insert("x-total-running", v);
         }
-        Ok(resp)
+        Ok::<_, RestError>(resp)
     }
     .instrument(tracing::info_span!("e2b.sandbox.list"))
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// One page of `all` (E2B's cursor paging): the items after the one whose id is
+/// `next_token` (all from the first without it), at most `limit`, and the cursor of the
+/// next page (`x-next-token`) when there is one.
+fn paged<'a, T>(
+    all: &'a [T],
+    next_token: Option<&str>,
+    limit: usize,
+    id: impl Fn(&T) -> &str,
+) -> Result<(&'a [T], Option<HeaderValue>), RestError> {
+    let start = match next_token {
+        Some(tok) => match all.iter().position(|x| id(x) == tok) {
+            Some(i) => i + 1,
+            None => return Err(RestError::bad_request("invalid nextToken")),
+        },
+        None => 0,
+    };
+    let page = &all[start..(start + limit).min(all.len())];
+    let next = page
+        .last()
+        .filter(|_| start + page.len() < all.len())
+        .and_then(|last| HeaderValue::from_str(id(last)).ok());
+    Ok((page, next))
 }
 
 // === one sandbox ===

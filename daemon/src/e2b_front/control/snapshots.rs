@@ -11,14 +11,14 @@ use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use tether_protocol::e2b::{ApiError, ForkRequest, ForkResult, SnapshotInfo, SnapshotRequest};
 use tether_protocol::events::Expiry;
 use tracing::Instrument;
 
 use super::{
     MAX_PAGE, RestError, SandboxExtra, check_timeout, form_pairs, json_body, ms_after, owned,
-    sandbox_response, tenant,
+    paged, sandbox_response, tenant,
 };
 use crate::http::RequestCtx;
 use crate::session_manager::{MAX_FORKS, SNAPSHOT_TAG, Scope, SnapshotRecord};
@@ -108,21 +108,10 @@ async fn list(
             sandbox.as_deref(),
             name.as_deref(),
         );
-        let start = match &next {
-            Some(tok) => match all.iter().position(|s| &s.id == tok) {
-                Some(i) => i + 1,
-                None => return Err(RestError::bad_request("invalid nextToken")),
-            },
-            None => 0,
-        };
-        let page: Vec<&SnapshotRecord> = all.iter().skip(start).take(limit).collect();
-        let more = start + page.len() < all.len();
-        let items: Vec<SnapshotInfo> = page.iter().map(|r| info(r)).collect();
+        let (page, next) = paged(&all, next.as_deref(), limit, |s| &s.id)?;
+        let items: Vec<SnapshotInfo> = page.iter().map(info).collect();
         let mut resp = axum::Json(items).into_response();
-        if more
-            && let Some(last) = page.last()
-            && let Ok(v) = HeaderValue::from_str(&last.id)
-        {
+        if let Some(v) = next {
             resp.headers_mut().insert("x-next-token", v);
         }
         Ok::<_, RestError>(resp)
