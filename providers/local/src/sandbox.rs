@@ -421,11 +421,19 @@ impl LocalProvider {
     /// The template name a spec asks for, resolved to what exists.
     fn rootfs_name(&self, spec_template: Option<&str>) -> String {
         let want = spec_template.unwrap_or(&self.cfg.default_template);
-        if want == "base" && rootfs::base_template(&self.cfg.templates()).is_some() {
-            "base".into()
-        } else {
-            "host".into()
+        if want != "base" {
+            return "host".into();
         }
+        if rootfs::base_template(&self.cfg.templates()).is_some() {
+            return "base".into();
+        }
+        // Said once per process: the sandbox works, but is not the Debian machine with
+        // user `user` and sudo that `base` is.
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(templates = %self.cfg.templates().display(), "The base template is not built here (tether template build base): sandboxes asking for it get the host template (commands as root, no sudo)");
+        }
+        "host".into()
     }
 
     /// Refuse what the config does not accept.
