@@ -323,3 +323,88 @@ pub fn microvm_config() -> Option<tether_provider_microvm::MicrovmConfig> {
     cfg.memory_mib = 256;
     Some(cfg)
 }
+
+/// Run a suite's process to its end within `limit`, streaming its stdout and stderr as
+/// they come (each line prefixed `[tag]`; nextest shows them on failure). Returns its
+/// status and its stdout lines. Panics when it outlives `limit` (it is killed).
+pub async fn run_streamed(
+    mut child: tokio::process::Child,
+    tag: &str,
+    limit: Duration,
+) -> (std::process::ExitStatus, Vec<String>) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let out = child.stdout.take().expect("piped stdout");
+    let err = child.stderr.take().expect("piped stderr");
+    let t = tag.to_owned();
+    let stdout_task = tokio::spawn(async move {
+        let mut lines = BufReader::new(out).lines();
+        let mut all = Vec::new();
+        while let Ok(Some(l)) = lines.next_line().await {
+            println!("[{t}] {l}");
+            all.push(l);
+        }
+        all
+    });
+    let t = tag.to_owned();
+    let stderr_task = tokio::spawn(async move {
+        let mut lines = BufReader::new(err).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("[{t}] {l}");
+        }
+    });
+    let status = match tokio::time::timeout(limit, child.wait()).await {
+        Ok(s) => s.expect("wait for the suite"),
+        Err(_) => {
+            let _ = child.kill().await;
+            panic!("the {tag} suite did not finish within {limit:?}");
+        }
+    };
+    let lines = stdout_task.await.expect("stdout reader");
+    let _ = stderr_task.await;
+    (status, lines)
+}
+
+/// Wait until no E2B sandbox (a session with an owner) of `d` is live, within `within`.
+pub async fn wait_no_e2b_sandboxes(d: &TestDaemon, within: Duration) {
+    let state = &d.daemon.as_ref().expect("daemon").state;
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let live: Vec<String> = state
+            .sessions
+            .list(tether_daemon::session_manager::Scope::Any)
+            .iter()
+            .filter(|s| s.owner.is_some())
+            .map(|s| s.id.clone())
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sandboxes left running: {live:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every E2B session (one with an owner) of `d`, live or closed (read back from its log).
+pub async fn e2b_sessions(
+    d: &TestDaemon,
+) -> Vec<std::sync::Arc<tether_daemon::session_manager::Session>> {
+    let state = &d.daemon.as_ref().expect("daemon").state;
+    let mut out = Vec::new();
+    for info in state
+        .sessions
+        .infos(tether_daemon::session_manager::Scope::Any)
+    {
+        let s = state
+            .sessions
+            .lookup(&info.id, tether_daemon::session_manager::Scope::Any)
+            .await
+            .expect("a listed session opens");
+        if s.owner.is_some() {
+            out.push(s);
+        }
+    }
+    out
+}

@@ -18,7 +18,6 @@ use std::time::Duration;
 use tether_daemon::config::ApiKey;
 use tether_protocol::events::EventBody;
 use tether_tests::{TestDaemon, workspace_root};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 const MAIN_TENANT: &str = "main";
 const OTHER_TENANT: &str = "other";
@@ -75,7 +74,7 @@ async fn run_suite(which: &str) {
     })
     .await;
 
-    let mut child = tokio::process::Command::new("bash")
+    let child = tokio::process::Command::new("bash")
         .arg(sdk_dir().join("run.sh"))
         .arg(which)
         .env("E2B_API_URL", &d.base)
@@ -97,36 +96,7 @@ async fn run_suite(which: &str) {
         .kill_on_drop(true)
         .spawn()
         .expect("spawn run.sh");
-    // Stream both outputs as they come (nextest shows them on failure), and keep stdout for
-    // the summary line.
-    let out = child.stdout.take().expect("stdout");
-    let err = child.stderr.take().expect("stderr");
-    let tag = which.to_owned();
-    let stdout_task = tokio::spawn(async move {
-        let mut lines = BufReader::new(out).lines();
-        let mut all = Vec::new();
-        while let Ok(Some(l)) = lines.next_line().await {
-            println!("[{tag}] {l}");
-            all.push(l);
-        }
-        all
-    });
-    let tag = which.to_owned();
-    let stderr_task = tokio::spawn(async move {
-        let mut lines = BufReader::new(err).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            eprintln!("[{tag}] {l}");
-        }
-    });
-    let status = match tokio::time::timeout(SUITE_LIMIT, child.wait()).await {
-        Ok(s) => s.expect("wait for run.sh"),
-        Err(_) => {
-            let _ = child.kill().await;
-            panic!("the {which} suite did not finish within {SUITE_LIMIT:?}");
-        }
-    };
-    let lines = stdout_task.await.expect("stdout reader");
-    let _ = stderr_task.await;
+    let (status, lines) = tether_tests::run_streamed(child, which, SUITE_LIMIT).await;
     let summary = lines
         .iter()
         .rev()
@@ -142,41 +112,10 @@ async fn run_suite(which: &str) {
     );
 
     // What the suite did is in the session logs.
-    let state = &d.daemon.as_ref().expect("daemon").state;
     // The suites kill what they create; a kill is synchronous, expiry takes a second.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let live: Vec<String> = state
-            .sessions
-            .list(tether_daemon::session_manager::Scope::Any)
-            .iter()
-            .filter(|s| s.owner.is_some())
-            .map(|s| s.id.clone())
-            .collect();
-        if live.is_empty() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "sandboxes left running: {live:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     // Closed sessions are read back from their logs on disk.
-    let mut e2b = Vec::new();
-    for info in state
-        .sessions
-        .infos(tether_daemon::session_manager::Scope::Any)
-    {
-        let s = state
-            .sessions
-            .lookup(&info.id, tether_daemon::session_manager::Scope::Any)
-            .await
-            .expect("a listed session opens");
-        if s.owner.is_some() {
-            e2b.push(s);
-        }
-    }
+    tether_tests::wait_no_e2b_sandboxes(&d, Duration::from_secs(20)).await;
+    let e2b = tether_tests::e2b_sessions(&d).await;
     assert!(
         e2b.len() >= 5,
         "only {} E2B sandboxes were created",
