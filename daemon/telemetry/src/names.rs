@@ -115,7 +115,7 @@ pub const ALL_SPANS: &[&str] = &[
 /// The remote operations that `tether.remote_op.duration` is labelled with: the provider
 /// spans above (a bounded set, so a safe metric label). Derived from [`ALL_SPANS`], where
 /// they stand together from `SANDBOX_CREATE` to `FS_REMOVE`.
-pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(19).0;
+pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(21).0;
 
 // --- attribute keys (span fields and metric labels) ---
 
@@ -181,7 +181,7 @@ mod remote_ops_tests {
     fn remote_ops_are_the_provider_spans() {
         assert_eq!(REMOTE_OPS.first(), Some(&SANDBOX_CREATE));
         assert_eq!(REMOTE_OPS.last(), Some(&FS_REMOVE));
-        assert_eq!(REMOTE_OPS.len(), 19);
+        assert_eq!(REMOTE_OPS.len(), 21);
         assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.")
             || op.starts_with("process.")
             || op.starts_with("fs.")));
