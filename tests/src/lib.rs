@@ -408,3 +408,38 @@ pub async fn e2b_sessions(
     }
     out
 }
+
+/// The events of a closed E2B session, checked to run from its lease to its close (no
+/// session ends without its sandbox released and its close logged).
+pub async fn closed_session_events(
+    s: &tether_daemon::session_manager::Session,
+) -> Vec<tether_protocol::events::EventBody> {
+    use tether_protocol::events::EventBody;
+    assert_eq!(
+        s.state(),
+        tether_daemon::session_manager::SessionState::Closed,
+        "{}",
+        s.id
+    );
+    let events: Vec<EventBody> = s
+        .log
+        .events_after(None)
+        .await
+        .expect("the log reads back")
+        .into_iter()
+        .map(|e| e.body)
+        .collect();
+    assert!(
+        matches!(events.first(), Some(EventBody::SandboxLeased { .. })),
+        "{}: {:?}",
+        s.id,
+        events.first()
+    );
+    assert!(
+        matches!(events.last(), Some(EventBody::SessionClosed { .. })),
+        "{}: {:?}",
+        s.id,
+        events.last()
+    );
+    events
+}

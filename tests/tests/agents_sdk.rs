@@ -115,30 +115,7 @@ async fn agents_sdk_suite() {
     let (mut processes, mut writes, mut pauses, mut resumes) = (0, 0, 0, 0);
     for s in &e2b {
         assert_eq!(s.owner.as_deref(), Some(MAIN_TENANT), "{}", s.id);
-        assert_eq!(
-            s.state(),
-            tether_daemon::session_manager::SessionState::Closed
-        );
-        let events: Vec<EventBody> = s
-            .log
-            .events_after(None)
-            .await
-            .expect("the log reads back")
-            .into_iter()
-            .map(|e| e.body)
-            .collect();
-        assert!(
-            matches!(events.first(), Some(EventBody::SandboxLeased { .. })),
-            "{}: {:?}",
-            s.id,
-            events.first()
-        );
-        assert!(
-            matches!(events.last(), Some(EventBody::SessionClosed { .. })),
-            "{}: {:?}",
-            s.id,
-            events.last()
-        );
+        let events = tether_tests::closed_session_events(s).await;
         processes += events
             .iter()
             .filter(|e| matches!(e, EventBody::ProcessStarted { .. }))
