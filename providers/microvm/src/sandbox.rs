@@ -538,11 +538,7 @@ impl MicrovmProvider {
     /// A sandbox with egress is refused unless weaker isolation is allowed: slirp without
     /// `restrict` also gives the guest the host's loopback (10.0.2.2).
     fn check_network(&self, spec: &SandboxSpec) -> Result<()> {
-        if !spec.egress.is_empty() {
-            // passt has no destination filter, and a rule inside the guest is the
-            // guest's to undo: refused, never ignored.
-            return Err(ProviderError::Unsupported { op: "egress rules" });
-        }
+        refuse_egress(spec)?;
         self.net_for(spec.network, NetBackend::Passt).map(|_| ())
     }
 
@@ -1196,9 +1192,7 @@ impl Provider for MicrovmProvider {
 
     async fn create(&self, ctx: &CallCtx, spec: SandboxSpec) -> Result<Arc<dyn Sandbox>> {
         ctx.check()?;
-        if !spec.egress.is_empty() {
-            return Err(ProviderError::Unsupported { op: "egress rules" });
-        }
+        refuse_egress(&spec)?;
         let (mem, cpus) = self.size_of(&spec)?;
         let t = self.template(ctx, mem, cpus).await?;
         let origin = Origin {
@@ -1508,4 +1502,14 @@ async fn suspend_to_disk(cfg: &MicrovmConfig, core: &VmCore, epoch: u64) -> Resu
     *q = QemuProcess::none();
     tracing::info!(sandbox.id = %s.id, "Saved a long-paused microVM to disk and stopped it");
     Ok(())
+}
+
+/// Egress rules are refused, never ignored: passt has no destination filter, and a rule
+/// inside the guest is the guest's to undo.
+fn refuse_egress(spec: &SandboxSpec) -> Result<()> {
+    if spec.egress.is_empty() {
+        Ok(())
+    } else {
+        Err(ProviderError::Unsupported { op: "egress rules" })
+    }
 }
