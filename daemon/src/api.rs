@@ -840,7 +840,7 @@ async fn put_file(
         Ok(chunk)
     });
     let sandbox = s.sandbox()?;
-    let span = FsOp::Write.span(&s, &q.path);
+    let span = ops::fs_span(FsOp::Write, &s, &q.path);
     let path = q.path.as_str();
     let out = ops::fs(
         &s,

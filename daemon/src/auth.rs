@@ -17,8 +17,8 @@
 //!
 //! Comparisons are constant-time ([`constant_time_eq`]: every byte of every configured
 //! credential is compared, so neither a prefix nor which entry matched shows in the time
-//! taken). A hand-written fold rather than the `subtle` crate: it is six lines, already
-//! used by the telemetry scrape, and adds no dependency.
+//! taken; `subtle`'s comparison, in the provider seam's helpers, shared with envd's
+//! server and the telemetry scrape).
 
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
@@ -123,13 +123,7 @@ pub fn short_hash(s: &str) -> String {
     hex::encode(&Sha256::digest(s.as_bytes())[..8])
 }
 
-/// Equality whose time depends only on the lengths, not on where the bytes differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+pub use tether_provider::util::constant_time_eq;
 
 #[cfg(test)]
 mod tests {

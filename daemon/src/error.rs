@@ -175,52 +175,9 @@ impl DaemonError {
     }
 }
 
-/// The one mapping from a code to an HTTP status. Exhaustive: a new code forces a decision.
+/// The HTTP status of a code ([`ErrorCode::http_status`], the one mapping).
 pub fn status_of(code: ErrorCode) -> StatusCode {
-    use ErrorCode as C;
-    match code {
-        C::InvalidRequest | C::UnknownTool => StatusCode::BAD_REQUEST,
-        C::Unauthorized => StatusCode::UNAUTHORIZED,
-        C::Forbidden | C::FsPermissionDenied | C::ToolDenied => StatusCode::FORBIDDEN,
-        C::NotFound
-        | C::SessionNotFound
-        | C::SandboxNotFound
-        | C::CommandNotFound
-        | C::SnapshotNotFound
-        | C::FsNotFound => StatusCode::NOT_FOUND,
-        C::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-        C::PayloadTooLarge | C::FsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        C::Conflict
-        | C::FsNotDirectory
-        | C::FsIsDirectory
-        | C::FsNotRegularFile
-        | C::FsAlreadyExists
-        | C::FsNotEmpty
-        | C::FsAmbiguousEdit
-        | C::FsEditNotFound
-        | C::FsAborted => StatusCode::CONFLICT,
-        C::FsVersionMismatch => StatusCode::PRECONDITION_FAILED,
-        C::FsNotText | C::SpawnFailed | C::LimitExceeded => StatusCode::UNPROCESSABLE_ENTITY,
-        C::ToolTimeout
-        | C::IdleTimeout
-        | C::ConnectTimeout
-        | C::TransportIdleTimeout
-        | C::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-        // 499: the de-facto status of a request its client abandoned.
-        C::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-        C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown | C::Overloaded => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
-        C::ProviderError => StatusCode::BAD_GATEWAY,
-        C::Unsupported => StatusCode::NOT_IMPLEMENTED,
-        C::RateLimited => StatusCode::TOO_MANY_REQUESTS,
-        C::FsNoSpace | C::StorageFull => StatusCode::INSUFFICIENT_STORAGE,
-        // The backend may have acted: a gateway error the client must not blindly retry.
-        C::OutcomeUnknown => StatusCode::BAD_GATEWAY,
-        C::FsIoError | C::ToolNotStarted | C::ToolOutcomeUnknown | C::Invariant | C::Internal => {
-            StatusCode::INTERNAL_SERVER_ERROR
-        }
-    }
+    StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 #[cfg(test)]

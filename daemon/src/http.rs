@@ -99,24 +99,10 @@ impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
 pub struct BodyLimit(pub u64);
 
 /// The call context of a request: its id, its cancellation (cancelled with reason
-/// `Caller("client disconnected")` if the client goes away), and its trace context.
-#[derive(Debug, Clone)]
-pub struct RequestCtx(pub CallCtx);
-
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RequestCtx {
-    type Rejection = DaemonError;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<RequestCtx>()
-            .cloned()
-            .ok_or_else(|| DaemonError::internal("request context missing"))
-    }
-}
+/// `Caller("client disconnected")` if the client goes away), and its trace context. One
+/// extractor for the daemon's handlers and envd's server: [`request_layer`] puts the
+/// `CallCtx` in the request's extensions.
+pub use tether_envd_server::RequestCtx;
 
 /// Cancels the request's token when the request future is dropped (client gone).
 struct CancelOnDrop(CancelToken);
@@ -179,7 +165,7 @@ pub(crate) async fn request_layer(
             }
         }
     }
-    req.extensions_mut().insert(RequestCtx(ctx));
+    req.extensions_mut().insert(ctx);
     req.extensions_mut()
         .insert(BodyLimit(state.config.server.max_body_bytes));
     let fut = REQUEST_ID.scope(rid.clone(), next.run(req));

@@ -43,69 +43,25 @@ macro_rules! op_span {
     };
 }
 
-/// A file operation: names its span and metric and says whether it changes the sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsOp {
-    /// Stat a path.
-    Stat,
-    /// Read a file.
-    Read,
-    /// Write a file.
-    Write,
-    /// List a directory.
-    List,
-    /// Make a directory.
-    Mkdir,
-    /// Rename a path.
-    Rename,
-    /// Remove a path.
-    Remove,
-}
+pub use tether_provider::FsOp;
 
-impl FsOp {
-    /// The span and metric name (`fs.stat`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Stat => "fs.stat",
-            Self::Read => "fs.read",
-            Self::Write => "fs.write",
-            Self::List => "fs.list",
-            Self::Mkdir => "fs.mkdir",
-            Self::Rename => "fs.rename",
-            Self::Remove => "fs.remove",
-        }
+/// A file operation's span.
+pub fn fs_span(op: FsOp, session: &Session, path: &str) -> tracing::Span {
+    macro_rules! span {
+        ($name:literal) => {
+            op_span!($name, session, fs.path = %path, bytes.in = Empty, bytes.out = Empty)
+        };
     }
-
-    /// The `op` of its `fs/op` event, for operations that change the sandbox.
-    fn logged_as(self) -> Option<&'static str> {
-        match self {
-            Self::Write => Some("write"),
-            Self::Mkdir => Some("mkdir"),
-            Self::Rename => Some("rename"),
-            Self::Remove => Some("remove"),
-            Self::Stat | Self::Read | Self::List => None,
-        }
-    }
-
-    /// The operation's span.
-    pub fn span(self, session: &Session, path: &str) -> tracing::Span {
-        macro_rules! span {
-            ($name:literal) => {
-                op_span!($name, session, fs.path = %path, bytes.in = Empty, bytes.out = Empty)
-            };
-        }
-        match self {
-            Self::Stat => span!("fs.stat"),
-            Self::Read => span!("fs.read"),
-            Self::Write => span!("fs.write"),
-            Self::List => span!("fs.list"),
-            Self::Mkdir => span!("fs.mkdir"),
-            Self::Rename => span!("fs.rename"),
-            Self::Remove => span!("fs.remove"),
-        }
+    match op {
+        FsOp::Stat => span!("fs.stat"),
+        FsOp::Read => span!("fs.read"),
+        FsOp::Write => span!("fs.write"),
+        FsOp::List => span!("fs.list"),
+        FsOp::Mkdir => span!("fs.mkdir"),
+        FsOp::Rename => span!("fs.rename"),
+        FsOp::Remove => span!("fs.remove"),
     }
 }
-
 /// A lifecycle operation on a session's sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SandboxOp {
@@ -201,7 +157,7 @@ where
     Fut: Future<Output = Result<T, ProviderError>>,
 {
     let (out, outcome) = measured(session, ctx, op.name(), limit, span, f).await;
-    if let (Surface::Api, Some(logged)) = (surface, op.logged_as()) {
+    if let (Surface::Api, Some(logged)) = (surface, op.change()) {
         let event = EventBody::FsOp {
             op: logged.into(),
             path: path.to_owned(),
@@ -230,7 +186,7 @@ where
     F: FnOnce(CallCtx, &'a str) -> Fut,
     Fut: Future<Output = Result<T, ProviderError>>,
 {
-    let span = op.span(session, path);
+    let span = fs_span(op, session, path);
     let limit = session.deadlines.fs_op;
     fs(
         session,

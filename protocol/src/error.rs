@@ -166,6 +166,57 @@ impl ErrorCode {
         Self::Overloaded,
     ];
 
+    /// The HTTP status of the code: the one mapping every HTTP surface uses (the native
+    /// API, the E2B control plane, envd). Exhaustive: a new code forces a decision.
+    pub fn http_status(self) -> u16 {
+        use ErrorCode as C;
+        match self {
+            C::InvalidRequest | C::UnknownTool => 400,
+            C::Unauthorized => 401,
+            C::Forbidden | C::FsPermissionDenied | C::ToolDenied => 403,
+            C::NotFound
+            | C::SessionNotFound
+            | C::SandboxNotFound
+            | C::CommandNotFound
+            | C::SnapshotNotFound
+            | C::FsNotFound => 404,
+            C::MethodNotAllowed => 405,
+            C::PayloadTooLarge | C::FsTooLarge => 413,
+            C::Conflict
+            | C::FsNotDirectory
+            | C::FsIsDirectory
+            | C::FsNotRegularFile
+            | C::FsAlreadyExists
+            | C::FsNotEmpty
+            | C::FsAmbiguousEdit
+            | C::FsEditNotFound
+            | C::FsAborted => 409,
+            C::FsVersionMismatch => 412,
+            C::FsNotText | C::SpawnFailed | C::LimitExceeded => 422,
+            C::ToolTimeout
+            | C::IdleTimeout
+            | C::ConnectTimeout
+            | C::TransportIdleTimeout
+            | C::DeadlineExceeded => 504,
+            // 499: the de-facto status of a request its client abandoned.
+            C::Cancelled => 499,
+            C::ProviderUnavailable | C::IsolationUnavailable | C::ShuttingDown | C::Overloaded => {
+                503
+            }
+            C::ProviderError => 502,
+            C::Unsupported => 501,
+            C::RateLimited => 429,
+            C::FsNoSpace | C::StorageFull => 507,
+            // The backend may have acted: a gateway error the client must not blindly retry.
+            C::OutcomeUnknown => 502,
+            C::FsIoError
+            | C::ToolNotStarted
+            | C::ToolOutcomeUnknown
+            | C::Invariant
+            | C::Internal => 500,
+        }
+    }
+
     /// The wire spelling, e.g. `"FS_NOT_FOUND"`.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -30,6 +30,7 @@ use tracing::Instrument;
 use super::auth::Tenant;
 use super::{
     CLIENT_ID, Claim, Keyed, RestError, SandboxExtra, form_pairs, now_ms, percent_decode, rfc3339,
+    sandbox_not_found,
 };
 use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
@@ -82,9 +83,9 @@ fn owned(
         }
         Ok(_) => {
             state.e2b.forget(id);
-            Err(RestError::sandbox_not_found(id))
+            Err(sandbox_not_found(id))
         }
-        Err(_) => Err(RestError::sandbox_not_found(id)),
+        Err(_) => Err(sandbox_not_found(id)),
     }
 }
 
@@ -877,7 +878,7 @@ async fn metrics_many(
 ) -> Response {
     let r = async {
         let tenant = tenant(&state, &headers)?;
-        let ids: Vec<String> = super::query_param(q.as_deref(), "sandbox_ids")
+        let ids: Vec<String> = tether_envd_server::util::query_param(q.as_deref(), "sandbox_ids")
             .map(|v| {
                 v.split(',')
                     .map(str::trim)

@@ -18,25 +18,21 @@
 //! daemon's.
 
 mod auth;
-mod connect;
 mod control;
-mod envd;
-mod filesystem;
-mod multipart;
+mod host;
 pub(crate) mod ports;
-mod process;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
 use axum::Router;
-use axum::response::{IntoResponse, Response};
 use http::StatusCode;
+use tether_envd_server::util::{form_pairs, now_ms, parse_rfc3339, percent_decode, rfc3339};
+use tether_envd_server::{EnvdState, RestError};
 use tether_protocol::ErrorCode;
-use tether_protocol::e2b::{ApiError, ConnectCode};
 use tokio::sync::watch;
 
 use crate::config::E2bFrontConfig;
@@ -47,17 +43,6 @@ pub use auth::Tenant;
 
 /// The `clientID` the SDKs require in every sandbox (deprecated upstream, a constant).
 const CLIENT_ID: &str = "tether";
-
-/// The sandbox user's home, the workspace: where `user`'s relative paths and `~` point.
-const HOME: &str = "/home/user";
-
-/// `root`'s home.
-const ROOT_HOME: &str = "/root";
-
-/// The home of an envd user (`user` or `root`, the users [`auth::check_user`] admits).
-fn home_of(user: &str) -> &'static str {
-    if user == "root" { ROOT_HOME } else { HOME }
-}
 
 /// The per-front state, in [`AppState::e2b`].
 pub struct FrontState {
@@ -228,7 +213,7 @@ impl FrontState {
     fn forget(&self, id: &str) {
         let gone = self.sandboxes.write().ok().and_then(|mut m| m.remove(id));
         if let Some(extra) = gone {
-            extra.stop_watchers();
+            extra.envd.stop_watchers();
         }
         if let Ok(mut m) = self.idempotency.write() {
             m.retain(|_, v| !matches!(&*v.borrow(), Keyed::Made(made) if made == id));
@@ -289,149 +274,26 @@ enum Claim {
     Unkeyed,
 }
 
-/// What the front knows about a sandbox beyond its session.
+/// What the front knows about a sandbox beyond its session: its control-plane facts, and
+/// envd's state of it.
 #[derive(Debug)]
 struct SandboxExtra {
     /// Template id as the SDK gave it.
     template: String,
     allow_internet: bool,
-    init: RwLock<InitState>,
-    /// Command ids that the client chose (E2B tags), as opposed to generated ones.
-    tags: RwLock<HashSet<String>>,
-    /// User metadata of files written through `/files` (`X-Metadata-*`), by path.
-    file_meta: RwLock<HashMap<String, BTreeMap<String, String>>>,
-    watchers: RwLock<HashMap<String, Arc<filesystem::Watcher>>>,
-    /// Uploads in flight (`None`) or just answered (until when), by path: the watches
-    /// drop the provider's own events of these paths and report envd's instead.
-    uploads: RwLock<HashMap<String, Option<tokio::time::Instant>>>,
-    /// envd's events of answered uploads, for the `WatchDir` streams.
-    announced: tokio::sync::broadcast::Sender<filesystem::Announced>,
-    /// Deadline of the front's own file operations on this sandbox (from config).
-    fs_op: std::time::Duration,
     /// The last metrics sample: its time (ms) and the CPU time used by then (µs), so the
     /// next one reports the CPU share in between.
     cpu_sample: RwLock<Option<(i64, u64)>>,
-}
-
-/// How long after an upload was answered the provider's events of its path are dropped.
-const UPLOAD_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Announcements a slow `WatchDir` stream may lag behind before it loses some.
-const ANNOUNCE_BUFFER: usize = 256;
-
-/// Defaults set by envd's `POST /init`.
-#[derive(Debug, Clone, Default)]
-struct InitState {
-    env: BTreeMap<String, String>,
-    default_user: Option<String>,
-    default_workdir: Option<String>,
+    envd: Arc<EnvdState>,
 }
 
 impl SandboxExtra {
     fn new(template: &str, allow_internet: bool, fs_op: std::time::Duration) -> Self {
         Self {
-            fs_op,
             template: template.to_owned(),
             allow_internet,
-            init: RwLock::new(InitState::default()),
-            tags: RwLock::new(HashSet::new()),
-            file_meta: RwLock::new(HashMap::new()),
-            watchers: RwLock::new(HashMap::new()),
-            uploads: RwLock::new(HashMap::new()),
-            announced: tokio::sync::broadcast::channel(ANNOUNCE_BUFFER).0,
             cpu_sample: RwLock::new(None),
-        }
-    }
-
-    /// An upload of `path` starts: the watches stop reporting the provider's events of it.
-    fn upload_started(&self, path: &str) {
-        if let Ok(mut u) = self.uploads.write() {
-            let now = tokio::time::Instant::now();
-            u.retain(|_, until| until.is_none_or(|t| t > now));
-            u.insert(path.to_owned(), None);
-        }
-    }
-
-    /// An upload of `path` was answered: the provider's late events of it stay dropped for
-    /// a moment.
-    fn upload_ended(&self, path: &str) {
-        if let Ok(mut u) = self.uploads.write() {
-            u.insert(
-                path.to_owned(),
-                Some(tokio::time::Instant::now() + UPLOAD_QUIET),
-            );
-        }
-    }
-
-    /// Whether the provider's events of `path` are dropped now.
-    fn upload_quiet(&self, path: &str) -> bool {
-        self.uploads
-            .read()
-            .ok()
-            .and_then(|u| u.get(path).copied())
-            .is_some_and(|until| until.is_none_or(|t| t > tokio::time::Instant::now()))
-    }
-
-    fn init(&self) -> InitState {
-        self.init.read().map(|g| g.clone()).unwrap_or_default()
-    }
-
-    fn is_tag(&self, command_id: &str) -> bool {
-        self.tags
-            .read()
-            .map(|t| t.contains(command_id))
-            .unwrap_or(false)
-    }
-
-    fn meta_of(&self, path: &str) -> BTreeMap<String, String> {
-        self.file_meta
-            .read()
-            .ok()
-            .and_then(|m| m.get(path).cloned())
-            .unwrap_or_default()
-    }
-
-    fn set_meta(&self, path: &str, meta: Option<BTreeMap<String, String>>) {
-        if let Ok(mut m) = self.file_meta.write() {
-            match meta {
-                Some(meta) if !meta.is_empty() => {
-                    m.insert(path.to_owned(), meta);
-                }
-                _ => {
-                    m.remove(path);
-                }
-            }
-        }
-    }
-
-    /// A path was removed or moved away: its metadata (and that of anything below it) goes
-    /// with it, to `to` when it was moved.
-    fn move_meta(&self, from: &str, to: Option<&str>) {
-        if let Ok(mut m) = self.file_meta.write() {
-            let prefix = format!("{}/", from.trim_end_matches('/'));
-            let moved: Vec<String> = m
-                .keys()
-                .filter(|k| *k == from || k.starts_with(&prefix))
-                .cloned()
-                .collect();
-            for k in moved {
-                if let Some(v) = m.remove(&k)
-                    && let Some(to) = to
-                {
-                    m.insert(format!("{to}{}", &k[from.len()..]), v);
-                }
-            }
-        }
-    }
-
-    fn stop_watchers(&self) {
-        let all: Vec<_> = self
-            .watchers
-            .write()
-            .map(|mut w| w.drain().map(|(_, v)| v).collect())
-            .unwrap_or_default();
-        for w in all {
-            w.stop();
+            envd: Arc::new(EnvdState::new(fs_op)),
         }
     }
 }
@@ -441,11 +303,9 @@ pub fn router() -> Router<Arc<AppState>> {
     control::routes().merge(envd_router())
 }
 
-/// envd's routes alone (what a guest agent serves).
+/// envd's routes alone (what a guest agent serves), with tetherd as their host.
 pub fn envd_router() -> Router<Arc<AppState>> {
-    envd::routes()
-        .merge(process::routes())
-        .merge(filesystem::routes())
+    tether_envd_server::router::<AppState>()
 }
 
 /// A guest agent's start: its one sandbox, the machine, as an E2B sandbox session. A
@@ -527,251 +387,39 @@ pub fn recipe(listen: SocketAddr, cfg: &E2bFrontConfig, tokens_configured: bool)
 
 // === errors ===
 
-/// An error of the control plane or of envd's REST endpoints: `{"code": status,
-/// "message"}`, the body every SDK parser expects.
-#[derive(Debug)]
-pub(crate) struct RestError {
-    status: StatusCode,
-    message: String,
-    error_code: Option<&'static str>,
+/// The control plane's answer for a sandbox that is not the caller's to see.
+fn sandbox_not_found(id: &str) -> RestError {
+    RestError::new(
+        StatusCode::NOT_FOUND,
+        format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
+    )
 }
 
-impl RestError {
-    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            error_code: None,
-        }
+/// A control-plane error from a daemon error (the daemon's one status mapping).
+fn rest_error(e: &DaemonError) -> RestError {
+    let code = e.code();
+    if crate::error::status_of(code).is_server_error() {
+        tracing::warn!(code = %code, error = %e, "E2B request failed");
+    } else {
+        tracing::debug!(code = %code, error = %e, "E2B request refused");
     }
-
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-
-    fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, message)
-    }
-
-    fn sandbox_not_found(id: &str) -> Self {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
-        )
-    }
-
-    /// A control-plane error from a daemon error (the daemon's one status mapping).
-    fn from_daemon(e: &DaemonError) -> Self {
-        log_error(e);
-        let code = e.code();
-        let status = match code {
-            ErrorCode::SessionNotFound | ErrorCode::SandboxNotFound => StatusCode::NOT_FOUND,
-            c => crate::error::status_of(c),
-        };
-        let error_code = matches!(
-            code,
-            ErrorCode::Internal | ErrorCode::ProviderError | ErrorCode::SpawnFailed
-        )
-        .then_some("sandbox_create_failed");
-        Self {
-            status,
-            message: e.public_message(),
-            error_code,
-        }
-    }
-
-    /// An envd REST error: envd's statuses (400 for a bad path or a directory, 404, 401,
-    /// 403, 507 when out of space).
-    fn from_envd(e: &DaemonError) -> Self {
-        log_error(e);
-        Self::new(envd_status(e.code()), e.public_message())
-    }
-
-    pub(crate) fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    fn message(&self) -> &str {
-        &self.message
-    }
-}
-
-impl IntoResponse for RestError {
-    fn into_response(self) -> Response {
-        let body = ApiError {
-            code: self.status.as_u16(),
-            message: self.message,
-            error_code: self.error_code.map(str::to_owned),
-        };
-        (self.status, axum::Json(body)).into_response()
+    let status = match code {
+        ErrorCode::SessionNotFound | ErrorCode::SandboxNotFound => StatusCode::NOT_FOUND,
+        c => crate::error::status_of(c),
+    };
+    let r = RestError::new(status, e.public_message());
+    if matches!(
+        code,
+        ErrorCode::Internal | ErrorCode::ProviderError | ErrorCode::SpawnFailed
+    ) {
+        r.with_error_code("sandbox_create_failed")
+    } else {
+        r
     }
 }
 
 impl From<DaemonError> for RestError {
     fn from(e: DaemonError) -> Self {
-        Self::from_daemon(&e)
+        rest_error(&e)
     }
-}
-
-fn log_error(e: &DaemonError) {
-    if crate::error::status_of(e.code()).is_server_error() {
-        tracing::warn!(code = %e.code(), error = %e, "E2B request failed");
-    } else {
-        tracing::debug!(code = %e.code(), error = %e, "E2B request refused");
-    }
-}
-
-/// envd's REST status of a code.
-fn envd_status(code: ErrorCode) -> StatusCode {
-    use ErrorCode as C;
-    match code {
-        C::InvalidRequest
-        | C::FsIsDirectory
-        | C::FsNotDirectory
-        | C::FsNotRegularFile
-        | C::FsNotText => StatusCode::BAD_REQUEST,
-        C::FsTooLarge | C::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        c => crate::error::status_of(c),
-    }
-}
-
-/// The Connect code of a tether error code: the one mapping the envd services use.
-/// Exhaustive, so a new code forces a decision.
-pub(crate) fn connect_code(code: ErrorCode) -> ConnectCode {
-    use ConnectCode as K;
-    use ErrorCode as C;
-    match code {
-        C::InvalidRequest
-        | C::UnknownTool
-        | C::FsNotDirectory
-        | C::FsIsDirectory
-        | C::FsNotRegularFile
-        | C::FsNotText
-        | C::SpawnFailed => K::InvalidArgument,
-        C::Unauthorized => K::Unauthenticated,
-        C::Forbidden | C::FsPermissionDenied | C::ToolDenied => K::PermissionDenied,
-        C::NotFound
-        | C::SessionNotFound
-        | C::SandboxNotFound
-        | C::CommandNotFound
-        | C::SnapshotNotFound
-        | C::FsNotFound
-        | C::FsEditNotFound => K::NotFound,
-        C::MethodNotAllowed | C::Unsupported => K::Unimplemented,
-        C::PayloadTooLarge
-        | C::FsTooLarge
-        | C::RateLimited
-        | C::FsNoSpace
-        | C::StorageFull
-        | C::LimitExceeded => K::ResourceExhausted,
-        C::Conflict | C::FsAlreadyExists => K::AlreadyExists,
-        C::FsVersionMismatch | C::FsNotEmpty | C::FsAmbiguousEdit | C::IsolationUnavailable => {
-            K::FailedPrecondition
-        }
-        C::FsAborted => K::Aborted,
-        C::ToolTimeout
-        | C::IdleTimeout
-        | C::ConnectTimeout
-        | C::TransportIdleTimeout
-        | C::DeadlineExceeded => K::DeadlineExceeded,
-        C::Cancelled => K::Canceled,
-        C::ProviderUnavailable | C::ShuttingDown | C::Overloaded => K::Unavailable,
-        C::ToolNotStarted | C::ToolOutcomeUnknown | C::OutcomeUnknown | C::ProviderError => {
-            K::Unknown
-        }
-        C::FsIoError | C::Invariant | C::Internal => K::Internal,
-    }
-}
-
-// === shared helpers ===
-
-/// Milliseconds since the Unix epoch.
-fn now_ms() -> i64 {
-    crate::leases::now_ms()
-}
-
-/// RFC 3339 (UTC, second precision with milliseconds) of ms since the epoch.
-fn rfc3339(ms: i64) -> String {
-    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    t.format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_owned())
-}
-
-/// Parse RFC 3339 into ms since the epoch.
-fn parse_rfc3339(s: &str) -> Option<i64> {
-    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
-    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
-}
-
-/// Resolve an envd path the way envd does (`ExpandAndResolve`): `~` is the home of the
-/// user the operation runs as, and a relative path is relative to it (`root`'s is
-/// `/root`). The provider's seam confines the result to the sandbox.
-fn resolve_path(path: &str, user: &str) -> String {
-    let home = home_of(user);
-    let p = path.trim();
-    if p == "~" {
-        return home.to_owned();
-    }
-    if let Some(rest) = p.strip_prefix("~/") {
-        return format!("{home}/{rest}");
-    }
-    if p.starts_with('/') {
-        p.to_owned()
-    } else if p.is_empty() {
-        home.to_owned()
-    } else {
-        format!("{home}/{p}")
-    }
-}
-
-/// Percent-decode (`+` left alone).
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%'
-            && i + 2 < b.len()
-            && let (Some(h), Some(l)) = (hex_val(b[i + 1]), hex_val(b[i + 2]))
-        {
-            out.push(h * 16 + l);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn hex_val(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    }
-}
-
-/// `application/x-www-form-urlencoded` pairs of a query string.
-fn form_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (
-                percent_decode(&k.replace('+', " ")),
-                percent_decode(&v.replace('+', " ")),
-            )
-        })
-        .collect()
-}
-
-/// The value of a query parameter.
-fn query_param(q: Option<&str>, name: &str) -> Option<String> {
-    form_pairs(q.unwrap_or(""))
-        .into_iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v)
 }

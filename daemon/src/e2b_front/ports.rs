@@ -24,9 +24,9 @@ use tether_provider::clock::CancelToken;
 use tether_provider::{CallCtx, Clock};
 use tracing::Instrument;
 
-use super::envd::Reject;
-use super::{auth, envd};
+use super::auth;
 use crate::state::AppState;
+use tether_envd_server::{Reject, addressed, proxy_error};
 
 /// Send a request addressed to a sandbox's port there; pass every other one on. A
 /// request for a paused sandbox that resumes on traffic (E2B's `autoResume`), to envd or
@@ -36,7 +36,7 @@ pub(crate) async fn layer(
     req: Request,
     next: Next,
 ) -> Response {
-    let addressed = envd::addressed(req.headers());
+    let addressed = addressed(req.headers());
     if let Some((id, _)) = &addressed {
         auto_resume(&state, id).await;
     }
@@ -77,10 +77,10 @@ async fn auto_resume(state: &AppState, id: &str) {
 }
 
 async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
-    let Some(target) = envd::find(state, &id) else {
+    let Some(target) = super::host::find(state, &id) else {
         return Reject::NotFound(id).into_response();
     };
-    let session = target.session;
+    let session = target.sandbox;
     let Some(sandbox_id) = session.sandbox_id() else {
         return Reject::NotFound(id).into_response();
     };
@@ -216,7 +216,7 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
 }
 
 fn refuse(sandbox_id: String, status: StatusCode, message: &str) -> Response {
-    envd::proxy_error(status, sandbox_id, message, None)
+    proxy_error(status, sandbox_id, message, None)
 }
 
 /// Carry bytes both ways between two upgraded connections until either ends or the
@@ -254,7 +254,7 @@ pub(crate) async fn guest_tunnel(
     axum::extract::Path(port): axum::extract::Path<u16>,
     mut req: Request,
 ) -> Response {
-    let target = match envd::authorize(&state, req.headers()) {
+    let target = match tether_envd_server::authorize(&*state, req.headers()) {
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
@@ -284,7 +284,7 @@ pub(crate) async fn guest_tunnel(
     let on_upgrade = hyper::upgrade::on(&mut req);
     splice(
         &state,
-        target.session.cancel.clone(),
+        target.sandbox.cancel.clone(),
         async { on_upgrade.await.ok().map(TokioIo::new) },
         async { Some(stream) },
     );

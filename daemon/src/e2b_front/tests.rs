@@ -1402,7 +1402,7 @@ async fn signed_urls_work_without_routing_headers() {
     let f = Front::start().await;
     let (id, token) = f.create(KEY_A).await;
     let path = "/home/user/signed.txt";
-    let sig = super::auth::file_signature(path, "write", "", &token, None)
+    let sig = tether_envd_server::auth::file_signature(path, "write", "", &token, None)
         .replace('+', "%2B")
         .replace('/', "%2F");
     let r = f
@@ -1415,7 +1415,7 @@ async fn signed_urls_work_without_routing_headers() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200, "{:?}", r.text().await);
     let exp = crate::leases::now_ms() / 1000 + 60;
-    let sig = super::auth::file_signature(path, "read", "", &token, Some(exp));
+    let sig = tether_envd_server::auth::file_signature(path, "read", "", &token, Some(exp));
     let sig_q = sig.replace('+', "%2B").replace('/', "%2F");
     let r = f
         .http
@@ -1428,7 +1428,7 @@ async fn signed_urls_work_without_routing_headers() {
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.text().await.unwrap(), "signed body");
     let expired = crate::leases::now_ms() / 1000 - 1;
-    let sig = super::auth::file_signature(path, "read", "", &token, Some(expired));
+    let sig = tether_envd_server::auth::file_signature(path, "read", "", &token, Some(expired));
     let r = f
         .http
         .get(f.url(&format!(
@@ -1670,36 +1670,6 @@ fn recipe_names_the_sdk_variables() {
     assert!(r.contains("no API key is accepted"), "{r}");
 }
 
-#[test]
-fn connect_codes_follow_the_sdk_mapping() {
-    use tether_protocol::ErrorCode as C;
-    use tether_protocol::e2b::ConnectCode as K;
-    assert_eq!(super::connect_code(C::FsNotFound), K::NotFound);
-    assert_eq!(
-        super::connect_code(C::FsPermissionDenied),
-        K::PermissionDenied
-    );
-    assert_eq!(
-        super::connect_code(C::DeadlineExceeded),
-        K::DeadlineExceeded
-    );
-    assert_eq!(super::connect_code(C::IdleTimeout), K::DeadlineExceeded);
-    assert_eq!(super::connect_code(C::FsAlreadyExists), K::AlreadyExists);
-    assert_eq!(super::connect_code(C::Unsupported), K::Unimplemented);
-    assert_eq!(super::connect_code(C::Unauthorized), K::Unauthenticated);
-    assert_eq!(super::resolve_path("~/x", "user"), "/home/user/x");
-    assert_eq!(super::resolve_path("x/y", "user"), "/home/user/x/y");
-    assert_eq!(super::resolve_path("/tmp", "user"), "/tmp");
-    assert_eq!(
-        super::form_pairs("a=1%2B2&b=x+y&c"),
-        vec![
-            ("a".into(), "1+2".into()),
-            ("b".into(), "x y".into()),
-            ("c".into(), String::new())
-        ]
-    );
-}
-
 #[tokio::test]
 async fn init_authenticates_itself_and_sets_sandbox_defaults() {
     let f = Front::start().await;
@@ -1904,18 +1874,6 @@ async fn a_multipart_upload_refused_part_way_is_answered_not_reset() {
         Err(e) => panic!("the client got {e} instead of the refusal"),
     }
     f.stop().await;
-}
-
-#[test]
-fn paths_resolve_under_the_home_of_the_user_asked_for() {
-    use super::resolve_path;
-    assert_eq!(resolve_path("hello.txt", "user"), "/home/user/hello.txt");
-    assert_eq!(resolve_path("hello.txt", "root"), "/root/hello.txt");
-    assert_eq!(resolve_path("~/a/b", "root"), "/root/a/b");
-    assert_eq!(resolve_path("~", "root"), "/root");
-    assert_eq!(resolve_path("", "root"), "/root");
-    assert_eq!(resolve_path("", "user"), "/home/user");
-    assert_eq!(resolve_path("/etc/hosts", "user"), "/etc/hosts");
 }
 
 // === guest-agent mode ===

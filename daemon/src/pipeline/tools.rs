@@ -311,7 +311,7 @@ async fn read_text(
         limits,
         FsOp::Stat,
         path,
-        FsOp::Stat.span(session, path),
+        ops::fs_span(FsOp::Stat, session, path),
         |c| {
             let sandbox = Arc::clone(&sandbox);
             let path = path.to_owned();
@@ -345,7 +345,7 @@ async fn read_text(
             ),
         ));
     }
-    let span = FsOp::Read.span(session, path);
+    let span = ops::fs_span(FsOp::Read, session, path);
     let bytes = fs_op(session, ctx, limits, FsOp::Read, path, span.clone(), |c| {
         let sandbox = Arc::clone(&sandbox);
         let path = path.to_owned();
@@ -379,7 +379,7 @@ async fn write_text(
     guard: WriteGuard,
 ) -> Result<tether_protocol::fs::WriteOutcome, ToolOutput> {
     let sandbox = session.sandbox().map_err(|e| ToolOutput::from_daemon(&e))?;
-    let span = FsOp::Write.span(session, path);
+    let span = ops::fs_span(FsOp::Write, session, path);
     span.record("bytes.in", content.len() as u64);
     fs_op(session, ctx, limits, FsOp::Write, path, span, |c| {
         let path = path.to_owned();
@@ -915,7 +915,7 @@ impl Tool for ListDir {
             Err(e) => return ToolOutput::from_daemon(&e),
         };
         let depth = a.depth.unwrap_or(1);
-        let span = FsOp::List.span(session, &a.path);
+        let span = ops::fs_span(FsOp::List, session, &a.path);
         let listed = fs_op(session, ctx, &self.limits, FsOp::List, &a.path, span, |c| {
             let path = a.path.clone();
             async move { sandbox.fs().list(&c, &path, depth).await }

@@ -141,7 +141,7 @@ impl ScrapeEndpoint {
             .unwrap_or("");
         // Compare every token fully so the time taken does not reveal a matching prefix.
         tokens.iter().fold(false, |acc, t| {
-            acc | constant_time_eq(t.as_bytes(), given.as_bytes())
+            acc | tether_provider::util::constant_time_eq(t.as_bytes(), given.as_bytes())
         })
     }
 }
@@ -197,11 +197,4 @@ async fn scrape(State(ep): State<ScrapeEndpoint>, headers: HeaderMap) -> Respons
                 .into_response()
         }
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

@@ -23,7 +23,7 @@ pub use clock::Clock;
 pub use ctx::{CallCtx, TraceContext};
 pub use error::{Origin, ProviderError, Result};
 pub use seam::{
-    ByteStream, Capabilities, Enforcement, EventStream, Fs, PortIo, PortStream, Process,
+    ByteStream, Capabilities, Enforcement, EventStream, Fs, FsOp, PortIo, PortStream, Process,
     ProcessHandle, ProcessSelector, Provider, Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
     Signal, StreamOffsets, TerminateReport,
 };

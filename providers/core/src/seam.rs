@@ -320,6 +320,53 @@ pub trait Sandbox: Send + Sync + std::fmt::Debug {
     fn process(&self) -> &dyn Process;
 }
 
+/// A file operation of the [`Fs`] seam, named: what the daemon's operation layer and
+/// envd's server measure, trace and log each file operation as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsOp {
+    /// Stat a path.
+    Stat,
+    /// Read a file.
+    Read,
+    /// Write a file.
+    Write,
+    /// List a directory.
+    List,
+    /// Make a directory.
+    Mkdir,
+    /// Rename a path.
+    Rename,
+    /// Remove a path.
+    Remove,
+}
+
+impl FsOp {
+    /// The span and metric name (`fs.stat`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Stat => "fs.stat",
+            Self::Read => "fs.read",
+            Self::Write => "fs.write",
+            Self::List => "fs.list",
+            Self::Mkdir => "fs.mkdir",
+            Self::Rename => "fs.rename",
+            Self::Remove => "fs.remove",
+        }
+    }
+
+    /// Whether the operation changes the sandbox, and then its name in a log of changes
+    /// (`write`, `mkdir`, `rename`, `remove`).
+    pub fn change(self) -> Option<&'static str> {
+        match self {
+            Self::Write => Some("write"),
+            Self::Mkdir => Some("mkdir"),
+            Self::Rename => Some("rename"),
+            Self::Remove => Some("remove"),
+            Self::Stat | Self::Read | Self::List => None,
+        }
+    }
+}
+
 /// File operations on sandbox paths. Relative paths resolve against the workspace; no
 /// path may reach outside the sandbox's view (`FS_PERMISSION_DENIED` or
 /// `INVALID_REQUEST`, never a read of the host).

@@ -35,3 +35,10 @@ pub async fn collect(ctx: &CallCtx, path: &str, mut stream: ByteStream, max: u64
         }
     }
 }
+
+/// Equality of secrets (tokens, keys) whose time depends only on the lengths, not on
+/// where the bytes differ (`subtle`'s constant-time comparison).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    use subtle::ConstantTimeEq as _;
+    a.ct_eq(b).into()
+}

@@ -1,8 +1,9 @@
-//! envd's `process.Process` service over Connect, on the daemon's command machinery.
+//! envd's `process.Process` service over Connect, on the host's command table.
 //!
-//! Every process is started with [`exec::start`](crate::exec::start), so it is journaled,
-//! bounded and logged like any command of the session; its output reaches the SDK from
-//! the journal (`RunningCommand::events`). E2B semantics kept here:
+//! Every process is started by the host ([`HostedSandbox::start`]), which supervises it
+//! (tetherd journals, bounds and logs it like any command of the session); its output
+//! reaches the SDK from the host's record of it ([`HostedCommand::events`]). E2B
+//! semantics kept here:
 //!
 //! - `Connect-Timeout-Ms` of `Start` is the process's own deadline (envd kills the process
 //!   when it passes; `timeout=0` in the SDK sends none: unlimited);
@@ -37,16 +38,13 @@ use tether_protocol::process::{
 use tether_provider::{CallCtx, Signal, StreamOffsets};
 use tracing::Instrument;
 
-use super::connect::{self, CallOpts, RpcError, StreamOpts};
-use super::envd::{self, Target};
-use super::resolve_path;
-use crate::exec::{self, ExecLimits, RunningCommand};
-use crate::http::RequestCtx;
-use crate::state::AppState;
+use crate::connect::{self, CallOpts, RpcError, StreamOpts};
+use crate::util::resolve_path;
+use crate::{Failure, Host, HostedCommand, HostedSandbox, RequestCtx, Target, rest};
 use tether_provider::Clock;
 
-pub(super) fn routes() -> Router<Arc<AppState>> {
-    Router::new().route("/process.Process/{method}", post(rpc))
+pub(crate) fn routes<H: Host>() -> Router<Arc<H>> {
+    Router::new().route("/process.Process/{method}", post(rpc::<H>))
 }
 
 /// The methods of `process.Process`.
@@ -95,8 +93,8 @@ impl Method {
         }
     }
 
-    fn span(self, t: &Target, user: &str) -> tracing::Span {
-        let (s, id) = (&t.session.id, &t.id);
+    fn span<S: HostedSandbox>(self, t: &Target<S>, user: &str) -> tracing::Span {
+        let (s, id) = (t.sandbox.session_id(), &t.id);
         // One callsite for every method; `otel.name` carries the method's span name.
         tracing::info_span!(
             "e2b.process",
@@ -110,8 +108,8 @@ impl Method {
     }
 }
 
-async fn rpc(
-    State(state): State<Arc<AppState>>,
+async fn rpc<H: Host>(
+    State(host): State<Arc<H>>,
     Path(method): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
@@ -124,7 +122,7 @@ async fn rpc(
         )
         .into_response();
     };
-    let (opts, target, user) = match envd::admit(&state, &headers, m.streaming()) {
+    let (opts, target, user) = match rest::admit(&*host, &headers, m.streaming()) {
         Ok(x) => x,
         Err(r) => return *r,
     };
@@ -162,7 +160,12 @@ async fn rpc(
     resp
 }
 
-async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Response, RpcError> {
+async fn unary<S: HostedSandbox>(
+    m: Method,
+    ctx: &CallCtx,
+    t: &Target<S>,
+    body: &[u8],
+) -> Result<Response, RpcError> {
     match m {
         Method::List => Ok(connect::unary_ok(&list(t))),
         Method::SendInput => {
@@ -172,7 +175,7 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                 Some(ProcessInput::Stdin(b) | ProcessInput::Pty(b)) => b,
                 None => return Err(RpcError::invalid("input is required")),
             };
-            ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(data)))
+            ctx.run(cmd.handle().write_stdin(ctx, Bytes::from(data)))
                 .await?;
             Ok(connect::unary_ok(&Empty {}))
         }
@@ -189,20 +192,20 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
                 }
             };
             let cmd = running(t, req.process.as_ref())?;
-            ctx.run(cmd.handle.signal(ctx, signal)).await?;
+            ctx.run(cmd.handle().signal(ctx, signal)).await?;
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::CloseStdin => {
             let req: SelectRequest = connect::decode_unary(body)?;
             let cmd = running(t, req.process.as_ref())?;
-            ctx.run(cmd.handle.close_stdin(ctx)).await?;
+            ctx.run(cmd.handle().close_stdin(ctx)).await?;
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::Update => {
             let req: UpdateRequest = connect::decode_unary(body)?;
             let cmd = running(t, req.process.as_ref())?;
             if let Some(size) = pty_size(req.pty.as_ref()) {
-                ctx.run(cmd.handle.resize(ctx, size)).await?;
+                ctx.run(cmd.handle().resize(ctx, size)).await?;
             }
             Ok(connect::unary_ok(&Empty {}))
         }
@@ -216,34 +219,40 @@ async fn unary(m: Method, ctx: &CallCtx, t: &Target, body: &[u8]) -> Result<Resp
 // === selectors ===
 
 /// A command of the sandbox by selector, preferring a running one (pids can be reused).
-fn select(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningCommand>, RpcError> {
+fn select<S: HostedSandbox>(
+    t: &Target<S>,
+    sel: Option<&ProcessSelector>,
+) -> Result<Arc<S::Command>, RpcError> {
     let sel = sel.ok_or_else(|| RpcError::invalid("process selector is required"))?;
     let found = match sel {
         ProcessSelector::Pid(pid) => {
             let all: Vec<_> = t
-                .session
+                .sandbox
                 .commands()
                 .into_iter()
-                .filter(|c| c.pid == *pid)
+                .filter(|c| c.pid() == *pid)
                 .collect();
             all.iter()
                 .find(|c| c.is_running())
                 .or_else(|| all.first())
                 .cloned()
         }
-        ProcessSelector::Tag(tag) => t.session.command(tag).filter(|_| t.extra.is_tag(tag)),
+        ProcessSelector::Tag(tag) => t.sandbox.command(tag).filter(|_| t.state.is_tag(tag)),
     };
     found.ok_or_else(|| RpcError::not_found(describe(sel)))
 }
 
 /// A running command by selector (envd forgets processes once they end).
-fn running(t: &Target, sel: Option<&ProcessSelector>) -> Result<Arc<RunningCommand>, RpcError> {
+fn running<S: HostedSandbox>(
+    t: &Target<S>,
+    sel: Option<&ProcessSelector>,
+) -> Result<Arc<S::Command>, RpcError> {
     let cmd = select(t, sel)?;
     if cmd.is_running() {
         Ok(cmd)
     } else {
         Err(RpcError::not_found(describe(
-            sel.unwrap_or(&ProcessSelector::Pid(cmd.pid)),
+            sel.unwrap_or(&ProcessSelector::Pid(cmd.pid())),
         )))
     }
 }
@@ -266,14 +275,14 @@ fn pty_size(pty: Option<&PtyMsg>) -> Option<PtySize> {
 
 // === List ===
 
-fn list(t: &Target) -> ListResponse {
+fn list<S: HostedSandbox>(t: &Target<S>) -> ListResponse {
     let mut processes: Vec<ProcessInfoMsg> = t
-        .session
+        .sandbox
         .commands()
         .into_iter()
         .filter(|c| c.is_running())
         .map(|c| {
-            let (cmd, args) = match &c.spec.command {
+            let (cmd, args) = match &c.spec().command {
                 Command::Argv(v) => (
                     v.first().cloned().unwrap_or_default(),
                     v.iter().skip(1).cloned().collect(),
@@ -284,7 +293,7 @@ fn list(t: &Target) -> ListResponse {
                 ),
             };
             let envs = c
-                .spec
+                .spec()
                 .env
                 .iter()
                 .filter_map(|(k, v)| v.clone().map(|v| (k.clone(), v)))
@@ -295,10 +304,10 @@ fn list(t: &Target) -> ListResponse {
                     cmd,
                     args,
                     envs,
-                    cwd: c.spec.cwd.clone(),
+                    cwd: c.spec().cwd.clone(),
                 },
-                pid: c.pid,
-                tag: t.extra.is_tag(&c.command_id).then(|| c.command_id.clone()),
+                pid: c.pid(),
+                tag: t.state.is_tag(c.id()).then(|| c.id().to_owned()),
             }
         })
         .collect();
@@ -308,7 +317,13 @@ fn list(t: &Target) -> ListResponse {
 
 // === Start and Connect ===
 
-async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Body) -> Response {
+async fn start<S: HostedSandbox>(
+    ctx: &CallCtx,
+    opts: CallOpts,
+    t: &Target<S>,
+    user: String,
+    body: Body,
+) -> Response {
     // Taken before the process starts, so the stream's deadline passes no later than the
     // process's own (which kills it): as with envd, the stream then ends with
     // `deadline_exceeded`, not with the killed process's `end`.
@@ -319,28 +334,28 @@ async fn start(ctx: &CallCtx, opts: CallOpts, t: &Target, user: String, body: Bo
     };
     match start_process(ctx, opts, t, user, req).await {
         Ok(cmd) => {
-            tracing::Span::current().record("command.id", cmd.command_id.as_str());
+            tracing::Span::current().record("command.id", cmd.id());
             let events = cmd.events(StreamOffsets::default());
-            respond(t, cmd.pid, events, opts, deadline)
+            respond(t, cmd.pid(), events, opts, deadline)
         }
         Err(e) => connect::stream_error(&e),
     }
 }
 
-async fn start_process(
+async fn start_process<S: HostedSandbox>(
     ctx: &CallCtx,
     opts: CallOpts,
-    t: &Target,
+    t: &Target<S>,
     user: String,
     req: StartRequest,
-) -> Result<Arc<RunningCommand>, RpcError> {
+) -> Result<Arc<S::Command>, RpcError> {
     let cfg = req
         .process
         .ok_or_else(|| RpcError::invalid("process is required"))?;
     if cfg.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd is required"));
     }
-    let init = t.extra.init();
+    let init = t.state.init();
     let cwd = cfg
         .cwd
         .as_deref()
@@ -349,8 +364,8 @@ async fn start_process(
         .or_else(|| init.default_workdir.map(|w| resolve_path(&w, &user)));
     if let Some(dir) = &cwd {
         // envd checks the working directory before it starts anything.
-        let sandbox = t.session.sandbox()?;
-        let sctx = ctx.with_timeout(t.session.deadlines.fs_op, Clock::Total);
+        let sandbox = t.sandbox.sandbox()?;
+        let sctx = ctx.with_timeout(t.state.fs_op, Clock::Total);
         match sandbox.fs().stat(&sctx, dir).await {
             Ok(st) if st.kind == tether_protocol::fs::FileKind::Dir => {}
             Ok(_) => return Err(RpcError::invalid(format!("cwd '{dir}' is not a directory"))),
@@ -378,22 +393,18 @@ async fn start_process(
     spec.grace_ms = 0;
     let tag = req.tag.filter(|s| !s.is_empty());
     spec.command_id = tag.clone();
-    let limits = ExecLimits {
-        total: opts.timeout,
-        output_idle: None,
-    };
     let mut sctx = ctx.clone();
-    sctx.trace = crate::telemetry::current_trace_context(&tracing::Span::current());
-    let cmd = exec::start(&t.session, &sctx, spec, limits).await?;
+    sctx.trace = tether_telemetry::current_trace_context(&tracing::Span::current());
+    let cmd = t.sandbox.start(&sctx, spec, opts.timeout).await?;
     if let Some(tag) = tag
-        && let Ok(mut tags) = t.extra.tags.write()
+        && let Ok(mut tags) = t.state.tags.write()
     {
         tags.insert(tag);
     }
     Ok(cmd)
 }
 
-async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
+async fn connect_stream<S: HostedSandbox>(opts: CallOpts, t: &Target<S>, body: Body) -> Response {
     let req: SelectRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
@@ -403,23 +414,23 @@ async fn connect_stream(opts: CallOpts, t: &Target, body: Body) -> Response {
         Err(e) => return connect::stream_error(&e),
     };
     // Only output produced from now on, as envd (no replay).
-    let first = if cmd.spec.pty.is_some() {
+    let first = if cmd.spec().pty.is_some() {
         StreamKind::Pty
     } else {
         StreamKind::Stdout
     };
     let from = StreamOffsets {
-        stdout: cmd.journal.len(first),
-        stderr: cmd.journal.len(StreamKind::Stderr),
+        stdout: cmd.printed(first),
+        stderr: cmd.printed(StreamKind::Stderr),
     };
-    respond(t, cmd.pid, cmd.events(from), opts, opts.deadline())
+    respond(t, cmd.pid(), cmd.events(from), opts, opts.deadline())
 }
 
 /// The process stream: `start`, then the command's output and its end.
-fn respond(
-    t: &Target,
+fn respond<S: HostedSandbox>(
+    t: &Target<S>,
     pid: u32,
-    events: BoxStream<'static, crate::error::Result<ProcessEvent>>,
+    events: BoxStream<'static, Result<ProcessEvent, Failure>>,
     opts: CallOpts,
     deadline: Option<tokio::time::Instant>,
 ) -> Response {
@@ -455,7 +466,7 @@ fn respond(
             keepalive: opts.keepalive,
             keepalive_msg,
             deadline,
-            sever: Some(t.session.cancel.clone()),
+            sever: Some(t.sandbox.lifetime().clone()),
             span: tracing::Span::current(),
         },
     )
@@ -463,7 +474,7 @@ fn respond(
 
 /// An `EndEvent` shaped like Go's `ProcessState`: `exit status N`, or `signal: killed`
 /// with exit code -1.
-pub(super) fn end_event(status: ExitStatus) -> EndEvent {
+pub(crate) fn end_event(status: ExitStatus) -> EndEvent {
     match (status.code, status.signal) {
         (Some(code), _) => EndEvent::exited_with(code),
         (None, Some(sig)) => EndEvent::signaled(sig),
@@ -473,7 +484,12 @@ pub(super) fn end_event(status: ExitStatus) -> EndEvent {
 
 // === StreamInput ===
 
-async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> Response {
+async fn stream_input<S: HostedSandbox>(
+    ctx: &CallCtx,
+    opts: CallOpts,
+    t: &Target<S>,
+    body: Body,
+) -> Response {
     let mut messages = connect::message_stream::<StreamInputRequest>(body);
     let deadline = opts.deadline();
     let work = async {
@@ -491,7 +507,8 @@ async fn stream_input(ctx: &CallCtx, opts: CallOpts, t: &Target, body: Body) -> 
             match m? {
                 StreamInputRequest::Data(d) => match d.input {
                     Some(ProcessInput::Stdin(b) | ProcessInput::Pty(b)) => {
-                        ctx.run(cmd.handle.write_stdin(ctx, Bytes::from(b))).await?;
+                        ctx.run(cmd.handle().write_stdin(ctx, Bytes::from(b)))
+                            .await?;
                     }
                     None => return Err(RpcError::invalid("data without input")),
                 },

@@ -30,13 +30,10 @@ use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, ProviderError, Sandbox};
 use tracing::Instrument;
 
-use super::connect::{self, CallOpts, RpcError, StreamOpts};
-use super::envd::{self, Target};
-use super::{SandboxExtra, resolve_path};
-use crate::http::RequestCtx;
-use crate::ops::{self, FsOp};
-use crate::state::AppState;
-use tether_provider::Clock;
+use crate::connect::{self, CallOpts, RpcError, StreamOpts};
+use crate::util::resolve_path;
+use crate::{EnvdState, Host, HostedSandbox, RequestCtx, Target, rest};
+use tether_provider::{Clock, FsOp};
 
 /// How often the polling watcher lists a directory.
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -45,8 +42,8 @@ const POLL_DEPTH: u32 = 32;
 /// Events a watcher keeps until they are taken; older ones are dropped beyond this.
 const WATCHER_BUFFER: usize = 10_000;
 
-pub(super) fn routes() -> Router<Arc<AppState>> {
-    Router::new().route("/filesystem.Filesystem/{method}", post(rpc))
+pub(crate) fn routes<H: Host>() -> Router<Arc<H>> {
+    Router::new().route("/filesystem.Filesystem/{method}", post(rpc::<H>))
 }
 
 /// The methods of `filesystem.Filesystem`.
@@ -94,8 +91,8 @@ impl Method {
         }
     }
 
-    fn span(self, t: &Target) -> tracing::Span {
-        let (s, id) = (&t.session.id, &t.id);
+    fn span<S: HostedSandbox>(self, t: &Target<S>) -> tracing::Span {
+        let (s, id) = (t.sandbox.session_id(), &t.id);
         // One callsite for every method; `otel.name` carries the method's span name.
         tracing::info_span!(
             "e2b.filesystem",
@@ -108,8 +105,8 @@ impl Method {
     }
 }
 
-async fn rpc(
-    State(state): State<Arc<AppState>>,
+async fn rpc<H: Host>(
+    State(host): State<Arc<H>>,
     Path(method): Path<String>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
@@ -122,13 +119,13 @@ async fn rpc(
         )
         .into_response();
     };
-    let (opts, target, user) = match envd::admit(&state, &headers, m == Method::WatchDir) {
+    let (opts, target, user) = match rest::admit(&*host, &headers, m == Method::WatchDir) {
         Ok(x) => x,
         Err(r) => return *r,
     };
     let span = m.span(&target);
     // Every operation is bounded by the call's timeout and by the daemon's fs limit.
-    let fs_limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+    let fs_limit = host.limits().fs_op;
     let limit = opts.timeout.map_or(fs_limit, |t| t.min(fs_limit));
     let cctx = ctx.with_timeout(limit, Clock::Total);
     let resp = async {
@@ -154,24 +151,24 @@ async fn rpc(
     resp
 }
 
-async fn unary(
+async fn unary<S: HostedSandbox>(
     m: Method,
     ctx: &CallCtx,
-    t: &Target,
+    t: &Target<S>,
     user: &str,
     body: &[u8],
 ) -> Result<Response, RpcError> {
-    let sandbox = t.session.sandbox()?;
+    let sandbox = t.sandbox.sandbox()?;
     let fs = sandbox.fs();
     match m {
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path, user);
-            let st = ops::api(&t.session, ctx, FsOp::Stat, &path, |c, p| async move {
+            let st = crate::fs_op(t, ctx, FsOp::Stat, &path, |c, p| async move {
                 fs.stat(&c, p).await
             })
             .await?;
-            let entry = ctx.run(async { Ok(resolved_entry(ctx, fs, &st, &t.extra).await) });
+            let entry = ctx.run(async { Ok(resolved_entry(ctx, fs, &st, &t.state).await) });
             Ok(connect::unary_ok(&EntryResponse {
                 entry: entry.await?,
             }))
@@ -187,14 +184,14 @@ async fn unary(
                 )));
             }
             let depth = req.depth.max(1);
-            let listed = ops::api(&t.session, ctx, FsOp::List, &path, |c, p| async move {
+            let listed = crate::fs_op(t, ctx, FsOp::List, &path, |c, p| async move {
                 fs.list(&c, p, depth).await
             })
             .await?;
             let entries = ctx.run(async {
                 let mut out = Vec::with_capacity(listed.len());
                 for e in &listed {
-                    out.push(resolved_entry(ctx, fs, &e.stat, &t.extra).await);
+                    out.push(resolved_entry(ctx, fs, &e.stat, &t.state).await);
                 }
                 Ok(out)
             });
@@ -205,13 +202,13 @@ async fn unary(
         Method::MakeDir => {
             let req: PathRequest = connect::decode_unary(body)?;
             let path = resolve_path(&req.path, user);
-            let r = ops::api(&t.session, ctx, FsOp::Mkdir, &path, |c, p| async move {
+            let r = crate::fs_op(t, ctx, FsOp::Mkdir, &path, |c, p| async move {
                 fs.mkdir(&c, p, true).await
             })
             .await;
             match r {
                 Ok(st) => Ok(connect::unary_ok(&EntryResponse {
-                    entry: resolved_entry(ctx, fs, &st, &t.extra).await,
+                    entry: resolved_entry(ctx, fs, &st, &t.state).await,
                 })),
                 Err(e) if e.code() == ErrorCode::FsAlreadyExists => {
                     // envd: an existing directory is `already_exists`, anything else in the
@@ -238,13 +235,13 @@ async fn unary(
             );
             let (f, d) = (&from, &to);
             let both = format!("{from} -> {to}");
-            let st = ops::api(&t.session, ctx, FsOp::Rename, &both, |c, _| async move {
+            let st = crate::fs_op(t, ctx, FsOp::Rename, &both, |c, _| async move {
                 fs.rename(&c, f, d).await
             })
             .await?;
-            t.extra.move_meta(&from, Some(&to));
+            t.state.move_meta(&from, Some(&to));
             Ok(connect::unary_ok(&EntryResponse {
-                entry: resolved_entry(ctx, fs, &st, &t.extra).await,
+                entry: resolved_entry(ctx, fs, &st, &t.state).await,
             }))
         }
         Method::Remove => {
@@ -252,14 +249,14 @@ async fn unary(
             let path = resolve_path(&req.path, user);
             // envd removes with `os.RemoveAll`: a path that is not there is already
             // removed.
-            ops::api(&t.session, ctx, FsOp::Remove, &path, |c, p| async move {
+            crate::fs_op(t, ctx, FsOp::Remove, &path, |c, p| async move {
                 match fs.remove(&c, p, true).await {
                     Err(e) if e.code() == ErrorCode::FsNotFound => Ok(()),
                     r => r,
                 }
             })
             .await?;
-            t.extra.move_meta(&path, None);
+            t.state.move_meta(&path, None);
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::CreateWatcher => {
@@ -269,7 +266,7 @@ async fn unary(
         }
         Method::GetWatcherEvents => {
             let req: WatcherRequest = connect::decode_unary(body)?;
-            let w = watcher(&t.extra, &req.watcher_id)?;
+            let w = watcher(&t.state, &req.watcher_id)?;
             let (events, failure) = w.take();
             if let Some(e) = failure
                 && events.is_empty()
@@ -281,7 +278,7 @@ async fn unary(
         Method::RemoveWatcher => {
             let req: WatcherRequest = connect::decode_unary(body)?;
             let w = t
-                .extra
+                .state
                 .watchers
                 .write()
                 .ok()
@@ -302,7 +299,7 @@ async fn unary(
 // === entries ===
 
 /// `EntryInfo` of a seam stat.
-pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
+pub(crate) fn entry_info(st: &FileStat, extra: &EnvdState) -> EntryInfo {
     EntryInfo {
         name: st.name.clone(),
         kind: file_type(st.kind),
@@ -312,7 +309,7 @@ pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
         permissions: permissions(st.kind, st.mode),
         owner: "user".into(),
         group: "user".into(),
-        modified_time: Some(super::rfc3339(st.modified_ms)),
+        modified_time: Some(crate::util::rfc3339(st.modified_ms)),
         symlink_target: st.symlink_target.clone(),
         metadata: extra.meta_of(&st.path),
         is_symlink: st.kind == FileKind::Symlink,
@@ -320,7 +317,7 @@ pub(super) fn entry_info(st: &FileStat, extra: &SandboxExtra) -> EntryInfo {
 }
 
 /// The extended attribute namespace of file metadata (envd's `MetadataXattrPrefix`).
-pub(super) const META_XATTR_PREFIX: &str = "user.e2b.";
+pub(crate) const META_XATTR_PREFIX: &str = "user.e2b.";
 
 /// How many links a symlink chain may have before it counts as a loop (Linux's limit).
 const MAX_SYMLINK_HOPS: usize = 40;
@@ -329,11 +326,11 @@ const MAX_SYMLINK_HOPS: usize = 40;
 /// points to (type and mode of the final target, `symlinkTarget` its absolute path),
 /// while name, path, size and `permissions` stay the link's. A link that leads nowhere
 /// has type unspecified, mode 0, and its own path as target (Go's `EvalSymlinks` failed).
-pub(super) async fn resolved_entry(
+pub(crate) async fn resolved_entry(
     ctx: &CallCtx,
     fs: &dyn tether_provider::Fs,
     st: &FileStat,
-    extra: &SandboxExtra,
+    extra: &EnvdState,
 ) -> EntryInfo {
     let mut info = entry_info(st, extra);
     // envd keeps file metadata as `user.e2b.*` extended attributes, so what a process
@@ -620,7 +617,7 @@ fn diff(a: &BTreeMap<String, Seen>, b: &BTreeMap<String, Seen>) -> Vec<FsEvent> 
 async fn to_event(
     ctx: &CallCtx,
     sandbox: &Arc<dyn Sandbox>,
-    extra: &SandboxExtra,
+    extra: &EnvdState,
     root: &str,
     ev: FsEvent,
     include_entry: bool,
@@ -649,17 +646,23 @@ async fn to_event(
     }
 }
 
-async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: Body) -> Response {
+async fn watch_dir<S: HostedSandbox>(
+    ctx: &CallCtx,
+    opts: CallOpts,
+    t: &Target<S>,
+    user: &str,
+    body: Body,
+) -> Response {
     let req: WatchRequest = match connect::read_single_message(body).await {
         Ok(r) => r,
         Err(e) => return connect::stream_error(&e),
     };
-    let sandbox = match t.session.sandbox() {
+    let sandbox = match t.sandbox.sandbox() {
         Ok(s) => s,
         Err(e) => return connect::stream_error(&RpcError::from(e)),
     };
     let path = resolve_path(&req.path, user);
-    let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.session.cancel.child());
+    let wctx = CallCtx::with_cancel(ctx.request_id.clone(), t.sandbox.lifetime().child());
     let events = match open_watch(
         ctx,
         wctx.clone(),
@@ -667,14 +670,14 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: 
         &path,
         &req.path,
         req.recursive,
-        t.extra.fs_op,
+        t.state.fs_op,
     )
     .await
     {
-        Ok(s) => with_uploads(s, Arc::clone(&t.extra), path.clone(), req.recursive),
+        Ok(s) => with_uploads(s, Arc::clone(&t.state), path.clone(), req.recursive),
         Err(e) => return connect::stream_error(&e),
     };
-    let extra = Arc::clone(&t.extra);
+    let extra = Arc::clone(&t.state);
     let include = req.include_entry;
     let first =
         futures_util::stream::once(async { Ok(connect::msg(&WatchDirResponse::Start(Empty {}))) });
@@ -697,7 +700,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: 
             keepalive: opts.keepalive,
             keepalive_msg: connect::msg(&WatchDirResponse::Keepalive(Empty {})),
             deadline: opts.deadline(),
-            sever: Some(t.session.cancel.clone()),
+            sever: Some(t.sandbox.lifetime().clone()),
             span: tracing::Span::current(),
         },
     )
@@ -707,7 +710,7 @@ async fn watch_dir(ctx: &CallCtx, opts: CallOpts, t: &Target, user: &str, body: 
 
 /// What an upload did to a path, as envd's watches see it.
 #[derive(Debug, Clone)]
-pub(super) struct Announced {
+pub(crate) struct Announced {
     /// The absolute sandbox path.
     path: String,
     /// The events, in order.
@@ -724,7 +727,7 @@ fn watched_name(root: &str, recursive: bool, abs: &str) -> Option<String> {
 
 /// Whether a provider's event is one an upload in progress (or just answered) makes,
 /// which the front reports itself.
-fn upload_noise(extra: &SandboxExtra, root: &str, ev: &FsEvent) -> bool {
+fn upload_noise(extra: &EnvdState, root: &str, ev: &FsEvent) -> bool {
     matches!(
         ev.kind,
         FsEventKind::Create | FsEventKind::Write | FsEventKind::Chmod
@@ -735,10 +738,10 @@ fn upload_noise(extra: &SandboxExtra, root: &str, ev: &FsEvent) -> bool {
 /// created, its owner set and its bytes written (`CREATE`, `CHMOD`, `WRITE`); an existing
 /// one is written. The `CreateWatcher` buffers have them before the upload is answered
 /// (the Python SDK reads them right after); the `WatchDir` streams get them in order.
-pub(super) async fn announce_upload(
+pub(crate) async fn announce_upload(
     ctx: &CallCtx,
     sandbox: &Arc<dyn Sandbox>,
-    extra: &Arc<SandboxExtra>,
+    extra: &Arc<EnvdState>,
     path: &str,
     created: bool,
 ) {
@@ -776,14 +779,14 @@ pub(super) async fn announce_upload(
 /// the provider's watch ends.
 fn with_uploads(
     events: BoxStream<'static, Result<FsEvent, RpcError>>,
-    extra: Arc<SandboxExtra>,
+    extra: Arc<EnvdState>,
     root: String,
     recursive: bool,
 ) -> BoxStream<'static, Result<FsEvent, RpcError>> {
     struct St {
         events: BoxStream<'static, Result<FsEvent, RpcError>>,
         announced: tokio::sync::broadcast::Receiver<Announced>,
-        extra: Arc<SandboxExtra>,
+        extra: Arc<EnvdState>,
         root: String,
         recursive: bool,
         pending: VecDeque<FsEvent>,
@@ -834,7 +837,7 @@ fn with_uploads(
 
 /// A watch whose events wait to be taken.
 #[derive(Debug)]
-pub(super) struct Watcher {
+pub(crate) struct Watcher {
     events: RwLock<VecDeque<FilesystemEvent>>,
     failure: RwLock<Option<RpcError>>,
     stop: CancelToken,
@@ -845,7 +848,7 @@ pub(super) struct Watcher {
 }
 
 impl Watcher {
-    pub(super) fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.stop.cancel(CancelReason::Caller("watcher removed"));
     }
 
@@ -869,7 +872,7 @@ impl Watcher {
     }
 }
 
-fn watcher(extra: &SandboxExtra, id: &str) -> Result<Arc<Watcher>, RpcError> {
+fn watcher(extra: &EnvdState, id: &str) -> Result<Arc<Watcher>, RpcError> {
     extra
         .watchers
         .read()
@@ -878,15 +881,15 @@ fn watcher(extra: &SandboxExtra, id: &str) -> Result<Arc<Watcher>, RpcError> {
         .ok_or_else(|| RpcError::not_found(format!("watcher with id {id} not found")))
 }
 
-async fn create_watcher(
+async fn create_watcher<S: HostedSandbox>(
     ctx: &CallCtx,
-    t: &Target,
+    t: &Target<S>,
     user: &str,
     sandbox: Arc<dyn Sandbox>,
     req: &WatchRequest,
 ) -> Result<String, RpcError> {
     let path = resolve_path(&req.path, user);
-    let stop = t.session.cancel.child();
+    let stop = t.sandbox.lifetime().child();
     let wctx = CallCtx::with_cancel(format!("watcher-{}", ctx.request_id), stop.clone());
     let mut events = open_watch(
         ctx,
@@ -895,7 +898,7 @@ async fn create_watcher(
         &path,
         &req.path,
         req.recursive,
-        t.extra.fs_op,
+        t.state.fs_op,
     )
     .await?;
     let id = uuid::Uuid::new_v4().simple().to_string();
@@ -907,13 +910,12 @@ async fn create_watcher(
         recursive: req.recursive,
         include_entry: req.include_entry,
     });
-    if let Ok(mut m) = t.extra.watchers.write() {
+    if let Ok(mut m) = t.state.watchers.write() {
         m.insert(id.clone(), Arc::clone(&w));
     }
-    let (extra, include) = (Arc::clone(&t.extra), req.include_entry);
-    let span =
-        tracing::info_span!("e2b.filesystem.watcher", session.id = %t.session.id, watcher.id = %id);
-    t.session.tasks().spawn(
+    let (extra, include) = (Arc::clone(&t.state), req.include_entry);
+    let span = tracing::info_span!("e2b.filesystem.watcher", session.id = %t.sandbox.session_id(), watcher.id = %id);
+    t.sandbox.spawn(
         async move {
             loop {
                 let next = tokio::select! {

@@ -34,14 +34,10 @@ use tether_protocol::fs::{ByteRange, FileKind, WriteGuard, WriteOutcome};
 use tether_provider::{ByteStream, CallCtx, ProviderError};
 use tracing::Instrument;
 
-use super::multipart::{Multipart, boundary_of};
-use super::{RestError, SandboxExtra, auth, query_param, resolve_path};
-use crate::error::DaemonError;
-use crate::http::RequestCtx;
-use crate::ops::{self, FsOp, Surface};
-use crate::session_manager::{Scope, Session, SessionState};
-use crate::state::AppState;
-use tether_provider::Clock;
+use crate::multipart::{Multipart, boundary_of};
+use crate::util::{query_param, resolve_path};
+use crate::{EnvdState, Failure, Host, HostedSandbox, RequestCtx, RestError, Target, auth};
+use tether_provider::{Clock, FsOp};
 
 /// Chunks queued between an upload's body and the provider's write.
 const UPLOAD_QUEUE: usize = 8;
@@ -50,27 +46,19 @@ const UPLOAD_QUEUE: usize = 8;
 /// refused part-way, before the answer: Go's server (envd) reads up to 256 KiB.
 const DRAIN_AFTER_REFUSAL: usize = 256 * 1024;
 
-pub(super) fn routes() -> Router<Arc<AppState>> {
+pub(crate) fn routes<H: Host>() -> Router<Arc<H>> {
     Router::new()
-        .route("/health", get(health))
-        .route("/init", post(init))
-        .route("/envs", get(envs))
-        .route("/files", get(download).post(upload))
+        .route("/health", get(health::<H>))
+        .route("/init", post(init::<H>))
+        .route("/envs", get(envs::<H>))
+        .route("/files", get(download::<H>).post(upload::<H>))
 }
 
 // === routing and auth ===
 
-/// The sandbox an envd request is for.
-#[derive(Debug, Clone)]
-pub(super) struct Target {
-    pub(super) session: Arc<Session>,
-    pub(super) extra: Arc<SandboxExtra>,
-    pub(super) id: String,
-}
-
 /// Why an envd request is refused before it reaches its sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Reject {
+pub enum Reject {
     /// Neither the header nor the host names a sandbox.
     NoSandbox,
     /// No such live sandbox.
@@ -121,7 +109,7 @@ fn unauthorized(message: &str) -> Response {
 }
 
 /// An answer of E2B's edge proxy (`{sandboxId, message, code, port}`).
-pub(super) fn proxy_error(
+pub fn proxy_error(
     status: StatusCode,
     sandbox_id: String,
     message: &str,
@@ -140,7 +128,7 @@ pub(super) fn proxy_error(
 }
 
 /// The sandbox id and port an envd request names, if any.
-pub(super) fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
+pub fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
     if let Some(id) = headers
         .get("e2b-sandbox-id")
         .and_then(|v| v.to_str().ok())
@@ -169,29 +157,13 @@ pub(super) fn addressed(headers: &HeaderMap) -> Option<(String, u16)> {
     .then(|| (id.to_owned(), port))
 }
 
-/// The live E2B sandbox named by `id`, without checking credentials.
-pub(super) fn find(state: &AppState, id: &str) -> Option<Target> {
-    let session = state.sessions.get(id, Scope::Any).ok()?;
-    // Only sessions created through the front (owned by a tenant) are E2B sandboxes.
-    if session.owner.is_none() || session.state() != SessionState::Active {
-        state.e2b.forget(id);
-        return None;
-    }
-    if session.is_paused() {
-        return None;
-    }
-    let extra = state.e2b.extra(id, session.params.template.as_deref());
-    Some(Target {
-        session,
-        extra,
-        id: id.to_owned(),
-    })
-}
-
 /// Resolve the sandbox of an envd request and check its access token.
-pub(super) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
-    let target = locate(state, headers)?;
-    let Some(token) = state.e2b.expected_token(&target.id) else {
+pub(crate) fn authorize<H: Host>(
+    host: &H,
+    headers: &HeaderMap,
+) -> Result<Target<H::Sandbox>, Reject> {
+    let target = locate(host, headers)?;
+    let Some(token) = host.expected_token(&target.id) else {
         return Ok(target);
     };
     match auth::access_token_matches(headers, &token) {
@@ -200,93 +172,92 @@ pub(super) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Target,
     }
 }
 
-fn locate(state: &AppState, headers: &HeaderMap) -> Result<Target, Reject> {
-    if let Some(id) = state.e2b.guest_id() {
-        // A guest agent serves one sandbox, whatever the request names.
-        return find(state, id).ok_or_else(|| Reject::NotFound(id.to_owned()));
+fn locate<H: Host>(host: &H, headers: &HeaderMap) -> Result<Target<H::Sandbox>, Reject> {
+    if let Some(id) = host.only() {
+        // A host inside the machine serves one sandbox, whatever the request names.
+        return host.find(&id).ok_or(Reject::NotFound(id));
     }
     let (id, port) = addressed(headers).ok_or(Reject::NoSandbox)?;
-    let target = find(state, &id).ok_or_else(|| Reject::NotFound(id.clone()))?;
+    let target = host.find(&id).ok_or_else(|| Reject::NotFound(id.clone()))?;
     if port != ENVD_PORT {
         return Err(Reject::PortClosed(id, port));
     }
     Ok(target)
 }
 
-/// The user an envd operation runs as: the one asked for (`user` or `root`), else the
-/// `/init` default, else `user`.
+/// An admitted Connect call: its options, its sandbox and the envd user it runs as.
+pub(crate) type Admitted<S> = (crate::connect::CallOpts, Target<S>, String);
+
 /// What every Connect RPC checks before its method runs: the call options, the sandbox and
 /// its envd access token, and the envd user. A refusal is already a response in the
 /// method's framing (a streaming method's errors travel in an end-of-stream frame).
-pub(super) fn admit(
-    state: &AppState,
+pub(crate) fn admit<H: Host>(
+    host: &H,
     headers: &HeaderMap,
     streaming: bool,
-) -> Result<(super::connect::CallOpts, Target, String), Box<Response>> {
+) -> Result<Admitted<H::Sandbox>, Box<Response>> {
     let refuse = |r: Response| Box::new(r);
-    let opts = super::connect::CallOpts::parse(headers, streaming)
+    let opts = crate::connect::CallOpts::parse(headers, streaming)
         .map_err(|e| refuse(e.into_response()))?;
-    let target = authorize(state, headers).map_err(|e| refuse(e.into_response()))?;
+    let target = authorize(host, headers).map_err(|e| refuse(e.into_response()))?;
     let user = auth::basic_user(headers)
-        .and_then(|u| effective_user(u, &target.extra))
+        .and_then(|u| effective_user(u, &target.state))
         .map_err(|e| {
-            let e = super::connect::RpcError::new(
+            let e = crate::connect::RpcError::new(
                 tether_protocol::e2b::ConnectCode::Unauthenticated,
                 e,
             );
             refuse(if streaming {
-                super::connect::stream_error(&e)
+                crate::connect::stream_error(&e)
             } else {
                 e.into_response()
             })
         })?;
-    target.session.touch();
+    target.sandbox.touch();
     Ok((opts, target, user))
 }
 
-pub(super) fn effective_user(
-    asked: Option<String>,
-    extra: &SandboxExtra,
-) -> Result<String, String> {
+/// The user an envd operation runs as: the one asked for (`user` or `root`), else the
+/// `/init` default, else `user`.
+pub(crate) fn effective_user(asked: Option<String>, state: &EnvdState) -> Result<String, String> {
     let user = asked
-        .or_else(|| extra.init().default_user)
+        .or_else(|| state.init().default_user)
         .unwrap_or_else(|| "user".to_owned());
     auth::check_user(&user)?;
     Ok(user)
 }
 
 /// A context for work that outlives the request handler (a streamed download): cancelled
-/// only by the session's end or shutdown, bounded by `limit`.
-fn detached_ctx(ctx: &CallCtx, session: &Session, limit: Duration) -> CallCtx {
-    CallCtx::with_cancel(ctx.request_id.clone(), session.cancel.child())
+/// only by the sandbox's end (or its host's shutdown), bounded by `limit`.
+fn detached_ctx<S: HostedSandbox>(ctx: &CallCtx, sandbox: &S, limit: Duration) -> CallCtx {
+    CallCtx::with_cancel(ctx.request_id.clone(), sandbox.lifetime().child())
         .with_trace(ctx.trace.clone())
         .with_timeout(limit, Clock::Total)
 }
 
 // === /health, /init, /envs ===
 
-async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Some(id) = state.e2b.guest_id() {
+async fn health<H: Host>(State(host): State<Arc<H>>, headers: HeaderMap) -> Response {
+    let no_store = || {
+        (
+            StatusCode::NO_CONTENT,
+            [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
+        )
+            .into_response()
+    };
+    if let Some(id) = host.only() {
         // envd's own health: unauthenticated, 204 while the machine serves.
-        return match find(&state, id) {
-            Some(_) => (
-                StatusCode::NO_CONTENT,
-                [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
-            )
-                .into_response(),
-            None => Reject::NotFound(id.to_owned()).into_response(),
+        return match host.find(&id) {
+            Some(_) => no_store(),
+            None => Reject::NotFound(id).into_response(),
         };
     }
     match addressed(&headers) {
         // envd's health: 204 while the sandbox lives, to a caller holding its access
         // token. Without it (or with another sandbox's) the answer is exactly the one for
         // a sandbox that does not exist, so an unauthenticated probe learns nothing.
-        Some((id, _)) => match authorize(&state, &headers) {
-            Ok(_) => (
-                StatusCode::NO_CONTENT,
-                [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
-            )
-                .into_response(),
+        Some((id, _)) => match authorize(&*host, &headers) {
+            Ok(_) => no_store(),
             Err(Reject::NoSandbox) => Reject::NoSandbox.into_response(),
             Err(_) => Reject::NotFound(id).into_response(),
         },
@@ -295,8 +266,8 @@ async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     }
 }
 
-async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let target = match locate(&state, &headers) {
+async fn init<H: Host>(State(host): State<Arc<H>>, headers: HeaderMap, body: Bytes) -> Response {
+    let target = match locate(&*host, &headers) {
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
@@ -310,37 +281,43 @@ async fn init(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byte
             }
         }
     };
-    if let Some(slot) = &state.e2b.guest {
-        return match guest_init(slot, &headers, &req) {
-            Ok(()) => apply_init(&target, req),
-            Err(r) => *r,
-        };
+    if let Err(refused) = host.init(&target, &headers, &req) {
+        return *refused;
     }
-    let token = state.e2b.access_token(&target.id);
-    // `/init` authenticates itself: the token in the body (or the header) must be the
-    // sandbox's; a different one is a mismatch, none at all is refused.
+    apply_init(&target.state, req)
+}
+
+/// The `/init` check of a sandbox whose access token is `token` (a host's
+/// [`Host::init`]): `/init` authenticates itself, so the token in the body (or the
+/// header) must be the sandbox's; a different one is a mismatch, none at all is refused.
+pub fn init_token_check(
+    token: &str,
+    headers: &HeaderMap,
+    req: &InitRequest,
+) -> Result<(), Box<Response>> {
     let in_body = req
         .access_token
         .as_deref()
         .map(|t| auth::constant_time_eq(t.as_bytes(), token.as_bytes()));
-    let in_header = auth::access_token_matches(&headers, &token);
-    if !matches!(
+    let in_header = auth::access_token_matches(headers, token);
+    if matches!(
         (in_body, in_header),
         (Some(true), None | Some(true)) | (None, Some(true))
     ) {
-        return Reject::Unauthorized.into_response();
+        Ok(())
+    } else {
+        Err(Box::new(Reject::Unauthorized.into_response()))
     }
-    apply_init(&target, req)
 }
 
 /// `/init`'s defaults: the sandbox-wide environment, user and working directory.
-fn apply_init(target: &Target, req: InitRequest) -> Response {
+fn apply_init(state: &EnvdState, req: InitRequest) -> Response {
     if let Some(u) = &req.default_user
         && let Err(e) = auth::check_user(u)
     {
         return RestError::bad_request(e).into_response();
     }
-    if let Ok(mut init) = target.extra.init.write() {
+    if let Ok(mut init) = state.init.write() {
         if let Some(env) = req.env_vars {
             init.env.extend(env);
         }
@@ -359,83 +336,13 @@ fn apply_init(target: &Target, req: InitRequest) -> Response {
         .into_response()
 }
 
-/// A guest agent's `/init`: the access token (the first one set stays, as envd's, except
-/// that the holder of the current token may change it: every VM restored from one saved
-/// state gets its own), the clock and fresh entropy.
-fn guest_init(
-    slot: &super::GuestSlot,
-    headers: &HeaderMap,
-    req: &InitRequest,
-) -> Result<(), Box<Response>> {
-    {
-        let Ok(mut current) = slot.token.write() else {
-            return Err(
-                RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "token lock")
-                    .into_response()
-                    .into(),
-            );
-        };
-        let holds_current = |c: &str| auth::access_token_matches(headers, c) == Some(true);
-        match (current.as_deref(), req.access_token.as_deref()) {
-            (None, Some(new)) => *current = Some(new.to_owned()),
-            (None, None) => {}
-            (Some(c), Some(new)) if auth::constant_time_eq(c.as_bytes(), new.as_bytes()) => {}
-            (Some(c), Some(new)) if holds_current(c) => *current = Some(new.to_owned()),
-            (Some(_), Some(_)) => {
-                return Err(RestError::new(
-                    StatusCode::CONFLICT,
-                    "access token is already set and cannot be changed",
-                )
-                .into_response()
-                .into());
-            }
-            (Some(c), None) if holds_current(c) => {}
-            (Some(_), None) => return Err(Reject::Unauthorized.into_response().into()),
-        }
-    }
-    if slot.cfg.set_clock
-        && let Some(ms) = req.timestamp.as_deref().and_then(super::parse_rfc3339)
-    {
-        let ts =
-            nix::sys::time::TimeSpec::new(ms.div_euclid(1000), ms.rem_euclid(1000) * 1_000_000);
-        if let Err(e) = nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, ts) {
-            tracing::warn!(error = %e, "Could not set the clock");
-        }
-    }
-    if let Some(seed) = &req.tether_entropy {
-        use base64::Engine as _;
-        let bytes = match base64::engine::general_purpose::STANDARD.decode(seed) {
-            Ok(b) if b.len() >= MIN_ENTROPY_BYTES => b,
-            _ => {
-                return Err(RestError::bad_request(format!(
-                    "tetherEntropy must be base64 of at least {MIN_ENTROPY_BYTES} bytes"
-                ))
-                .into_response()
-                .into());
-            }
-        };
-        // Written to the pool (mixed in, not credited): enough for clones to diverge.
-        if let Err(e) = std::fs::OpenOptions::new()
-            .write(true)
-            .open("/dev/urandom")
-            .and_then(|mut f| f.write_all(&bytes))
-        {
-            tracing::warn!(error = %e, "Could not add entropy");
-        }
-    }
-    Ok(())
-}
-
-/// Least entropy a guest agent's `/init` takes.
-const MIN_ENTROPY_BYTES: usize = 32;
-
-async fn envs(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let target = match authorize(&state, &headers) {
+async fn envs<H: Host>(State(host): State<Arc<H>>, headers: HeaderMap) -> Response {
+    let target = match authorize(&*host, &headers) {
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
-    let mut env: BTreeMap<String, String> = target.session.params.env.clone();
-    env.extend(target.extra.init().env);
+    let mut env: BTreeMap<String, String> = target.sandbox.env().clone();
+    env.extend(target.state.init().env);
     axum::Json(env).into_response()
 }
 
@@ -464,30 +371,30 @@ impl FilesQuery {
 /// Resolve and authorize a `/files` request: the access token, or a valid signature for
 /// `op`. A signed URL may come without a routing header (it is a plain link): then the
 /// signature itself names the sandbox.
-fn files_target(
-    state: &AppState,
+fn files_target<H: Host>(
+    host: &H,
     headers: &HeaderMap,
     q: &FilesQuery,
     op: &str,
-) -> Result<Target, Reject> {
+) -> Result<Target<H::Sandbox>, Reject> {
     let located = match addressed(headers) {
-        _ if state.e2b.guest_id().is_some() => {
-            let t = locate(state, headers)?;
-            if state.e2b.expected_token(&t.id).is_none() {
+        _ if host.only().is_some() => {
+            let t = locate(host, headers)?;
+            if host.expected_token(&t.id).is_none() {
                 return Ok(t);
             }
             Some(t)
         }
-        Some(_) => Some(locate(state, headers)?),
+        Some(_) => Some(locate(host, headers)?),
         None => None,
     };
     // The signature is checked before its expiration, so a forged URL never learns
     // whether its expiration was the problem.
-    let signed = |t: &Target| -> Signed {
+    let signed = |t: &Target<H::Sandbox>| -> Signed {
         let Some(sig) = &q.signature else {
             return Signed::No;
         };
-        let token = state.e2b.expected_token(&t.id).unwrap_or_default();
+        let token = host.expected_token(&t.id).unwrap_or_default();
         let want = auth::file_signature(
             q.path.as_deref().unwrap_or(""),
             op,
@@ -499,11 +406,11 @@ fn files_target(
             return Signed::No;
         }
         match q.expiration {
-            Some(exp) if exp < super::now_ms() / 1000 => Signed::Expired,
+            Some(exp) if exp < crate::util::now_ms() / 1000 => Signed::Expired,
             _ => Signed::Valid,
         }
     };
-    let admit = |t: Target, how: Signed| match how {
+    let admit = |t: Target<H::Sandbox>, how: Signed| match how {
         Signed::Valid => Ok(t),
         Signed::Expired => Err(Reject::SignatureExpired),
         Signed::No => Err(Reject::Unauthorized),
@@ -511,7 +418,7 @@ fn files_target(
     match located {
         Some(t) => match auth::access_token_matches(
             headers,
-            &state.e2b.expected_token(&t.id).unwrap_or_default(),
+            &host.expected_token(&t.id).unwrap_or_default(),
         ) {
             Some(true) => Ok(t),
             Some(false) => Err(Reject::Unauthorized),
@@ -524,12 +431,8 @@ fn files_target(
             if q.signature.is_none() {
                 return Err(Reject::NoSandbox);
             }
-            state
-                .sessions
-                .list(Scope::Any)
+            host.all()
                 .into_iter()
-                .filter(|s| s.owner.is_some() && s.state() == SessionState::Active)
-                .filter_map(|s| find(state, &s.id))
                 .find_map(|t| match signed(&t) {
                     Signed::No => None,
                     how => Some(admit(t, how)),
@@ -550,19 +453,19 @@ enum Signed {
     Valid,
 }
 
-async fn download(
-    State(state): State<Arc<AppState>>,
+async fn download<H: Host>(
+    State(host): State<Arc<H>>,
     RequestCtx(ctx): RequestCtx,
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Response {
     let q = FilesQuery::parse(raw.as_deref());
-    let target = match files_target(&state, &headers, &q, "read") {
+    let target = match files_target(&*host, &headers, &q, "read") {
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.read", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_download(&state, &ctx, &target, &q, &headers)
+    let r = serve_download(&*host, &ctx, &target, &q, &headers)
         .instrument(span.clone())
         .await;
     span.record(
@@ -576,26 +479,26 @@ async fn download(
     r
 }
 
-async fn serve_download(
-    state: &AppState,
+async fn serve_download<H: Host>(
+    host: &H,
     ctx: &CallCtx,
-    target: &Target,
+    target: &Target<H::Sandbox>,
     q: &FilesQuery,
     headers: &HeaderMap,
 ) -> Response {
-    let user = match effective_user(q.username.clone(), &target.extra) {
+    let user = match effective_user(q.username.clone(), &target.state) {
         Ok(u) => u,
         Err(e) => return RestError::unauthorized(e).into_response(),
     };
     let shown = q.path.clone().unwrap_or_default();
     let path = resolve_path(&shown, &user);
-    let sandbox = match target.session.sandbox() {
+    let sandbox = match target.sandbox.sandbox() {
         Ok(s) => s,
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
     };
-    let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+    let limit = host.limits().fs_op;
     let fs = sandbox.fs();
-    let stat = ops::api(&target.session, ctx, FsOp::Stat, &path, |c, p| async move {
+    let stat = crate::fs_op(target, ctx, FsOp::Stat, &path, |c, p| async move {
         fs.stat(&c, p).await
     })
     .await;
@@ -631,18 +534,14 @@ async fn serve_download(
     };
     let gzip_asked = range.is_none() && accepts_gzip(headers);
     // The body outlives this handler: read under a context of its own.
-    let rctx = detached_ctx(ctx, &target.session, limit);
+    let rctx = detached_ctx(ctx, &*target.sandbox, limit);
     let want = range.map_or(ByteRange::default(), |(a, b)| ByteRange {
         offset: a,
         length: Some(b - a + 1),
     });
-    let opened = ops::api(
-        &target.session,
-        &rctx,
-        FsOp::Read,
-        &path,
-        |c, p| async move { fs.read(&c, p, want).await },
-    )
+    let opened = crate::fs_op(target, &rctx, FsOp::Read, &path, |c, p| async move {
+        fs.read(&c, p, want).await
+    })
     .await;
     let stream = match opened {
         Ok(s) => s,
@@ -902,20 +801,20 @@ fn gunzip_stream(
     .boxed()
 }
 
-async fn upload(
-    State(state): State<Arc<AppState>>,
+async fn upload<H: Host>(
+    State(host): State<Arc<H>>,
     RequestCtx(ctx): RequestCtx,
     RawQuery(raw): RawQuery,
     req: Request,
 ) -> Response {
     let q = FilesQuery::parse(raw.as_deref());
     let headers = req.headers().clone();
-    let target = match files_target(&state, &headers, &q, "write") {
+    let target = match files_target(&*host, &headers, &q, "write") {
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.write", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_upload(&state, &ctx, &target, &q, &headers, req.into_body())
+    let r = serve_upload(&*host, &ctx, &target, &q, &headers, req.into_body())
         .instrument(span.clone())
         .await;
     span.record(
@@ -929,15 +828,15 @@ async fn upload(
     r
 }
 
-async fn serve_upload(
-    state: &AppState,
+async fn serve_upload<H: Host>(
+    host: &H,
     ctx: &CallCtx,
-    target: &Target,
+    target: &Target<H::Sandbox>,
     q: &FilesQuery,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    let user = match effective_user(q.username.clone(), &target.extra) {
+    let user = match effective_user(q.username.clone(), &target.state) {
         Ok(u) => u,
         Err(e) => return RestError::unauthorized(e).into_response(),
     };
@@ -950,7 +849,7 @@ async fn serve_upload(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let max = state.config.server.max_file_bytes;
+    let max = host.limits().max_file_bytes;
     let body: BoxStream<'static, Result<Bytes, String>> = body
         .into_data_stream()
         .map(|r| r.map_err(|e| e.to_string()))
@@ -1020,7 +919,7 @@ async fn serve_upload(
                     }
                 };
                 let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
-                let (res, ()) = tokio::join!(write_one(state, ctx, target, &path, data), feed);
+                let (res, ()) = tokio::join!(write_one(ctx, target, &path, data), feed);
                 match res {
                     Ok(()) => written.push(entry(&path, metadata.clone())),
                     Err(e) => return Err(RestError::from_envd(&e).into_response()),
@@ -1032,7 +931,7 @@ async fn serve_upload(
         if let Err(refused) = parts_done {
             // Refused part-way: read what the client is still sending (bounded) before
             // answering, as Go's server does, so it gets the answer and not a reset.
-            let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
+            let limit = host.limits().fs_op;
             let drained = tokio::time::timeout(limit, mp.drain(DRAIN_AFTER_REFUSAL))
                 .await
                 .unwrap_or(false);
@@ -1095,7 +994,7 @@ async fn serve_upload(
                 Err(e) => Err(ProviderError::InvalidRequest { message: e }),
             })
             .boxed();
-        if let Err(e) = write_one(state, ctx, target, &path, data).await {
+        if let Err(e) = write_one(ctx, target, &path, data).await {
             return RestError::from_envd(&e).into_response();
         }
         written.push(entry(&path, metadata.clone()));
@@ -1105,7 +1004,7 @@ async fn serve_upload(
         ))
         .into_response();
     }
-    if let Err(e) = store_metadata(state, ctx, target, &written, metadata.as_ref()).await {
+    if let Err(e) = store_metadata(ctx, target, &written, metadata.as_ref()).await {
         return RestError::from_envd(&e).into_response();
     }
     (StatusCode::OK, axum::Json(written)).into_response()
@@ -1114,18 +1013,14 @@ async fn serve_upload(
 /// Keep the metadata of uploaded files as envd does, as `user.e2b.*` extended attributes
 /// replacing those of an earlier upload (none given clears them); the front's own copy
 /// where the provider has no extended attributes.
-async fn store_metadata(
-    state: &AppState,
+async fn store_metadata<S: HostedSandbox>(
     ctx: &CallCtx,
-    target: &Target,
+    target: &Target<S>,
     written: &[WrittenEntry],
     metadata: Option<&BTreeMap<String, String>>,
-) -> Result<(), DaemonError> {
-    let sandbox = target.session.sandbox()?;
-    let mctx = ctx.with_timeout(
-        Duration::from_millis(state.config.limits.fs_op_timeout_ms),
-        Clock::Total,
-    );
+) -> Result<(), Failure> {
+    let sandbox = target.sandbox.sandbox()?;
+    let mctx = ctx.with_timeout(target.state.fs_op, Clock::Total);
     let values: BTreeMap<String, Vec<u8>> = metadata
         .map(|m| {
             m.iter()
@@ -1139,14 +1034,14 @@ async fn store_metadata(
             .set_xattrs(
                 &mctx,
                 &w.path,
-                super::filesystem::META_XATTR_PREFIX,
+                crate::filesystem::META_XATTR_PREFIX,
                 values.clone(),
             )
             .await;
         match r {
-            Ok(()) => target.extra.set_meta(&w.path, None),
+            Ok(()) => target.state.set_meta(&w.path, None),
             Err(ProviderError::Unsupported { .. }) => {
-                target.extra.set_meta(&w.path, metadata.cloned());
+                target.state.set_meta(&w.path, metadata.cloned());
             }
             Err(e) => return Err(e.into()),
         }
@@ -1164,36 +1059,33 @@ fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry
 }
 
 /// Write one file through the seam, logged; the watches report it as envd does.
-async fn write_one(
-    state: &AppState,
+async fn write_one<S: HostedSandbox>(
     ctx: &CallCtx,
-    target: &Target,
+    target: &Target<S>,
     path: &str,
     data: ByteStream,
-) -> Result<(), DaemonError> {
-    let sandbox = target.session.sandbox()?;
-    target.session.touch();
-    let limit = Duration::from_millis(state.config.limits.fs_op_timeout_ms);
-    target.extra.upload_started(path);
-    let (sb, extra) = (&sandbox, &target.extra);
-    let r = ops::fs(
-        &target.session,
-        ctx,
-        FsOp::Write,
-        path,
-        Surface::Api,
-        limit,
-        FsOp::Write.span(&target.session, path),
-        |o: &WriteOutcome| Some(o.size),
-        |c| async move {
-            let o = sb.fs().write(&c, path, data, WriteGuard::None).await?;
-            super::filesystem::announce_upload(&c, sb, extra, path, o.created).await;
-            Ok(o)
-        },
-    )
-    .await;
-    target.extra.upload_ended(path);
-    r.map(|_| ()).map_err(DaemonError::from)
+) -> Result<(), Failure> {
+    let sandbox = target.sandbox.sandbox()?;
+    target.sandbox.touch();
+    target.state.upload_started(path);
+    let (sb, state) = (&sandbox, &target.state);
+    let r = target
+        .sandbox
+        .fs(
+            ctx,
+            FsOp::Write,
+            path,
+            target.state.fs_op,
+            |o: &WriteOutcome| Some(o.size),
+            |c| async move {
+                let o = sb.fs().write(&c, path, data, WriteGuard::None).await?;
+                crate::filesystem::announce_upload(&c, sb, state, path, o.created).await;
+                Ok(o)
+            },
+        )
+        .await;
+    target.state.upload_ended(path);
+    r.map(|_| ()).map_err(Failure::from)
 }
 
 /// `X-Metadata-<key>: <value>` headers: keys lowercased; printable ASCII only; 4 KiB in all.

@@ -35,42 +35,42 @@ use tether_protocol::e2b::{ConnectCode, ConnectErrorBody, EndOfStream};
 use tether_provider::clock::CancelToken;
 use tokio::time::Instant;
 
-use crate::error::DaemonError;
+use crate::error::Failure;
 
 /// The content type of unary Connect JSON.
-pub(super) const UNARY_JSON: &str = codec::UNARY_JSON;
+pub(crate) const UNARY_JSON: &str = codec::UNARY_JSON;
 /// The content type of streaming Connect JSON.
-pub(super) const STREAM_JSON: &str = codec::STREAM_JSON;
+pub(crate) const STREAM_JSON: &str = codec::STREAM_JSON;
 
 /// envd's keepalive interval when the client asks for none.
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
 
 /// The largest request message accepted (RPC requests are small; file data goes over
 /// `/files`).
-pub(super) const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
 // === impl RpcError ===
 
 /// A Connect error.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct RpcError {
-    pub(super) code: ConnectCode,
-    pub(super) message: String,
+pub(crate) struct RpcError {
+    pub(crate) code: ConnectCode,
+    pub(crate) message: String,
 }
 
 impl RpcError {
-    pub(super) fn new(code: ConnectCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(code: ConnectCode, message: impl Into<String>) -> Self {
         Self {
             code,
             message: message.into(),
         }
     }
 
-    pub(super) fn invalid(message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(ConnectCode::InvalidArgument, message)
     }
 
-    pub(super) fn not_found(message: impl Into<String>) -> Self {
+    pub(crate) fn not_found(message: impl Into<String>) -> Self {
         Self::new(ConnectCode::NotFound, message)
     }
 
@@ -95,16 +95,15 @@ impl From<FrameError> for RpcError {
     }
 }
 
-impl From<DaemonError> for RpcError {
-    fn from(e: DaemonError) -> Self {
-        super::log_error(&e);
-        Self::new(super::connect_code(e.code()), e.public_message())
+impl From<Failure> for RpcError {
+    fn from(e: Failure) -> Self {
+        Self::new(crate::connect_code(e.code), e.public_message())
     }
 }
 
 impl From<tether_provider::ProviderError> for RpcError {
     fn from(e: tether_provider::ProviderError) -> Self {
-        DaemonError::from(e).into()
+        Failure::from(e).into()
     }
 }
 
@@ -132,16 +131,16 @@ fn json_bytes<T: Serialize>(v: &T) -> Bytes {
 
 /// What a Connect request's headers ask for.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CallOpts {
+pub(crate) struct CallOpts {
     /// `Connect-Timeout-Ms`.
-    pub(super) timeout: Option<Duration>,
+    pub(crate) timeout: Option<Duration>,
     /// `Keepalive-Ping-Interval`.
-    pub(super) keepalive: Duration,
+    pub(crate) keepalive: Duration,
 }
 
 impl CallOpts {
     /// Parse and validate the headers of a call of the given kind.
-    pub(super) fn parse(headers: &HeaderMap, streaming: bool) -> Result<Self, RpcError> {
+    pub(crate) fn parse(headers: &HeaderMap, streaming: bool) -> Result<Self, RpcError> {
         check_content_type(headers, streaming)?;
         for name in ["content-encoding", "connect-content-encoding"] {
             if let Some(enc) = headers.get(name) {
@@ -161,7 +160,7 @@ impl CallOpts {
     }
 
     /// The call's deadline, from now.
-    pub(super) fn deadline(&self) -> Option<Instant> {
+    pub(crate) fn deadline(&self) -> Option<Instant> {
         self.timeout.map(|t| Instant::now() + t)
     }
 }
@@ -217,13 +216,13 @@ fn keepalive_of(headers: &HeaderMap) -> Duration {
 // === unary ===
 
 /// Decode a unary request body. An empty body is the empty message.
-pub(super) fn decode_unary<T: DeserializeOwned>(body: &[u8]) -> Result<T, RpcError> {
+pub(crate) fn decode_unary<T: DeserializeOwned>(body: &[u8]) -> Result<T, RpcError> {
     codec::decode_json(body)
         .map_err(|e| RpcError::invalid(format!("cannot decode the request message: {e}")))
 }
 
 /// A unary success.
-pub(super) fn unary_ok<T: Serialize>(msg: &T) -> Response {
+pub(crate) fn unary_ok<T: Serialize>(msg: &T) -> Response {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, HeaderValue::from_static(UNARY_JSON))],
@@ -233,7 +232,7 @@ pub(super) fn unary_ok<T: Serialize>(msg: &T) -> Response {
 }
 
 /// Read a whole (small) request body, refusing more than `max` bytes.
-pub(super) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError> {
+pub(crate) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError> {
     let mut stream = body.into_data_stream();
     let mut buf = BytesMut::new();
     while let Some(chunk) = stream.next().await {
@@ -259,7 +258,7 @@ pub(super) async fn read_body(body: Body, max: usize) -> Result<Bytes, RpcError>
 /// Frame one message envelope. Messages are bounded far below 4 GiB (request messages by
 /// [`MAX_MESSAGE_BYTES`], answers by what the front reads per message), so framing fails
 /// only on a broken invariant, reported as an internal error.
-pub(super) fn envelope(payload: &[u8]) -> Result<Bytes, RpcError> {
+pub(crate) fn envelope(payload: &[u8]) -> Result<Bytes, RpcError> {
     codec::message(payload).map_err(|e| RpcError::new(ConnectCode::Internal, e.to_string()))
 }
 
@@ -269,7 +268,7 @@ fn request_decoder() -> Decoder {
 }
 
 /// The one request message of a server-streaming call.
-pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Result<T, RpcError> {
+pub(crate) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Result<T, RpcError> {
     let bytes = read_body(body, MAX_MESSAGE_BYTES + codec::PREFIX_LEN).await?;
     let mut dec = request_decoder();
     dec.push(&bytes);
@@ -297,7 +296,7 @@ pub(super) async fn read_single_message<T: DeserializeOwned>(body: Body) -> Resu
 }
 
 /// The request messages of a client-streaming call, decoded as they arrive.
-pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
+pub(crate) fn message_stream<T: DeserializeOwned + Send + 'static>(
     body: Body,
 ) -> BoxStream<'static, Result<T, RpcError>> {
     struct St {
@@ -352,30 +351,30 @@ pub(super) fn message_stream<T: DeserializeOwned + Send + 'static>(
 // === streaming responses ===
 
 /// Options of a streaming response.
-pub(super) struct StreamOpts {
+pub(crate) struct StreamOpts {
     /// Keepalive interval.
-    pub(super) keepalive: Duration,
+    pub(crate) keepalive: Duration,
     /// The keepalive message of this service, JSON.
-    pub(super) keepalive_msg: Bytes,
+    pub(crate) keepalive_msg: Bytes,
     /// When the call's deadline passes, the stream ends with `deadline_exceeded`, even
     /// when a message (the end of a process its deadline killed) is ready at that moment:
     /// envd's handler returns its context's error first.
-    pub(super) deadline: Option<Instant>,
+    pub(crate) deadline: Option<Instant>,
     /// When this fires (the sandbox is gone), the connection is cut without an end frame,
     /// as a killed sandbox's envd cuts it: the SDKs then probe `/health` and report the
     /// sandbox killed, never a normal end.
-    pub(super) sever: Option<CancelToken>,
+    pub(crate) sever: Option<CancelToken>,
     /// The span the stream is produced in.
-    pub(super) span: tracing::Span,
+    pub(crate) span: tracing::Span,
 }
 
 /// Serialise a message for a stream.
-pub(super) fn msg<T: Serialize>(m: &T) -> Bytes {
+pub(crate) fn msg<T: Serialize>(m: &T) -> Bytes {
     json_bytes(m)
 }
 
 /// The end-of-stream frame.
-pub(super) fn end_frame(error: Option<&RpcError>) -> Bytes {
+pub(crate) fn end_frame(error: Option<&RpcError>) -> Bytes {
     codec::end_stream(&EndOfStream {
         error: error.map(RpcError::body),
         ..EndOfStream::default()
@@ -384,7 +383,7 @@ pub(super) fn end_frame(error: Option<&RpcError>) -> Bytes {
 
 /// A streaming response over `messages` (JSON payloads): message envelopes, keepalives,
 /// then the end-of-stream frame (`{}`, or the error that ended the stream).
-pub(super) fn stream_response(
+pub(crate) fn stream_response(
     messages: BoxStream<'static, Result<Bytes, RpcError>>,
     opts: StreamOpts,
 ) -> Response {
@@ -477,7 +476,7 @@ pub(super) fn stream_response(
 }
 
 /// A streaming answer that is only an error (the stream failed before its first message).
-pub(super) fn stream_error(e: &RpcError) -> Response {
+pub(crate) fn stream_error(e: &RpcError) -> Response {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_JSON))],
