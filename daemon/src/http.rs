@@ -12,7 +12,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
-use tether_provider::clock::{CancelReason, CancelToken};
+use tether_envd_server::CancelOnDrop;
 use tether_provider::{CallCtx, Clock, TraceContext};
 use tracing::Instrument;
 
@@ -103,15 +103,6 @@ pub struct BodyLimit(pub u64);
 /// extractor for the daemon's handlers and envd's server: [`request_layer`] puts the
 /// `CallCtx` in the request's extensions.
 pub use tether_envd_server::RequestCtx;
-
-/// Cancels the request's token when the request future is dropped (client gone).
-struct CancelOnDrop(CancelToken);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.cancel(CancelReason::Caller("client disconnected"));
-    }
-}
 
 /// The native API's inbound deadline header, milliseconds.
 pub const TIMEOUT_HEADER: &str = "tether-timeout-ms";

@@ -22,6 +22,7 @@ mod filesystem;
 mod multipart;
 mod process;
 mod rest;
+mod seam_host;
 mod state;
 pub mod util;
 
@@ -36,11 +37,12 @@ use futures_util::stream::BoxStream;
 use http::HeaderMap;
 use tether_protocol::e2b::InitRequest;
 use tether_protocol::process::{ProcessEvent, ProcessSpec, StreamKind};
-use tether_provider::clock::CancelToken;
+use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, FsOp, ProcessHandle, ProviderError, Sandbox, StreamOffsets};
 
 pub use error::{Failure, RestError, connect_code};
 pub use rest::{Reject, addressed, init_token_check, proxy_error};
+pub use seam_host::{SeamCommand, SeamHost, SeamSandbox};
 pub use state::EnvdState;
 
 /// The limits the server applies itself, from the host's config.
@@ -211,6 +213,35 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RequestCtx {
                 )
             })
     }
+}
+
+/// Cancels a request's token when the request future is dropped (its client is gone).
+#[derive(Debug)]
+pub struct CancelOnDrop(pub CancelToken);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel(CancelReason::Caller("client disconnected"));
+    }
+}
+
+/// The HTTP layer of a host with none of its own (a [`SeamHost`]): each request gets a
+/// [`CallCtx`] in its extensions, named by its `x-request-id` (else a fresh id) and
+/// cancelled when its client leaves.
+pub async fn call_ctx_layer(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+    let token = CancelToken::new();
+    let _guard = CancelOnDrop(token.clone());
+    req.extensions_mut().insert(CallCtx::with_cancel(id, token));
+    next.run(req).await
 }
 
 /// envd's routes: REST, `process.Process` and `filesystem.Filesystem`, served for `H`.
