@@ -171,7 +171,11 @@ async fn envd_runs_over_a_bare_seam_host() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 502, "a wrong token sees no sandbox");
 
-    let r = s.req(reqwest::Method::GET, "/envs", Some(TOKEN)).send().await.unwrap();
+    let r = s
+        .req(reqwest::Method::GET, "/envs", Some(TOKEN))
+        .send()
+        .await
+        .unwrap();
     let envs: Value = r.json().await.unwrap();
     assert_eq!(envs["SEAM_VAR"], "from-host", "{envs}");
 

@@ -5,17 +5,16 @@
 //! Each E2B sandbox is a tether session (owned by the API key's tenant), so everything an
 //! SDK does is logged in the session log, bounded by tether's clocks and traced. The
 //! control plane ([`control`]) maps sandbox create / list / get / kill / timeout /
-//! connect onto the [`SessionManager`](crate::session_manager::SessionManager); envd's REST
-//! endpoints ([`envd`]) and its Connect services ([`process`], [`filesystem`], over the
-//! codec in [`connect`]) map onto the session's sandbox through the provider seam. envd
-//! requests are routed by the `E2b-Sandbox-Id` header (the `E2B_SANDBOX_URL` recipe) or
-//! the `49983-<id>.<domain>` host, and authenticated by the access token issued at create
-//! ([`auth`]).
+//! connect onto the [`SessionManager`](crate::session_manager::SessionManager). envd is
+//! served by `tether_envd_server` with tetherd as its host ([`host`]): a request finds
+//! its session by the `E2b-Sandbox-Id` header (the `E2B_SANDBOX_URL` recipe) or the
+//! `49983-<id>.<domain>` host, is authenticated by the access token issued at create
+//! ([`auth`]), and reaches the session's sandbox through the operation layer and `exec`.
 //!
 //! What the front keeps itself ([`FrontState`]) is small and disposable: the secret the
-//! access tokens derive from, per-sandbox extras (the `/init` defaults, command tags, file
-//! metadata, watchers) and create idempotency keys. Sessions, commands and files are the
-//! daemon's.
+//! access tokens derive from, per-sandbox extras (the template, the metrics sample, and
+//! envd's own state: `/init` defaults, command tags, file metadata, watchers) and create
+//! idempotency keys. Sessions, commands and files are the daemon's.
 
 mod auth;
 mod control;
