@@ -66,6 +66,7 @@ impl SeamHost {
                 lifetime: CancelToken::new(),
                 tasks: TaskTracker::new(),
                 commands: RwLock::new(HashMap::new()),
+                fs_op: self.limits.fs_op,
             }),
             state: Arc::new(EnvdState::new(self.limits.fs_op)),
             id: id.to_owned(),
@@ -137,6 +138,8 @@ pub struct SeamSandbox {
     lifetime: CancelToken,
     tasks: TaskTracker,
     commands: RwLock<HashMap<String, Arc<SeamCommand>>>,
+    /// Bounds the host's own calls (ending a process at its deadline).
+    fs_op: Duration,
 }
 
 impl HostedSandbox for SeamSandbox {
@@ -207,7 +210,7 @@ impl HostedSandbox for SeamSandbox {
         });
         // Counts what the command prints (a `Connect` streams only what comes after it),
         // and ends it at its deadline.
-        let (counter, stop) = (Arc::clone(&cmd), self.lifetime.child());
+        let (counter, stop, limit) = (Arc::clone(&cmd), self.lifetime.child(), self.fs_op);
         self.tasks.spawn(async move {
             let mut events = counter.handle.events(StreamOffsets::default());
             let deadline = async {
@@ -228,7 +231,8 @@ impl HostedSandbox for SeamSandbox {
                         Some(Ok(_)) => {}
                     },
                     () = &mut deadline => {
-                        let end = CallCtx::new("envd-deadline");
+                        let end = CallCtx::new("envd-deadline")
+                            .with_timeout(limit, Clock::Total);
                         if let Err(e) = counter.handle.terminate(&end).await {
                             tracing::warn!(error = %e, "Could not end a process at its deadline");
                         }
