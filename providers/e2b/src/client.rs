@@ -18,12 +18,14 @@ use crate::config::{E2bConfig, Endpoints};
 
 const USER_AGENT: &str = concat!("tether-provider-e2b/", env!("CARGO_PKG_VERSION"));
 
-/// The one client a provider uses (plain HTTP/1.1, or HTTP/2 over TLS by ALPN).
-pub(crate) fn build_client() -> Result<reqwest::Client> {
+/// The one client a provider uses (plain HTTP/1.1, or HTTP/2 over TLS by ALPN); an idle
+/// connection is kept for `pool_idle` (below the backend's own keep-alive: see
+/// [`tether_envd_client::config::DEFAULT_POOL_IDLE_MS`]).
+pub(crate) fn build_client(pool_idle: Duration) -> Result<reqwest::Client> {
     reqwest::Client::builder()
         .user_agent(USER_AGENT)
         .tcp_nodelay(true)
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(pool_idle)
         .build()
         .map_err(|e| ProviderError::Internal {
             message: "cannot build the HTTP client".into(),

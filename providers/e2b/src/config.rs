@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
-use tether_envd_client::config::{DEFAULT_HEALTH_TIMEOUT_MS, EnvdClientConfig};
+use tether_envd_client::config::{
+    DEFAULT_HEALTH_TIMEOUT_MS, DEFAULT_POOL_IDLE_MS, EnvdClientConfig,
+};
 use tether_envd_client::join;
 use tether_provider::ProviderError;
 
@@ -372,6 +374,7 @@ impl E2bConfig {
             request_timeout_ms: self.request_timeout_ms,
             health_timeout_ms: DEFAULT_HEALTH_TIMEOUT_MS,
             keepalive_interval_s: self.keepalive_interval_s,
+            pool_idle_ms: DEFAULT_POOL_IDLE_MS,
             retry: self.retry,
             max_output_bytes: self.max_output_bytes,
             output_buffer_bytes: self.output_buffer_bytes,

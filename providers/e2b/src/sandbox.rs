@@ -118,7 +118,8 @@ impl E2bProvider {
     /// A provider for `cfg` (already merged with the environment, see
     /// [`E2bConfig::with_env`]) with its own HTTP client.
     pub fn new(cfg: E2bConfig) -> Result<Self> {
-        Self::with_client(cfg, build_client()?)
+        let pool_idle = Duration::from_millis(cfg.envd_config().pool_idle_ms);
+        Self::with_client(cfg, build_client(pool_idle)?)
     }
 
     /// A provider for `cfg` using a shared HTTP client.

@@ -22,6 +22,11 @@ pub const DEFAULT_TRANSPORT_IDLE_MS: u64 = 60_000;
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 60_000;
 /// Default limit of one readiness probe (`GET /health`), connect to answer.
 pub const DEFAULT_HEALTH_TIMEOUT_MS: u64 = 2_000;
+/// Default time an idle connection to envd is kept for reuse. Shorter than the server's own
+/// keep-alive: tether's guest agent closes a kept-alive connection that sends no request
+/// for its header-read limit (10 s by default), and a request sent on a connection as the
+/// server closes it fails unsent (`PROVIDER_UNAVAILABLE`, "the request could not be sent").
+pub const DEFAULT_POOL_IDLE_MS: u64 = 4_000;
 /// Default interval of envd's keepalive events on streams, seconds.
 pub const DEFAULT_KEEPALIVE_INTERVAL_S: u32 = 15;
 /// Default capture cap per output stream.
@@ -111,6 +116,9 @@ pub struct EnvdClientConfig {
     /// Interval of envd's keepalive events on streams, seconds. Must be shorter than the
     /// transport idle limit.
     pub keepalive_interval_s: u32,
+    /// How long an idle connection to envd is kept for reuse, ms: below the server's own
+    /// keep-alive. Default 4 000.
+    pub pool_idle_ms: u64,
     /// Retry policy of idempotent calls.
     pub retry: RetryConfig,
     /// Capture cap per output stream when a command's spec sets none, bytes.
@@ -148,6 +156,7 @@ impl Default for EnvdClientConfig {
             request_timeout_ms: DEFAULT_REQUEST_TIMEOUT_MS,
             health_timeout_ms: DEFAULT_HEALTH_TIMEOUT_MS,
             keepalive_interval_s: DEFAULT_KEEPALIVE_INTERVAL_S,
+            pool_idle_ms: DEFAULT_POOL_IDLE_MS,
             retry: RetryConfig::default(),
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
             output_buffer_bytes: DEFAULT_OUTPUT_BUFFER_BYTES,

@@ -422,6 +422,7 @@ impl MicrovmProvider {
             .map_err(|e| internal("cannot build the HTTP client", e))?;
         let envd_http = reqwest::Client::builder()
             .no_proxy()
+            .pool_idle_timeout(std::time::Duration::from_millis(cfg.envd.pool_idle_ms))
             .build()
             .map_err(|e| internal("cannot build the HTTP client", e))?;
         let p = Self {
