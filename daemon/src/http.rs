@@ -112,12 +112,7 @@ pub(crate) async fn request_layer(
     mut req: Request,
     next: Next,
 ) -> Response {
-    let rid = req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+    let rid = tether_envd_server::request_id(req.headers());
     let span = tracing::info_span!(
         "http.request",
         http.request.method = %req.method(),

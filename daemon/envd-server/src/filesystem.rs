@@ -137,18 +137,8 @@ async fn rpc<H: Host>(
             Err(e) => Err(e),
         };
         r.unwrap_or_else(IntoResponse::into_response)
-    }
-    .instrument(span.clone())
-    .await;
-    span.record(
-        "outcome",
-        if resp.status().is_success() {
-            "ok"
-        } else {
-            "error"
-        },
-    );
-    resp
+    };
+    crate::traced(span, resp).await
 }
 
 async fn unary<S: HostedSandbox>(

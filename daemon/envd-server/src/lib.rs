@@ -225,6 +225,30 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// A request's id: its `x-request-id` when it has a usable one, else a fresh one.
+pub fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned)
+}
+
+/// Run a handler's work in `span` and record there whether its answer is a success.
+pub(crate) async fn traced(span: tracing::Span, work: impl Future<Output = Response>) -> Response {
+    use tracing::Instrument as _;
+    let resp = work.instrument(span.clone()).await;
+    span.record(
+        "outcome",
+        if resp.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        },
+    );
+    resp
+}
+
 /// The HTTP layer of a host with none of its own (a [`SeamHost`]): each request gets a
 /// [`CallCtx`] in its extensions, named by its `x-request-id` (else a fresh id) and
 /// cancelled when its client leaves.
@@ -232,12 +256,7 @@ pub async fn call_ctx_layer(
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let id = req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+    let id = request_id(req.headers());
     let token = CancelToken::new();
     let _guard = CancelOnDrop(token.clone());
     req.extensions_mut().insert(CallCtx::with_cancel(id, token));

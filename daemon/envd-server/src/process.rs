@@ -36,7 +36,6 @@ use tether_protocol::process::{
     Command, ExitStatus, ProcessEvent, ProcessSpec, PtySize, StdinMode, StreamKind,
 };
 use tether_provider::{CallCtx, Signal, StreamOffsets};
-use tracing::Instrument;
 
 use crate::connect::{self, CallOpts, RpcError, StreamOpts};
 use crate::util::resolve_path;
@@ -146,18 +145,8 @@ async fn rpc<H: Host>(
                 }
             }
         }
-    }
-    .instrument(span.clone())
-    .await;
-    span.record(
-        "outcome",
-        if resp.status().is_success() {
-            "ok"
-        } else {
-            "error"
-        },
-    );
-    resp
+    };
+    crate::traced(span, resp).await
 }
 
 async fn unary<S: HostedSandbox>(

@@ -32,7 +32,6 @@ use tether_protocol::e2b::{
 };
 use tether_protocol::fs::{ByteRange, FileKind, WriteGuard, WriteOutcome};
 use tether_provider::{ByteStream, CallCtx, ProviderError};
-use tracing::Instrument;
 
 use crate::multipart::{Multipart, boundary_of};
 use crate::util::{query_param, resolve_path};
@@ -465,18 +464,7 @@ async fn download<H: Host>(
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.read", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_download(&*host, &ctx, &target, &q, &headers)
-        .instrument(span.clone())
-        .await;
-    span.record(
-        "outcome",
-        if r.status().is_success() {
-            "ok"
-        } else {
-            "error"
-        },
-    );
-    r
+    crate::traced(span, serve_download(&*host, &ctx, &target, &q, &headers)).await
 }
 
 async fn serve_download<H: Host>(
@@ -814,18 +802,11 @@ async fn upload<H: Host>(
         Err(r) => return r.into_response(),
     };
     let span = tracing::info_span!("e2b.files.write", session.id = %target.id, sandbox.id = %target.id, outcome = tracing::field::Empty);
-    let r = serve_upload(&*host, &ctx, &target, &q, &headers, req.into_body())
-        .instrument(span.clone())
-        .await;
-    span.record(
-        "outcome",
-        if r.status().is_success() {
-            "ok"
-        } else {
-            "error"
-        },
-    );
-    r
+    crate::traced(
+        span,
+        serve_upload(&*host, &ctx, &target, &q, &headers, req.into_body()),
+    )
+    .await
 }
 
 async fn serve_upload<H: Host>(
