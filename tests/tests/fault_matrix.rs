@@ -291,7 +291,9 @@ fn expected(kind: Kind, op: Op, fault: Fault) -> Want {
         (Kind::Ssh, Op::Create | Op::Connect, Cut | HalfClose) => Want::Ok,
         (Kind::Ssh, _, Blackhole) => Want::Ok,
         // Command output and stdin survive every fault: the output is re-attached from
-        // the remote journal at the offset reached.
+        // the remote journal at the offset reached, and each stdin write is a step that
+        // answers once its bytes are in the host's stdin journal, sent again (from the
+        // offset reached) on a fresh connection when its own breaks.
         (Kind::Ssh, Op::Stream | Op::Stdin, _) => Want::Ok,
         // A stalled (or dripping: the idle clock counts SSH packets) connection is
         // declared dead by the transport idle clock; a cut one fails at once. The exec

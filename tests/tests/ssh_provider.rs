@@ -14,7 +14,7 @@ use tether_provider::Clock;
 use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::fs::{ByteRange, WriteGuard};
-use tether_protocol::process::{ProcessEvent, ProcessSpec};
+use tether_protocol::process::{ProcessEvent, ProcessSpec, StdinMode};
 use tether_provider::testkit::Fixture;
 use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec, StreamOffsets};
 use tether_provider_ssh::{HostKeyPolicy, SshConfig, SshProvider};
@@ -135,6 +135,77 @@ async fn a_cut_connection_loses_no_output() {
     assert_eq!(out2, out);
     assert_eq!(status2.and_then(|s| s.code), Some(0));
     p.destroy(&ctx(), &sb.info().id).await.unwrap();
+}
+
+/// A piped stdin is journaled on the host: a cut connection loses none of it and ends
+/// nothing, the command reads its end of file only from `close_stdin`, and a handle made
+/// from the command id alone (as after a daemon restart) writes on where the first left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_connection_loses_no_stdin() {
+    let host = SshHost::start().await;
+    let p = provider(config(&host));
+    let sb = sandbox(&p).await;
+    let mut spec = ProcessSpec::argv(["cat"]);
+    spec.stdin = StdinMode::Pipe;
+    let h = sb.process().spawn(&ctx(), spec).await.unwrap();
+    let big: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 251) as u8).collect();
+    h.write_stdin(&ctx(), "first\n".into()).await.unwrap();
+    let mut events = h.events(StreamOffsets::default());
+    read_until(&mut events, "first\n").await;
+    assert!(host.kill_connections() > 0, "no SSH connection to cut");
+    h.write_stdin(&ctx(), big.clone().into()).await.unwrap();
+    assert!(host.kill_connections() > 0, "no SSH connection to cut");
+    h.write_stdin(&ctx(), "second\n".into()).await.unwrap();
+    // Another provider's handle on the same command, found by its id.
+    let other = provider(config(&host));
+    let sb2 = other.connect(&ctx(), &sb.info().id).await.unwrap();
+    let again = sb2
+        .process()
+        .attach(
+            &ctx(),
+            ProcessSelector::CommandId(h.command_id().to_owned()),
+        )
+        .await
+        .unwrap();
+    again.write_stdin(&ctx(), "third\n".into()).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), h.wait(&ctx()))
+            .await
+            .is_err(),
+        "cat ended before its stdin was closed"
+    );
+    again.close_stdin(&ctx()).await.unwrap();
+    let (out, status, err) = collect(h.as_ref()).await;
+    assert_eq!(err, None);
+    let mut want = b"first\n".to_vec();
+    want.extend_from_slice(&big);
+    want.extend_from_slice(b"second\nthird\n");
+    assert_eq!(out.len(), want.len(), "every stdin byte, once");
+    assert!(out == want, "the stdin bytes in order");
+    assert_eq!(status.and_then(|s| s.code), Some(0));
+    let e = h.write_stdin(&ctx(), "late".into()).await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidRequest);
+    let e = again.write_stdin(&ctx(), "late".into()).await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidRequest);
+    p.destroy(&ctx(), &sb.info().id).await.unwrap();
+    // The feeder and its holder ended with the command.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let left: Vec<String> = host
+            .user_pids()
+            .into_iter()
+            .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).ok())
+            .filter(|c| c.contains(&format!("/{}.", h.command_id())))
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stdin helpers left running: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,7 @@ use russh_sftp::client::RawSftpSession;
 use tether_provider::clock::TimeoutReason;
 use tether_provider::{CallCtx, ProviderError, Result};
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{AuthConfig, HostConfig, HostKeyPolicy, SshConfig};
 use crate::error::{russh_error, transport_idle};
@@ -99,6 +100,7 @@ pub(crate) struct ClientHandler {
     policy: HostKeyPolicy,
     rejected: Arc<OnceLock<ProviderError>>,
     cause: Arc<OnceLock<CloseCause>>,
+    gone: CancellationToken,
 }
 
 impl client::Handler for ClientHandler {
@@ -180,6 +182,7 @@ impl client::Handler for ClientHandler {
             _ => CloseCause::Lost,
         };
         let _ = self.cause.set(cause);
+        self.gone.cancel();
         tracing::debug!(?reason, "SSH connection closed");
         Ok(())
     }
@@ -189,6 +192,9 @@ impl client::Handler for ClientHandler {
 pub(crate) struct Conn {
     handle: Handle<ClientHandler>,
     cause: Arc<OnceLock<CloseCause>>,
+    /// Cancelled when the connection closes: wakes a call whose channel would wait on
+    /// it for ever (a channel write waiting for window space is not woken by the close).
+    gone: CancellationToken,
     channels: AtomicUsize,
     sftp: tokio::sync::OnceCell<Arc<RawSftpSession>>,
     transport_idle: Duration,
@@ -356,6 +362,7 @@ impl HostPool {
         });
         let rejected = Arc::new(OnceLock::new());
         let cause = Arc::new(OnceLock::new());
+        let gone = CancellationToken::new();
         let handler = ClientHandler {
             address: self.host.address.clone(),
             port: self.host.port,
@@ -363,6 +370,7 @@ impl HostPool {
             policy: s.host_key_policy,
             rejected: rejected.clone(),
             cause: cause.clone(),
+            gone: gone.clone(),
         };
         let addr = (self.host.address.as_str(), self.host.port);
         let mut handle = match client::connect(config, addr, handler).await {
@@ -382,6 +390,7 @@ impl HostPool {
         Ok(Conn {
             handle,
             cause,
+            gone,
             channels: AtomicUsize::new(0),
             sftp: tokio::sync::OnceCell::new(),
             transport_idle: s.transport_idle(),
@@ -552,7 +561,9 @@ impl HostPool {
     ) -> Result<ExecOutput> {
         let rctx = ctx.with_timeout(self.settings.request_timeout(), Clock::Total);
         let (mut ch, lease) = self.channel(&rctx).await?;
-        rctx.run(async move {
+        let gone = lease.conn.gone.clone();
+        let conn = lease.conn.clone();
+        let body = async move {
             ch.exec(true, line.as_bytes())
                 .await
                 .map_err(|e| russh_error("exec", e))?;
@@ -582,8 +593,39 @@ impl HostPool {
             }
             drop(lease);
             Ok(out)
+        };
+        rctx.run(async move {
+            tokio::select! {
+                biased;
+                r = body => r,
+                () = gone.cancelled() => Err(conn.lost("a remote command")),
+            }
         })
         .await
+    }
+
+    /// [`Self::exec`] of a step that may be run again whole (its script makes a repeat
+    /// harmless): on a retryable error (a lost or stalled connection, whose connection
+    /// leaves the pool) it is sent again on a fresh one with backoff, within the call.
+    pub(crate) async fn exec_repeatable(
+        &self,
+        ctx: &CallCtx,
+        line: &str,
+        stdin: Option<Bytes>,
+    ) -> Result<ExecOutput> {
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(RECONNECT_MIN_DELAY)
+            .with_max_delay(RECONNECT_MAX_DELAY)
+            .with_max_times(RECONNECT_TIMES)
+            .with_jitter();
+        (|| self.exec(ctx, line, stdin.clone()))
+            .retry(backoff)
+            .sleep(tokio::time::sleep)
+            .when(|e: &ProviderError| e.retryable() && ctx.check().is_ok())
+            .notify(|e, dur| {
+                tracing::debug!(host = %self.name, error = %e, ?dur, "Repeating a remote step");
+            })
+            .await
     }
 
     /// [`Self::exec`] of an idempotent step: once more on a fresh connection when the

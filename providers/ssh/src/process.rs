@@ -4,8 +4,8 @@
 //!
 //! A command is started by one exec channel running [`SPAWN`]. It forks the command
 //! under `setsid` (its pid is the group's and the session's id), prints that pid as the
-//! first line of the channel's stdout, connects the channel's stdin to the command's stdin
-//! through a FIFO when stdin is piped, copies the command's stdout and stderr both to the
+//! first line of the channel's stdout, feeds a piped stdin from the journal `<id>.stdin`
+//! through the FIFO `<id>.in`, copies the command's stdout and stderr both to the
 //! channel and to the journals `<id>.out` and `<id>.err` in the sandbox's command
 //! directory on the host (`tee`, which goes on writing the journal when the channel is
 //! gone), waits for the command from outside its group and writes its status to
@@ -18,9 +18,13 @@
 //! found again by id or pid (after a daemon restart, say) is read the same way from
 //! offset 0.
 //!
-//! A piped stdin lives on the channel that started the command: after a broken
-//! connection the output is recovered in full, but further `write_stdin` calls are
-//! refused (`INVALID_REQUEST`) and the command sees the end of its input.
+//! A piped stdin is a journal on the host too: each `write_stdin` is a step of its own
+//! that appends at a byte offset and answers only once the bytes are in the journal, so a
+//! write that returned has arrived, and one broken with its connection is sent again on
+//! a fresh one (the offset makes the repeat add only what is missing). A write that still
+//! failed is completed first by the next write or close (with the same bytes, that next
+//! write is its retry). The command reads the journal through a FIFO and sees its end of
+//! file only from `close_stdin`, never from a lost connection.
 //!
 //! Exit statuses come from bash's `wait`: a status above 128 is reported as the signal
 //! `status - 128` (so `exit 130` reads as SIGINT, a limit shared with every shell).
@@ -52,21 +56,29 @@ use crate::fs::normalize;
 use crate::sandbox::SandboxCore;
 
 /// Starts a command and records its end (`SPAWN DIR CWD STDIN META N_UNSET NAME...
-/// N_SET NAME=VALUE... argv...`; STDIN 1 = piped). The command is forked as a subshell that prints its own pid (the first line of
-/// the channel's stdout, before the command can write anything) and execs `setsid`, so the
-/// command is the leader of a new session and process group; its stdout and stderr pass
-/// through `tee` into the journals on their way to the channel (`tee -p` goes on writing
-/// the journal when the channel is gone). The wrapper itself is outside the group, so a
-/// signal to the group never reaches it: it waits for the command and writes its status.
+/// N_SET NAME=VALUE... argv...`; STDIN 1 = piped). The command is forked as a subshell
+/// that prints its own pid (the first line of the channel's stdout, before the command
+/// can write anything) and execs `setsid`, so the command is the leader of a new session
+/// and process group; its stdout and stderr pass through `tee` into the journals on their
+/// way to the channel (`tee -p` goes on writing the journal when the channel is gone). A
+/// piped stdin is a journal too, `<id>.stdin`, appended to by [`STDIN_APPEND`] and fed
+/// into the command's FIFO by a `tail -f` that ends, after the journal's last byte, when
+/// its holder does ([`STDIN_END`] kills the holder; the holder also ends with the
+/// wrapper). The wrapper itself is outside the group, so a signal to the group never
+/// reaches it: it waits for the command and writes its status.
 pub const SPAWN: &str = r#"d=$1 cw=$2 si=$3 m=$4
 shift 4
 if ! printf '%s\n' "$m" 2>/dev/null >"$d.meta"; then echo "cannot write $d.meta" >&2; exit 90; fi
 if ! cd -- "$cw" 2>/dev/null; then echo "no such directory: $cw" >&2; exit 91; fi
-i=/dev/null
+i=/dev/null h=
 if [ "$si" = 1 ]; then
-  if ! mkfifo -m 600 -- "$d.in"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
+  if ! mkfifo -m 600 -- "$d.in" || ! : >"$d.stdin"; then echo "cannot create the stdin FIFO" >&2; exit 92; fi
   i=$d.in
-  cat <&0 >"$i" 2>/dev/null &
+  : >"$d.inhold"
+  tail -s 1 --pid=$$ -f -- "$d.inhold" </dev/null >/dev/null 2>&1 &
+  h=$!
+  printf '%s\n' "$h" >"$d.inhold"
+  tail -q -s 0.05 --pid="$h" -c +1 -f -- "$d.stdin" </dev/null >"$i" 2>/dev/null &
 fi
 sp=/usr/bin/setsid
 [ -x "$sp" ] || sp=setsid
@@ -84,8 +96,32 @@ exec > >(exec tee -p -- "$d.out") 2> >(exec tee -p -- "$d.err" >&2)
 p=$!
 exec 3>&-
 wait "$p"; rc=$?
+[ -n "$h" ] && kill "$h" 2>/dev/null
 printf '%s\n' "$rc" >"$d.exit"
 exit "$rc""#;
+
+/// Appends to a command's stdin journal (`STDIN_APPEND DIR OFFSET`, the bytes on stdin):
+/// the bytes from OFFSET on (`-`: the journal's end) that the journal lacks, so a repeat
+/// of a write that partly arrived adds only the rest; prints the journal's new length.
+/// Status 93: the input was closed or the command ended; 94: stdin is not piped; 95: the
+/// journal is shorter than OFFSET.
+const STDIN_APPEND: &str = r#"d=$1 o=$2
+[ -e "$d.stdin" ] || exit 94
+{ [ -e "$d.inend" ] || [ -s "$d.exit" ]; } && exit 93
+s=$(stat -c %s -- "$d.stdin") || exit 94
+[ "$o" = - ] && o=$s
+[ "$s" -lt "$o" ] && exit 95
+tail -c +$((s-o+1)) >>"$d.stdin" || exit 96
+stat -c %s -- "$d.stdin""#;
+
+/// Ends a command's stdin (`STDIN_END DIR`): the feeder delivers the journal's last
+/// bytes, then the command reads its end of file. Repeating it is harmless.
+const STDIN_END: &str = r#"d=$1
+[ -e "$d.stdin" ] || exit 94
+[ -e "$d.inend" ] && exit 0
+: >"$d.inend"
+[ -s "$d.exit" ] || { read -r h <"$d.inhold" 2>/dev/null && kill "$h" 2>/dev/null; }
+exit 0"#;
 
 /// Streams a command's journals from offsets until its runner is gone
 /// (`FOLLOW DIR PID OUT_OFFSET ERR_OFFSET`); exits with the recorded status, or 255.
@@ -266,8 +302,22 @@ pub struct SshCommand {
     dir: String,
     buf: Arc<RwLock<Buffers>>,
     changed: watch::Sender<u64>,
-    input: Mutex<Option<russh::ChannelWriteHalf<Msg>>>,
+    input: Mutex<Input>,
     window: u64,
+}
+
+/// Where a command's stdin goes.
+enum Input {
+    /// Nowhere: not piped, or closed.
+    Closed,
+    /// The input of the pty the command runs under: its channel.
+    Pty(russh::ChannelWriteHalf<Msg>),
+    /// The host's stdin journal, at `offset` (`None`: its end, for a command found again);
+    /// `pending` holds a write that failed, of which a prefix may have arrived.
+    Journal {
+        offset: Option<u64>,
+        pending: Option<Bytes>,
+    },
 }
 
 impl std::fmt::Debug for SshCommand {
@@ -279,7 +329,70 @@ impl std::fmt::Debug for SshCommand {
     }
 }
 
+fn stdin_not_open() -> ProviderError {
+    ProviderError::InvalidRequest {
+        message: "the command's stdin is not open (not piped, closed, or the command ended)".into(),
+    }
+}
+
 impl SshCommand {
+    /// Appends `data` to the stdin journal at `offset`, sent again on a fresh connection
+    /// when one breaks under it; `offset` moves to the journal's new end.
+    async fn append(&self, ctx: &CallCtx, offset: &mut Option<u64>, data: Bytes) -> Result<()> {
+        let at = offset.map_or_else(|| "-".to_owned(), |o| o.to_string());
+        let host = &self.core.host;
+        let line = host.line(STDIN_APPEND, &[&self.dir, &at]);
+        let out = host.exec_repeatable(ctx, &line, Some(data.clone())).await?;
+        match out.code {
+            Some(0) => {
+                let end = out
+                    .out()
+                    .trim()
+                    .parse::<u64>()
+                    .map_err(|_| ProviderError::Backend {
+                        message: format!("stdin: the host answered {:?}", out.out()),
+                        source: None,
+                    })?;
+                if let Some(o) = *offset
+                    && end != o + data.len() as u64
+                {
+                    return Err(ProviderError::Internal {
+                        message: format!(
+                            "stdin: the journal holds {end} bytes, {} were sent",
+                            o + data.len() as u64
+                        ),
+                        source: None,
+                    });
+                }
+                *offset = Some(end);
+                Ok(())
+            }
+            Some(93 | 94) => Err(stdin_not_open()),
+            code => Err(ProviderError::Backend {
+                message: format!(
+                    "stdin: appending to the journal failed (status {code:?}): {}",
+                    out.err().trim()
+                ),
+                source: None,
+            }),
+        }
+    }
+
+    /// Ends the stdin journal: the command reads the rest of it, then its end of file.
+    async fn end_input(&self, ctx: &CallCtx) -> Result<()> {
+        let host = &self.core.host;
+        let line = host.line(STDIN_END, &[&self.dir]);
+        let out = host.exec_repeatable(ctx, &line, None).await?;
+        match out.code {
+            Some(0) => Ok(()),
+            Some(94) => Err(stdin_not_open()),
+            code => Err(ProviderError::Backend {
+                message: format!("stdin: ending it failed (status {code:?})"),
+                source: None,
+            }),
+        }
+    }
+
     fn read_buf(&self) -> std::sync::RwLockReadGuard<'_, Buffers> {
         self.buf.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -392,7 +505,6 @@ impl SshCommand {
                 return;
             }
             // === re-attach ===
-            *self.input.lock().await = None;
             tracing::info!(command = %self.id, idle, "Re-attaching a command after its channel broke");
             match self.reattach().await {
                 Ok((r, l)) => {
@@ -694,31 +806,63 @@ impl ProcessHandle for SshCommand {
     }
 
     async fn write_stdin(&self, ctx: &CallCtx, data: Bytes) -> Result<()> {
-        let guard = self.input.lock().await;
-        let Some(tx) = guard.as_ref() else {
-            return Err(ProviderError::InvalidRequest {
-                message: "the command's stdin is not open (not piped, closed, or lost with its connection)".into(),
-            });
-        };
-        ctx.run(async {
-            tx.data_bytes(data)
+        let mut guard = self.input.lock().await;
+        match &mut *guard {
+            Input::Closed => Err(stdin_not_open()),
+            Input::Pty(tx) => {
+                ctx.run(async {
+                    tx.data_bytes(data)
+                        .await
+                        .map_err(|e| crate::error::russh_error("stdin", e))
+                })
                 .await
-                .map_err(|e| crate::error::russh_error("stdin", e))
-        })
-        .await
+            }
+            Input::Journal { offset, pending } => {
+                if let Some(p) = pending.take()
+                    && p != data
+                    && let Err(e) = self.append(ctx, offset, p.clone()).await
+                {
+                    *pending = Some(p);
+                    return Err(e);
+                }
+                let r = self.append(ctx, offset, data.clone()).await;
+                if r.is_err() {
+                    *pending = Some(data);
+                }
+                r
+            }
+        }
     }
 
     async fn close_stdin(&self, ctx: &CallCtx) -> Result<()> {
-        let tx = self.input.lock().await.take();
-        if let Some(tx) = tx {
-            ctx.run(async {
-                tx.eof()
-                    .await
-                    .map_err(|e| crate::error::russh_error("stdin", e))
-            })
-            .await?;
+        let mut guard = self.input.lock().await;
+        match std::mem::replace(&mut *guard, Input::Closed) {
+            Input::Closed => Ok(()),
+            Input::Pty(tx) => {
+                ctx.run(async {
+                    tx.eof()
+                        .await
+                        .map_err(|e| crate::error::russh_error("stdin", e))
+                })
+                .await
+            }
+            Input::Journal {
+                mut offset,
+                pending,
+            } => {
+                let r = async {
+                    if let Some(p) = pending.clone() {
+                        self.append(ctx, &mut offset, p).await?;
+                    }
+                    self.end_input(ctx).await
+                }
+                .await;
+                if r.is_err() {
+                    *guard = Input::Journal { offset, pending };
+                }
+                r
+            }
         }
-        Ok(())
     }
 
     async fn signal(&self, ctx: &CallCtx, signal: Signal) -> Result<()> {
@@ -748,7 +892,7 @@ impl ProcessHandle for SshCommand {
             });
         }
         let guard = self.input.lock().await;
-        let Some(tx) = guard.as_ref() else {
+        let Input::Pty(tx) = &*guard else {
             return Err(ProviderError::CommandNotFound {
                 id: self.id.clone(),
             });
@@ -850,7 +994,7 @@ fn unreachable_cmd(c: &SshCommand) -> Arc<SshCommand> {
         dir: c.dir.clone(),
         buf: Arc::new(RwLock::new(buf)),
         changed,
-        input: Mutex::new(None),
+        input: Mutex::new(Input::Closed),
         window: c.window,
     })
 }
@@ -1109,18 +1253,20 @@ impl SshProcess {
             })
             .await;
         let ((pid, rest), rx, tx) = started?;
-        if let StdinMode::Data { data } = &spec.stdin {
-            tx.data_bytes(Bytes::copy_from_slice(data))
-                .await
-                .map_err(|e| crate::error::russh_error("stdin", e))?;
-            tx.eof()
-                .await
-                .map_err(|e| crate::error::russh_error("stdin", e))?;
-        }
-        let keep_input = matches!(spec.stdin, StdinMode::Pipe) || spec.pty.is_some();
-        if !keep_input && !piped {
+        let input = if spec.pty.is_some() {
+            Input::Pty(tx)
+        } else {
+            // Input goes through the host's journal, never this channel.
             let _ = tx.eof().await;
-        }
+            if piped {
+                Input::Journal {
+                    offset: Some(0),
+                    pending: None,
+                }
+            } else {
+                Input::Closed
+            }
+        };
         let (changed, _) = watch::channel(0);
         let cmd = Arc::new(SshCommand {
             id: id.clone(),
@@ -1130,7 +1276,7 @@ impl SshProcess {
             dir,
             buf: Arc::new(RwLock::new(Buffers::default())),
             changed,
-            input: Mutex::new((keep_input || spec.pty.is_some()).then_some(tx)),
+            input: Mutex::new(input),
             window: core.host.settings().output_buffer_bytes.max(64 * 1024),
         });
         if !rest.is_empty() {
@@ -1138,6 +1284,20 @@ impl SshProcess {
         }
         core.register(cmd.clone());
         core.tasks.spawn(cmd.clone().pump(rx, lease, false));
+        if let StdinMode::Data { data } = &spec.stdin {
+            let fed = async {
+                cmd.write_stdin(ctx, Bytes::copy_from_slice(data)).await?;
+                cmd.close_stdin(ctx).await
+            }
+            .await;
+            if let Err(e) = fed {
+                // The command waits for input it will never get: end it.
+                let end = CallCtx::new(format!("stdin-{}", cmd.id))
+                    .with_timeout(cmd.core.host.settings().request_timeout(), Clock::Total);
+                let _ = cmd.terminate(&end).await;
+                return Err(e);
+            }
+        }
         Ok(cmd)
     }
 
@@ -1159,7 +1319,10 @@ impl SshProcess {
             dir: core.cmd_dir(id),
             buf: Arc::new(RwLock::new(Buffers::default())),
             changed,
-            input: Mutex::new(None),
+            input: Mutex::new(Input::Journal {
+                offset: None,
+                pending: None,
+            }),
             window: core.host.settings().output_buffer_bytes.max(64 * 1024),
         });
         ctx.check()?;

@@ -8,7 +8,8 @@
 //! - `R/.tether/<sandbox id>/meta.json`: the stamp ([`SandboxStamp`]): id, creation and
 //!   expiry times, metadata, environment;
 //! - `R/.tether/<sandbox id>/cmd/<command id>.*`: the files of each command (`.pid`,
-//!   `.meta`, the `.out` and `.err` journals, `.in` for piped stdin, and `.exit`).
+//!   `.meta`, the `.out` and `.err` journals, for a piped stdin its `.stdin` journal,
+//!   `.in` FIFO, `.inhold` and `.inend`, and `.exit`).
 //!
 //! `list` reads the stamps, so the daemon's lease reconciliation finds orphaned sandboxes
 //! at start and destroys them; `destroy` kills every process group of the sandbox's
