@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 use tether_protocol::api::*;
@@ -52,6 +52,7 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/v1/snapshots/{sid}", delete(delete_snapshot))
         .route("/v1/sessions/{id}/pause", post(pause_session))
         .route("/v1/sessions/{id}/resume", post(resume_session))
+        .route("/v1/sessions/{id}/network", put(set_network))
         .route(
             "/v1/sessions/{id}/processes",
             post(start_process).get(list_processes),
@@ -202,6 +203,22 @@ async fn resume_session(
 ) -> Result<ApiJson<SessionInfo>> {
     let s = session(&state, &id, &who).await?;
     s.resume(&ctx).await?;
+    Ok(ApiJson(s.info()))
+}
+
+/// Replace a running session's egress rules (the body is the rules, as at create).
+/// Durable on return; `INVALID_REQUEST` without network, `UNSUPPORTED` or
+/// `ISOLATION_UNAVAILABLE` where the provider cannot change them, and then the rules in
+/// force stay.
+async fn set_network(
+    State(state): St,
+    who: Principal,
+    Path(id): Path<String>,
+    RequestCtx(ctx): RequestCtx,
+    ApiJson(egress): ApiJson<tether_protocol::network::Egress>,
+) -> Result<ApiJson<SessionInfo>> {
+    let s = session(&state, &id, &who).await?;
+    s.set_egress(&ctx, egress).await?;
     Ok(ApiJson(s.info()))
 }
 

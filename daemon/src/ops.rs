@@ -73,6 +73,8 @@ pub enum SandboxOp {
     Metrics,
     /// Take a snapshot of it (for a snapshot or a fork).
     Snapshot,
+    /// Replace its egress rules.
+    Network,
 }
 
 impl SandboxOp {
@@ -83,13 +85,14 @@ impl SandboxOp {
             Self::Resume => crate::telemetry::names::SANDBOX_RESUME,
             Self::Metrics => crate::telemetry::names::SANDBOX_METRICS,
             Self::Snapshot => crate::telemetry::names::SANDBOX_SNAPSHOT,
+            Self::Network => crate::telemetry::names::SANDBOX_NETWORK,
         }
     }
 
     /// Its deadline, from config.
     pub fn limit(self, d: &crate::config::Deadlines) -> Duration {
         match self {
-            Self::Pause | Self::Metrics => d.sandbox_op,
+            Self::Pause | Self::Metrics | Self::Network => d.sandbox_op,
             // Both may copy a whole file system or save a machine's memory.
             Self::Resume | Self::Snapshot => d.sandbox_create,
         }
@@ -106,6 +109,7 @@ impl SandboxOp {
             Self::Resume => span!("sandbox.resume"),
             Self::Metrics => span!("sandbox.metrics"),
             Self::Snapshot => span!("sandbox.snapshot"),
+            Self::Network => span!("sandbox.network"),
         }
     }
 }

@@ -128,8 +128,10 @@ pub struct Session {
     closed: AtomicBool,
     /// The sandbox is paused (`sandbox/paused` logged, no `sandbox/resumed` since).
     paused: AtomicBool,
-    /// One pause or resume at a time.
+    /// One pause, resume or egress change at a time.
     pause_lock: tokio::sync::Mutex<()>,
+    /// The egress rules in force: the header's, or the latest `sandbox/network`.
+    egress: RwLock<tether_protocol::network::Egress>,
     /// Creation time, ms since the epoch.
     pub created_ms: i64,
     /// One tool-call batch at a time (turns are sequential).
@@ -206,6 +208,67 @@ impl Session {
     /// Whether the sandbox is paused.
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::Acquire)
+    }
+
+    /// The egress rules in force.
+    pub fn egress(&self) -> tether_protocol::network::Egress {
+        self.egress
+            .read()
+            .map(|g| g.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    fn put_egress(&self, egress: tether_protocol::network::Egress) {
+        match self.egress.write() {
+            Ok(mut g) => *g = egress,
+            Err(e) => *e.into_inner() = egress,
+        }
+    }
+
+    /// Replace the sandbox's egress rules through its provider. Durable on return:
+    /// `sandbox/network` is in the log, so a fork and a restarted daemon keep them. A
+    /// session without network is `INVALID_REQUEST`; a provider that cannot change them
+    /// on a running sandbox answers `UNSUPPORTED` or `ISOLATION_UNAVAILABLE`, and the
+    /// rules in force stay.
+    pub async fn set_egress(
+        self: &Arc<Self>,
+        ctx: &CallCtx,
+        egress: tether_protocol::network::Egress,
+    ) -> Result<()> {
+        let (me, ctx) = (Arc::clone(self), ctx.clone());
+        self.detached(async move { me.set_egress_now(&ctx, egress).await })
+            .await
+    }
+
+    async fn set_egress_now(
+        &self,
+        ctx: &CallCtx,
+        egress: tether_protocol::network::Egress,
+    ) -> Result<()> {
+        let _one = self.pause_lock.lock().await;
+        if !self.params.network {
+            return Err(DaemonError::InvalidRequest {
+                message: format!(
+                    "session {} has no network: there is no egress to rule",
+                    self.id
+                ),
+            });
+        }
+        let sandbox_id = self.sandbox_id().ok_or_else(|| DaemonError::Detached {
+            id: self.id.clone(),
+            why: "no sandbox leased".into(),
+        })?;
+        let provider = &self.provider;
+        crate::ops::sandbox(self, ctx, SandboxOp::Network, &sandbox_id, |c| {
+            let (id, e) = (sandbox_id.clone(), egress.clone());
+            async move { provider.set_egress(&c, &id, e).await }
+        })
+        .await?;
+        self.put_egress(egress.clone());
+        self.log
+            .append(EventBody::SandboxNetwork { sandbox_id, egress })
+            .await?;
+        Ok(())
     }
 
     /// Pause the sandbox through its provider. Durable on return: `sandbox/paused` is in
@@ -427,6 +490,7 @@ impl Session {
             enforcement,
             metadata: self.params.metadata.clone(),
             paused: self.is_paused(),
+            egress: self.egress(),
         }
     }
 }
@@ -696,6 +760,10 @@ impl SessionManager {
         let params = log.header().params.clone();
         let journaled = facts.journaled;
         let expiry = facts.expiry.unwrap_or(params.expiry);
+        let egress = facts
+            .egress
+            .clone()
+            .unwrap_or_else(|| params.egress.clone());
         let paused = facts.paused;
         let s = Session {
             id,
@@ -721,6 +789,7 @@ impl SessionManager {
             closed: AtomicBool::new(false),
             paused: AtomicBool::new(paused),
             pause_lock: tokio::sync::Mutex::new(()),
+            egress: RwLock::new(egress),
             batch_lock: tokio::sync::Mutex::new(()),
         };
         s.apply_expiry(expiry, last_activity_ms);
@@ -742,7 +811,7 @@ impl SessionManager {
             metadata,
             network: p.network,
             limits: p.limits,
-            egress: p.egress.clone(),
+            egress: session.egress(),
         };
         macro_rules! span {
             ($name:literal) => {
@@ -995,6 +1064,7 @@ impl SessionManager {
                         enforcement: None,
                         metadata: c.header.params.metadata.clone(),
                         paused: false,
+                        egress: Default::default(),
                     }),
             );
         }
@@ -1091,9 +1161,12 @@ impl SessionManager {
         from: Option<&str>,
     ) -> Result<Arc<Session>> {
         let new = new_id();
+        // The fork's sandbox is the parent's as it is now: so are its egress rules.
+        let egress = parent.egress();
         let params = SessionParams {
             expiry,
             snapshot: None,
+            egress: egress.clone(),
             ..parent.params.clone()
         };
         let log = parent
@@ -1102,6 +1175,17 @@ impl SessionManager {
             .await?;
         let facts = LogFacts::of(&log).await?;
         let session = self.build_session(new, Arc::clone(&parent.provider), log, &facts, now_ms());
+        if session.egress() != egress {
+            // The copied prefix ends with older rules than the parent's now.
+            session.put_egress(egress.clone());
+            session
+                .log
+                .append(EventBody::SandboxNetwork {
+                    sandbox_id: session.id.clone(),
+                    egress,
+                })
+                .await?;
+        }
         self.lease(ctx, &session, from).await?;
         self.insert(Arc::clone(&session))?;
         self.metrics.sessions_live(1);
@@ -1386,6 +1470,8 @@ struct LogFacts {
     leased: Option<String>,
     /// The latest `session/expiry`.
     expiry: Option<Expiry>,
+    /// The latest `sandbox/network`.
+    egress: Option<tether_protocol::network::Egress>,
     /// Whether the last pause was not followed by a resume or a new lease.
     paused: bool,
     /// Output bytes journaled by finished commands.
@@ -1420,6 +1506,7 @@ impl LogFacts {
             }
             EventBody::SandboxReleased { .. } => self.leased = None,
             EventBody::ExpirySet { expiry } => self.expiry = Some(*expiry),
+            EventBody::SandboxNetwork { egress, .. } => self.egress = Some(egress.clone()),
             EventBody::SandboxPaused { .. } => self.paused = true,
             EventBody::SandboxResumed { .. } => self.paused = false,
             EventBody::ProcessStarted {

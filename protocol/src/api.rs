@@ -86,6 +86,10 @@ pub struct SessionInfo {
     /// `CONFLICT` until it is resumed.
     #[serde(default)]
     pub paused: bool,
+    /// The egress rules in force (with network; `PUT /v1/sessions/{id}/network`
+    /// replaces them).
+    #[serde(default, skip_serializing_if = "crate::network::Egress::is_empty")]
+    pub egress: crate::network::Egress,
 }
 
 /// `GET /v1/sessions`.

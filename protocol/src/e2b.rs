@@ -112,6 +112,24 @@ pub struct SandboxNetwork {
     pub other: BTreeMap<String, serde_json::Value>,
 }
 
+/// Body of `PUT /sandboxes/{id}/network`: a running sandbox's egress rules, replaced
+/// whole (an absent list is an empty one).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetworkUpdate {
+    /// Egress allowed despite `denyOut` (and despite `allow_internet_access: false`).
+    #[serde(rename = "allowOut", default, skip_serializing_if = "Option::is_none")]
+    pub allow_out: Option<Vec<String>>,
+    /// Egress denied.
+    #[serde(rename = "denyOut", default, skip_serializing_if = "Option::is_none")]
+    pub deny_out: Option<Vec<String>>,
+    /// `false`: every destination not in `allowOut` is denied (snake_case on the wire).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_internet_access: Option<bool>,
+    /// Any other option, by name (refused unless empty: a rule is never silently dropped).
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
+}
+
 /// `autoResume` of a create (`SandboxAutoResumeConfig`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AutoResume {

@@ -373,6 +373,15 @@ pub enum EventBody {
         /// The daemon's snapshot id.
         snapshot_id: String,
     },
+    /// The egress rules of the session's sandbox were replaced; supersede the header's
+    /// (a fork and a restarted daemon keep the latest).
+    #[serde(rename = "sandbox/network")]
+    SandboxNetwork {
+        /// Sandbox id.
+        sandbox_id: String,
+        /// The rules now in force (empty: none).
+        egress: crate::network::Egress,
+    },
     /// The session was closed.
     #[serde(rename = "session/closed")]
     SessionClosed {

@@ -33,6 +33,20 @@ impl Cidr {
     pub fn is_ipv4(&self) -> bool {
         self.addr.is_ipv4()
     }
+
+    /// Every address: `0.0.0.0/0` and `::/0`.
+    pub fn everything() -> [Self; 2] {
+        [
+            Self {
+                addr: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                prefix: 0,
+            },
+            Self {
+                addr: IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+                prefix: 0,
+            },
+        ]
+    }
 }
 
 /// Why a string is not a [`Cidr`].

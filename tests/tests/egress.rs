@@ -2,7 +2,8 @@
 //! makes (two addresses, one server): an allowed address is reached, a denied one is
 //! refused at once, a sandbox without rules reaches both, nothing the sandbox's root
 //! does undoes the rules, and the rules hold for a fork, after a restart and through the
-//! E2B front's `allowOut` / `denyOut`.
+//! E2B front's `allowOut` / `denyOut`; the rules of a running sandbox are replaced
+//! through either API and stay replaced.
 
 // Helpers outside #[test] fns panic on purpose: a panic is how a test reports failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -11,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tether_tests::TestDaemon;
+use tether_tests::{TestDaemon, code};
 
 /// A test host: namespace `ns` behind a veth pair, at `<net>.2` and `<net>.3`, serving
 /// `hello` on port 8000; the host side is `<net>.1`.
@@ -137,6 +138,27 @@ async fn reach(d: &TestDaemon, sid: &str, addr: &str) -> &'static str {
     }
 }
 
+/// PUT, return (status, JSON body or Null).
+async fn put(d: &TestDaemon, path: &str, body: Value, key: Option<&str>) -> (u16, Value) {
+    let mut r = d.http.put(d.url(path)).json(&body);
+    if let Some(k) = key {
+        r = r.header("x-api-key", k);
+    }
+    let r = r.send().await.unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The `sandbox/network` events of a session's log, in order.
+fn network_events(d: &TestDaemon, sid: &str) -> Vec<Value> {
+    std::fs::read_to_string(d.dir.path().join("sessions").join(sid).join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["type"] == "sandbox/network")
+        .collect()
+}
+
 async fn create(d: &TestDaemon, body: Value) -> String {
     let (st, b) = d.post("/v1/sessions", body).await;
     assert_eq!(st, 201, "{b}");
@@ -239,6 +261,137 @@ async fn egress_rules_hold_against_the_sandboxs_root_across_a_fork_and_a_restart
         header["params"]["egress"],
         json!({"allow": [format!("{ok}/32")], "deny": ["0.0.0.0/0"]})
     );
+    d.stop().await;
+    drop(host);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_rules_change_on_a_running_sandbox_and_stay_changed() {
+    let host = TestHost::start();
+    let (ok, denied) = (format!("{}.2", host.net), format!("{}.3", host.net));
+    let net = format!("{}.0/24", host.net);
+    let d = TestDaemon::start().await;
+    let sid = create(&d, json!({"network": true})).await;
+    assert_eq!(reach(&d, &sid, &denied).await, "hello");
+    // A command that runs across the change (it connects once told to): the rules hold
+    // for what it opens after.
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/processes"),
+            json!({"cmd": "while [ ! -e go ]; do sleep 0.05; done; { timeout 2 bash -c 'exec 3<>/dev/tcp/DENIED/8000 && cat <&3' 2>/dev/null || echo refused-$?; } > late.txt".replace("DENIED", &denied)}),
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let cid = body["command_id"].as_str().unwrap().to_owned();
+
+    // Native API: the body is the rules; the session reports them.
+    let rules = json!({"allow": [format!("{ok}/32")], "deny": [net.clone()]});
+    let (st, info) = put(
+        &d,
+        &format!("/v1/sessions/{sid}/network"),
+        rules.clone(),
+        None,
+    )
+    .await;
+    assert_eq!(st, 200, "{info}");
+    assert_eq!(info["egress"], rules);
+    assert_eq!(reach(&d, &sid, &denied).await, "refused");
+    assert_eq!(reach(&d, &sid, &ok).await, "hello");
+    bash(&d, &sid, "touch go").await;
+    let (st, w) = d
+        .post(
+            &format!("/v1/sessions/{sid}/processes/{cid}/wait"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, 200, "{w}");
+    let out = bash(&d, &sid, "cat late.txt").await;
+    assert!(
+        out.contains("refused-1"),
+        "the running command reached a denied address: {out}"
+    );
+    // The sandbox's root cannot undo them.
+    bash(&d, &sid, "nft flush ruleset 2>/dev/null; true").await;
+    assert_eq!(reach(&d, &sid, &denied).await, "refused");
+    // Durable: in the log, kept by a fork and by a restarted daemon.
+    let events = network_events(&d, &sid);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["data"]["egress"], rules);
+    let (st, body) = d.post(&format!("/v1/sessions/{sid}/fork"), json!({})).await;
+    assert_eq!(st, 201, "{body}");
+    let child = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(body["egress"], rules, "{body}");
+    assert_eq!(reach(&d, &child, &denied).await, "refused");
+    assert_eq!(reach(&d, &child, &ok).await, "hello");
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    let (st, info) = d.get(&format!("/v1/sessions/{sid}")).await;
+    assert_eq!(st, 200, "{info}");
+    assert_eq!(info["egress"], rules);
+    assert_eq!(reach(&d, &sid, &denied).await, "refused");
+    assert_eq!(reach(&d, &sid, &ok).await, "hello");
+
+    // Bad rules are refused and the rules in force stay.
+    let (st, body) = put(
+        &d,
+        &format!("/v1/sessions/{sid}/network"),
+        json!({"deny": ["example.com"]}),
+        None,
+    )
+    .await;
+    assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{body}");
+    assert_eq!(reach(&d, &sid, &denied).await, "refused");
+    // A session without network has no egress to rule.
+    let closed = create(&d, json!({})).await;
+    let (st, body) = put(
+        &d,
+        &format!("/v1/sessions/{closed}/network"),
+        json!({"deny": [net.clone()]}),
+        None,
+    )
+    .await;
+    assert_eq!((st, code(&body)), (400, "INVALID_REQUEST"), "{body}");
+
+    // The E2B front: `allow_internet_access: false` denies all but `allowOut`; an empty
+    // body lifts every rule; a host name is refused.
+    let key = "e2b_egress_test_key";
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", key)
+        .json(&json!({"templateID": "base"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let sbx = r.json::<Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("/sandboxes/{sbx}/network");
+    assert_eq!(reach(&d, &sbx, &denied).await, "hello");
+    let (st, body) = put(
+        &d,
+        &path,
+        json!({"allowOut": [ok.clone()], "allow_internet_access": false}),
+        Some(key),
+    )
+    .await;
+    assert_eq!(st, 204, "{body}");
+    assert_eq!(reach(&d, &sbx, &ok).await, "hello");
+    assert_eq!(reach(&d, &sbx, &denied).await, "refused");
+    let (st, body) = put(&d, &path, json!({"denyOut": ["example.com"]}), Some(key)).await;
+    assert_eq!(st, 400, "{body}");
+    assert_eq!(reach(&d, &sbx, &denied).await, "refused");
+    let (st, body) = put(&d, &path, json!({}), Some(key)).await;
+    assert_eq!(st, 204, "{body}");
+    assert_eq!(reach(&d, &sbx, &denied).await, "hello");
+    let events = network_events(&d, &sbx);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[1]["data"]["egress"], json!({}));
+    // Another tenant's sandbox is not found.
+    let (st, _) = put(&d, &path, json!({}), Some("e2b_someone_else")).await;
+    assert_eq!(st, 404);
     d.stop().await;
     drop(host);
 }

@@ -35,6 +35,7 @@ pub fn project(body: &EventBody) -> Option<Message> {
         | EventBody::SandboxPaused { .. }
         | EventBody::SandboxResumed { .. }
         | EventBody::SandboxSnapshot { .. }
+        | EventBody::SandboxNetwork { .. }
         | EventBody::SessionClosed { .. } => None,
     }
 }

@@ -211,6 +211,7 @@ impl Index {
             | EventBody::SandboxPaused { .. }
             | EventBody::SandboxResumed { .. }
             | EventBody::SandboxSnapshot { .. }
+            | EventBody::SandboxNetwork { .. }
             | EventBody::SessionClosed { .. } => {}
         }
         Ok(())

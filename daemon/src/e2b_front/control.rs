@@ -13,15 +13,15 @@ use std::sync::{Arc, OnceLock};
 use axum::Router;
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get, post};
+use axum::routing::{any, get, post, put};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
-    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork, SandboxResponse, SandboxState,
-    SandboxesMetrics, TimeoutRequest,
+    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork, SandboxNetworkUpdate,
+    SandboxResponse, SandboxState, SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
 use tokio::sync::watch;
@@ -56,6 +56,7 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/metrics", get(metrics_one))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/network", put(update_network))
         .merge(snapshots::routes())
         .route("/sandboxes/{id}/{*rest}", any(unsupported))
         .route("/v2/sandboxes/{id}/{*rest}", any(unsupported))
@@ -157,38 +158,63 @@ fn sandbox_response(state: &AppState, s: &Session, extra: &SandboxExtra) -> Sand
     }
 }
 
-/// The port proxy's admission and the egress rules of a create's `network`. A rule is
-/// enforced or refused, never dropped: one that names a domain (E2B also filters by
-/// host name) is refused, as is a provider that cannot enforce them (at create).
-fn network_of(n: SandboxNetwork) -> Result<(PortAccess, Egress), RestError> {
-    let cidrs = |name: &str, rules: &Option<Vec<String>>| -> Result<Vec<Cidr>, RestError> {
-        rules
-            .iter()
-            .flatten()
-            .map(|r| {
-                r.trim().parse::<Cidr>().map_err(|e| {
-                    RestError::bad_request(format!(
-                        "network.{name}: {e} (host names are not supported: give networks)"
-                    ))
-                })
+/// Egress rules by name (`what`, for the error): networks only.
+fn cidrs(what: &str, rules: &Option<Vec<String>>) -> Result<Vec<Cidr>, RestError> {
+    rules
+        .iter()
+        .flatten()
+        .map(|r| {
+            r.trim().parse::<Cidr>().map_err(|e| {
+                RestError::bad_request(format!(
+                    "{what}: {e} (host names are not supported: give networks)"
+                ))
             })
-            .collect()
-    };
-    let egress = Egress {
-        allow: cidrs("allowOut", &n.allow_out)?,
-        deny: cidrs("denyOut", &n.deny_out)?,
-    };
+        })
+        .collect()
+}
+
+/// Refuse any option of `other` that is set: a rule is enforced or refused, never
+/// dropped.
+fn refuse_other(
+    prefix: &str,
+    other: &BTreeMap<String, serde_json::Value>,
+) -> Result<(), RestError> {
     let set = |v: &serde_json::Value| match v {
         serde_json::Value::Null => false,
         serde_json::Value::Array(a) => !a.is_empty(),
         serde_json::Value::Object(o) => !o.is_empty(),
         _ => true,
     };
-    if let Some(name) = n.other.iter().find(|(_, v)| set(v)).map(|(k, _)| k) {
-        return Err(RestError::bad_request(format!(
-            "network.{name} is not supported by this server"
-        )));
+    match other.iter().find(|(_, v)| set(v)) {
+        Some((name, _)) => Err(RestError::bad_request(format!(
+            "{prefix}{name} is not supported by this server"
+        ))),
+        None => Ok(()),
     }
+}
+
+/// The egress rules of `PUT /sandboxes/{id}/network`.
+fn network_update_of(n: SandboxNetworkUpdate) -> Result<Egress, RestError> {
+    let mut deny = cidrs("denyOut", &n.deny_out)?;
+    if n.allow_internet_access == Some(false) {
+        deny.extend(Cidr::everything());
+    }
+    refuse_other("", &n.other)?;
+    Ok(Egress {
+        allow: cidrs("allowOut", &n.allow_out)?,
+        deny,
+    })
+}
+
+/// The port proxy's admission and the egress rules of a create's `network`. A rule is
+/// enforced or refused, never dropped: one that names a domain (E2B also filters by
+/// host name) is refused, as is a provider that cannot enforce them (at create).
+fn network_of(n: SandboxNetwork) -> Result<(PortAccess, Egress), RestError> {
+    let egress = Egress {
+        allow: cidrs("network.allowOut", &n.allow_out)?,
+        deny: cidrs("network.denyOut", &n.deny_out)?,
+    };
+    refuse_other("network.", &n.other)?;
     let mask_host = n.mask_request_host.filter(|h| !h.is_empty());
     if let Some(h) = &mask_host
         && http::HeaderValue::from_str(&h.replace("${PORT}", "1")).is_err()
@@ -980,6 +1006,36 @@ async fn pause(
                 StatusCode::NOT_IMPLEMENTED,
                 format!(
                     "pause is not supported by the {} provider this sandbox runs on",
+                    s.provider_kind
+                ),
+            )),
+            Err(e) => Err(e.into()),
+        }
+    }
+    .instrument(span)
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn update_network(
+    State(state): State<Arc<AppState>>,
+    RequestCtx(ctx): RequestCtx,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("e2b.sandbox.network", sandbox.id = %id, session.id = %id);
+    let r = async {
+        let tenant = tenant(&state, &headers)?;
+        let (s, _) = owned(&state, &tenant, &id)?;
+        let egress = network_update_of(json_body(&body, false)?)?;
+        match s.set_egress(&ctx, egress).await {
+            Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
+            Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                format!(
+                    "changing the network of a running sandbox is not supported by the {} \
+                     provider this sandbox runs on",
                     s.provider_kind
                 ),
             )),

@@ -452,7 +452,16 @@ async fn control_plane_errors_have_the_sdk_error_shape() {
             reqwest::Method::PUT,
             &format!("/sandboxes/{id}/network"),
             Some(KEY_A),
-            Some(json!({})),
+            Some(json!({"denyOut": ["example.com"]})),
+        )
+        .await;
+    assert_eq!((st, b["code"].as_u64()), (400, Some(400)), "{b}");
+    let (st, b) = f
+        .api(
+            reqwest::Method::GET,
+            &format!("/v2/sandboxes/{id}/logs"),
+            Some(KEY_A),
+            None,
         )
         .await;
     assert_eq!((st, b["code"].as_u64()), (501, Some(501)), "{b}");

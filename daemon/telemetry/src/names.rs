@@ -45,6 +45,8 @@ pub const SANDBOX_METRICS: &str = "sandbox.metrics";
 /// Taking a snapshot of a session's sandbox (`Provider::snapshot`), for a snapshot or a
 /// fork.
 pub const SANDBOX_SNAPSHOT: &str = "sandbox.snapshot";
+/// Replacing a session's sandbox's egress rules (`Provider::set_egress`).
+pub const SANDBOX_NETWORK: &str = "sandbox.network";
 /// Creating a sandbox from a snapshot (`Provider::create_from_snapshot`), for a session
 /// made from a snapshot or a fork.
 pub const SANDBOX_RESTORE: &str = "sandbox.restore";
@@ -96,6 +98,7 @@ pub const ALL_SPANS: &[&str] = &[
     SANDBOX_RESUME,
     SANDBOX_METRICS,
     SANDBOX_SNAPSHOT,
+    SANDBOX_NETWORK,
     SANDBOX_RESTORE,
     PROCESS_START,
     PROCESS_STREAM,
@@ -115,7 +118,7 @@ pub const ALL_SPANS: &[&str] = &[
 /// The remote operations that `tether.remote_op.duration` is labelled with: the provider
 /// spans above (a bounded set, so a safe metric label). Derived from [`ALL_SPANS`], where
 /// they stand together from `SANDBOX_CREATE` to `FS_REMOVE`.
-pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(21).0;
+pub const REMOTE_OPS: &[&str] = ALL_SPANS.split_at(5).1.split_at(22).0;
 
 // --- attribute keys (span fields and metric labels) ---
 
@@ -181,7 +184,7 @@ mod remote_ops_tests {
     fn remote_ops_are_the_provider_spans() {
         assert_eq!(REMOTE_OPS.first(), Some(&SANDBOX_CREATE));
         assert_eq!(REMOTE_OPS.last(), Some(&FS_REMOVE));
-        assert_eq!(REMOTE_OPS.len(), 21);
+        assert_eq!(REMOTE_OPS.len(), 22);
         assert!(REMOTE_OPS.iter().all(|op| op.starts_with("sandbox.")
             || op.starts_with("process.")
             || op.starts_with("fs.")));

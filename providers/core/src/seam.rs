@@ -286,6 +286,20 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         })
     }
 
+    /// Replace a running sandbox's egress rules (`egress` empty: none): enforced, where
+    /// the sandbox cannot change them, for every connection opened from then on, or
+    /// refused (`UNSUPPORTED`, `ISOLATION_UNAVAILABLE`). A sandbox without network is
+    /// `INVALID_REQUEST`.
+    async fn set_egress(
+        &self,
+        ctx: &CallCtx,
+        id: &str,
+        egress: tether_protocol::network::Egress,
+    ) -> Result<()> {
+        let _ = (ctx, id, egress);
+        Err(ProviderError::Unsupported { op: "set_egress" })
+    }
+
     /// What a sandbox uses now (CPU, memory, processes, disk).
     async fn metrics(&self, ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
         let _ = (ctx, id);

@@ -21,8 +21,9 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     ConnectSandboxRequest, ENVD_PORT, ListedSandbox, NewSandboxRequest, SandboxDetail,
-    SandboxNetwork, SandboxResponse, TimeoutRequest,
+    SandboxNetwork, SandboxNetworkUpdate, SandboxResponse, TimeoutRequest,
 };
+use tether_protocol::network::Egress;
 use tether_provider::{
     CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
     SandboxInfo, SandboxSpec,
@@ -776,6 +777,47 @@ impl Provider for E2bProvider {
         })
         .await
         .map(|_| ())
+    }
+
+    #[tracing::instrument(name = "sandbox.network", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
+    async fn set_egress(&self, ctx: &CallCtx, id: &str, egress: Egress) -> Result<()> {
+        ctx.check()?;
+        let i = &self.inner;
+        if i.debug() {
+            return Err(ProviderError::Unsupported { op: "set_egress" });
+        }
+        let op = Op::Sandbox { op: "network", id };
+        let path = format!("/sandboxes/{id}/network");
+        // Replaced whole: the backend enforces E2B's `allowOut` / `denyOut`.
+        let body = SandboxNetworkUpdate {
+            allow_out: Some(egress.allow.iter().map(ToString::to_string).collect()),
+            deny_out: Some(egress.deny.iter().map(ToString::to_string).collect()),
+            ..SandboxNetworkUpdate::default()
+        };
+        let (status, headers, bytes) = retry(ctx, i.http.retry, "network", || async {
+            let (s, h, b) = i
+                .http
+                .call(ctx, i.api.request(Method::PUT, &path).json(&body), op)
+                .await?;
+            if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
+                return Err(from_status(op, s, &h, &b));
+            }
+            Ok((s, h, b))
+        })
+        .await?;
+        match status.as_u16() {
+            200..=299 => {
+                tracing::debug!(sandbox.id = %id, "Changed an E2B sandbox's egress rules");
+                Ok(())
+            }
+            405 | 501 => Err(ProviderError::Unsupported { op: "set_egress" }),
+            404 => match i.detail(ctx, id).await {
+                // The sandbox exists: it is the route that is missing.
+                Ok(_) => Err(ProviderError::Unsupported { op: "set_egress" }),
+                Err(e) => Err(e),
+            },
+            _ => Err(from_status(op, status, &headers, &bytes)),
+        }
     }
 
     #[tracing::instrument(name = "sandbox.pause", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]

@@ -90,6 +90,18 @@ struct SandboxRecord {
     /// [`InitSpec::outer_netns`](crate::init::InitSpec::outer_netns)).
     #[serde(default, skip_serializing_if = "Egress::is_empty")]
     egress: Egress,
+    /// Whether the network namespace is the host's to configure, so that the egress
+    /// rules can be changed while the sandbox runs. `None` (a record written before the
+    /// field): exactly when it was made with rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    outer_netns: Option<bool>,
+}
+
+impl SandboxRecord {
+    /// [`InitSpec::outer_netns`](crate::init::InitSpec::outer_netns) of this sandbox.
+    fn outer_netns(&self) -> bool {
+        self.network && self.outer_netns.unwrap_or_else(|| !self.egress.is_empty())
+    }
 }
 
 fn host_name() -> String {
@@ -161,6 +173,10 @@ pub struct LocalSandbox {
     core: Arc<SandboxCore>,
     record: SandboxRecord,
     expires_ms: AtomicI64,
+    /// The egress rules in force (`record.egress` is the ones it was made with).
+    egress: std::sync::RwLock<Egress>,
+    /// One change of the egress rules at a time.
+    egress_lock: Mutex<()>,
     fs: LocalFs,
     process: LocalProcess,
 }
@@ -177,10 +193,13 @@ impl LocalSandbox {
         let fs = LocalFs::new(core.ws.clone(), core.tasks.clone(), core.closed.clone());
         let process = LocalProcess::new(core.clone());
         let expires_ms = AtomicI64::new(record.expires_ms.unwrap_or(NO_EXPIRY));
+        let egress = std::sync::RwLock::new(record.egress.clone());
         Self {
             core,
             record,
             expires_ms,
+            egress,
+            egress_lock: Mutex::new(()),
             fs,
             process,
         }
@@ -205,8 +224,17 @@ impl LocalSandbox {
         let e = self.expires_ms.load(Ordering::Acquire);
         SandboxRecord {
             expires_ms: (e != NO_EXPIRY).then_some(e),
+            egress: self.egress(),
             ..self.record.clone()
         }
+    }
+
+    /// The egress rules in force.
+    pub fn egress(&self) -> Egress {
+        self.egress
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Kill everything, stop background tasks, release the mounts and cgroups.
@@ -513,7 +541,7 @@ impl LocalProvider {
             home_owner: user,
             ip: self.ip.clone(),
             orphan_grace_ms: self.cfg.orphan_grace_ms,
-            outer_netns: record.network && !record.egress.is_empty(),
+            outer_netns: record.outer_netns(),
         };
         let state = dir.join("state");
         tokio::fs::create_dir_all(&state)
@@ -562,7 +590,7 @@ impl LocalProvider {
                             Network::start(
                                 h,
                                 init.pid1,
-                                !record.egress.is_empty(),
+                                record.outer_netns(),
                                 Duration::from_millis(self.cfg.network_timeout_ms),
                             )
                             .await
@@ -806,7 +834,7 @@ impl LocalProvider {
                     Network::start(
                         h,
                         init.pid1,
-                        !record.egress.is_empty(),
+                        record.outer_netns(),
                         Duration::from_millis(self.cfg.network_timeout_ms),
                     )
                     .await?,
@@ -891,6 +919,9 @@ impl LocalProvider {
             network,
             limits,
             egress,
+            // A machine's network namespace is made outside it whenever its `ip` can
+            // bring the loopback up there: its rules can then change while it runs.
+            outer_netns: Some(network && machine && self.ip.is_some()),
         };
         self.boot(&record, dir).await
     }
@@ -1277,6 +1308,38 @@ impl Provider for LocalProvider {
             })
             .await?;
         Ok(Box::new(stream))
+    }
+
+    async fn set_egress(&self, ctx: &CallCtx, id: &str, egress: Egress) -> Result<()> {
+        ctx.check()?;
+        let sandbox = self.connect_local(id).await?;
+        if !sandbox.record.network {
+            return Err(ProviderError::InvalidRequest {
+                message: "the sandbox has no network: there is no egress to rule".into(),
+            });
+        }
+        let machine = self.cfg.isolation == Isolation::Machine;
+        self.egress_problem(machine)?;
+        if !sandbox.record.outer_netns() {
+            return Err(ProviderError::IsolationUnavailable {
+                requested: "egress rules changed while the sandbox runs".into(),
+                why: "its network namespace is its own (made without egress rules, or \
+                      where no `ip` program could configure one from outside)"
+                    .into(),
+            });
+        }
+        let _one = sandbox.egress_lock.lock().await;
+        ctx.run(crate::client::apply_egress(
+            sandbox.core.init.pid1,
+            &egress,
+            Duration::from_millis(self.cfg.network_timeout_ms),
+        ))
+        .await?;
+        *sandbox.egress.write().unwrap_or_else(|e| e.into_inner()) = egress;
+        // Recorded for `info` and for a sandbox booted again from its record.
+        write_json(&self.cfg.root.join(id), RECORD, &sandbox.current_record()).await?;
+        tracing::info!(sandbox.id = %id, "Changed a local sandbox's egress rules");
+        Ok(())
     }
 
     async fn metrics(&self, ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
