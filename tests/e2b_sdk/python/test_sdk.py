@@ -1138,6 +1138,36 @@ def test_network_private_ports_and_masked_host(env, make_sandbox):
     assert time.monotonic() - started < 4
 
 
+@sdk("Sandbox.update_network: a running sandbox's egress rules replaced whole, enforced at once, lifted again")
+def test_update_network_replaces_a_running_sandboxs_rules(env, make_sandbox):
+    sbx = make_sandbox()
+    # A rule is enforced or refused, never dropped: a host name is refused everywhere.
+    with pytest.raises(SandboxException) as err:
+        sbx.update_network({"deny_out": ["example.com"]})
+    assert "denyOut" in str(err.value)
+    if not os.environ.get("TETHER_SUITE_EGRESS"):
+        # A provider that cannot change them on a running sandbox says so.
+        with pytest.raises(SandboxException):
+            sbx.update_network({"deny_out": ["10.255.255.1/32"]})
+        return
+    probe = "timeout 5 bash -c 'exec 3<>/dev/tcp/10.255.255.1/80'; echo $?"
+    # No internet but what `allow_out` names: a denied network is refused at once,
+    # inside the sandbox (nothing leaves it), by the command started after the change.
+    sbx.update_network({"allow_internet_access": False, "allow_out": ["10.255.255.2"]})
+    started = time.monotonic()
+    r = sbx.commands.run(probe, request_timeout=REQUEST_TIMEOUT_S)
+    assert r.stdout.strip().splitlines()[-1] == "1", r.stdout + r.stderr
+    assert time.monotonic() - started < 4
+    # The class-method form, by id, replaces them too (here: the same rule, by network).
+    Sandbox.update_network(sbx.sandbox_id, {"deny_out": ["10.255.255.0/24"]})
+    r = sbx.commands.run(probe, request_timeout=REQUEST_TIMEOUT_S)
+    assert r.stdout.strip().splitlines()[-1] == "1", r.stdout + r.stderr
+    # An empty update lifts every rule; another tenant's sandbox is not found.
+    sbx.update_network({})
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.update_network(sbx.sandbox_id, {}, api_key=os.environ["TETHER_E2B_OTHER_KEY"])
+
+
 def _require_snapshots() -> None:
     if not os.environ.get("TETHER_SUITE_SNAPSHOTS"):
         pytest.skip("the provider of this run takes no snapshots")
