@@ -1290,6 +1290,7 @@ impl SessionManager {
             self.metrics.sessions_live(1);
         }
         report.orphans_destroyed = self.reconcile().await;
+        report.snapshots_deleted = self.sweep_snapshots().await;
         Ok(report)
     }
 
@@ -1593,6 +1594,8 @@ pub struct RecoveryReport {
     pub failed: Vec<String>,
     /// Orphaned sandboxes destroyed.
     pub orphans_destroyed: Vec<String>,
+    /// Providers' snapshots no record named, deleted (`provider/snapshot`).
+    pub snapshots_deleted: Vec<String>,
     /// Closed sessions removed past their retention.
     pub removed: Vec<String>,
 }

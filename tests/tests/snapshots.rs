@@ -84,26 +84,7 @@ async fn sh(d: &TestDaemon, key: &str, sid: &str, command: &str) -> String {
 
 /// The provider's snapshots on disk (each a directory with a `snapshot.json`).
 fn provider_snapshots(state: &std::path::Path) -> usize {
-    fn walk(p: &std::path::Path, n: &mut usize) {
-        let Ok(rd) = std::fs::read_dir(p) else { return };
-        for e in rd.flatten() {
-            let path = e.path();
-            let Ok(t) = e.file_type() else { continue };
-            if t.is_dir() && !t.is_symlink() {
-                if path.join("snapshot.json").is_file() {
-                    *n += 1;
-                } else if path
-                    .file_name()
-                    .is_some_and(|f| f != "store" && f != "rootfs")
-                {
-                    walk(&path, n);
-                }
-            }
-        }
-    }
-    let mut n = 0;
-    walk(&state.join("sandboxes"), &mut n);
-    n
+    snapshot_dirs(state).len()
 }
 
 fn ids(list: &Value) -> Vec<String> {
@@ -435,5 +416,86 @@ async fn a_fork_copies_the_file_system_once_for_every_fork_and_keeps_no_snapshot
     assert_eq!(st, 204);
     let (st, _) = call(&d, Method::POST, &fork, KEY_A, None).await;
     assert_eq!(st, 404);
+    d.stop().await;
+}
+
+/// Every directory under the local provider's storage holding a `snapshot.json`.
+fn snapshot_dirs(state: &std::path::Path) -> Vec<std::path::PathBuf> {
+    fn walk(p: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(rd) = std::fs::read_dir(p) else { return };
+        for e in rd.flatten() {
+            let path = e.path();
+            let Ok(t) = e.file_type() else { continue };
+            if t.is_dir() && !t.is_symlink() {
+                if path.join("snapshot.json").is_file() {
+                    out.push(path);
+                } else if path
+                    .file_name()
+                    .is_some_and(|f| f != "store" && f != "rootfs")
+                {
+                    walk(&path, out);
+                }
+            }
+        }
+    }
+    let mut v = Vec::new();
+    walk(&state.join("sandboxes"), &mut v);
+    v
+}
+
+/// A crash between a provider's snapshot and the daemon's record of it (here: the
+/// record is gone), or in the middle of a copy (a directory without `snapshot.json`),
+/// leaves bytes nothing names: the next daemon deletes them at start and keeps the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_no_record_names_is_deleted_at_start() {
+    let d = TestDaemon::start_with(tenants).await;
+    let (st, body) = create(&d, KEY_A, "base").await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["sandboxID"].as_str().unwrap().to_owned();
+    sh(&d, KEY_A, &sid, "echo kept > /home/user/f.txt").await;
+    let path = format!("/sandboxes/{sid}/snapshots");
+    for name in ["kept", "lost"] {
+        let (st, body) = call(&d, Method::POST, &path, KEY_A, Some(json!({"name": name}))).await;
+        assert_eq!(st, 201, "{body}");
+    }
+    let dirs = snapshot_dirs(d.dir.path());
+    assert_eq!(dirs.len(), 2, "{dirs:?}");
+    let dir = d.stop().await;
+
+    // The record of `lost` goes, as if the daemon had died before writing it.
+    let records = dir.path().join("snapshots");
+    let mut lost = None;
+    for e in std::fs::read_dir(&records).unwrap().flatten() {
+        let rec: Value = serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap();
+        if rec["name"] == "lost" {
+            lost = Some(rec["provider_snapshot"].as_str().unwrap().to_owned());
+            std::fs::remove_file(e.path()).unwrap();
+        }
+    }
+    let lost = lost.expect("the record of `lost`");
+    // A copy cut short: the directory, no `snapshot.json`.
+    let parent = dirs[0].parent().unwrap().to_owned();
+    let torn = parent.join(uuid::Uuid::new_v4().simple().to_string());
+    std::fs::create_dir_all(torn.join("upper/home")).unwrap();
+
+    let d = TestDaemon::start_in(dir, tenants).await;
+    let left = snapshot_dirs(d.dir.path());
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(
+        !left[0].ends_with(&lost),
+        "the unrecorded snapshot survived"
+    );
+    assert!(!parent.join(&lost).exists());
+    assert!(!torn.exists(), "the torn copy survived");
+    // What a record names is untouched and still starts sandboxes.
+    let (st, body) = create(&d, KEY_A, "kept").await;
+    assert_eq!(st, 201, "{body}");
+    let child = body["sandboxID"].as_str().unwrap().to_owned();
+    assert_eq!(
+        sh(&d, KEY_A, &child, "cat /home/user/f.txt").await,
+        "kept\n"
+    );
+    let (_, body) = call(&d, Method::GET, "/snapshots", KEY_A, None).await;
+    assert_eq!(ids(&body), vec!["kept:default".to_owned()]);
     d.stop().await;
 }

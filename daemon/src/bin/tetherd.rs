@@ -152,6 +152,7 @@ async fn serve(cfg: Config) -> ExitCode {
         reconnected = r.reconnected.len(),
         detached = r.detached.len(),
         orphans_destroyed = r.orphans_destroyed.len(),
+        snapshots_deleted = r.snapshots_deleted.len(),
         "tetherd is serving"
     );
     println!("tetherd listening on http://{}", daemon.addr);

@@ -173,6 +173,14 @@ impl Snapshots {
         v
     }
 
+    /// The provider snapshots that records keep (whichever provider's).
+    pub fn provider_snapshots(&self) -> std::collections::HashSet<String> {
+        self.by_id
+            .read()
+            .map(|m| m.values().map(|s| s.provider_snapshot.clone()).collect())
+            .unwrap_or_default()
+    }
+
     fn path(&self, id: &str) -> PathBuf {
         self.dir.join(format!("{id}.json"))
     }
@@ -389,6 +397,33 @@ impl SessionManager {
         if let Err(e) = p.delete_snapshot(&ctx, snap).await {
             tracing::warn!(provider = %provider, snapshot = %snap, error = %e, "Could not delete a provider's snapshot");
         }
+    }
+
+    /// At start, before any request: delete the snapshots providers keep of their own
+    /// that no record names (a crash between a snapshot and its record, or during a
+    /// fork, whose snapshot never outlives its daemon). Returns `provider/snapshot` of
+    /// each deleted.
+    pub(super) async fn sweep_snapshots(&self) -> Vec<String> {
+        let kept = self.snapshots.provider_snapshots();
+        let mut deleted = Vec::new();
+        for (name, p) in self.providers.iter() {
+            let ctx = CallCtx::new("snapshot-sweep")
+                .with_timeout(self.deadlines.sandbox_op, Clock::Total);
+            let ids = match p.list_snapshots(&ctx).await {
+                Ok(ids) => ids,
+                Err(ProviderError::Unsupported { .. }) => continue,
+                Err(e) => {
+                    tracing::warn!(provider = %name, error = %e, "Could not list a provider's snapshots");
+                    continue;
+                }
+            };
+            for id in ids.into_iter().filter(|id| !kept.contains(id)) {
+                tracing::info!(provider = %name, snapshot = %id, "Deleting a snapshot no record names");
+                self.drop_provider_snapshot(name, &id).await;
+                deleted.push(format!("{name}/{id}"));
+            }
+        }
+        deleted
     }
 
     /// The provider snapshot a fork of `parent` starts from: `None` where there is

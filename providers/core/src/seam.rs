@@ -278,6 +278,18 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         })
     }
 
+    /// The snapshots this provider keeps in storage of its own (not shared with other
+    /// clients, as a backend's team's are), complete or not, by id: a daemon that
+    /// starts deletes the ones it has no record of (a crash between a snapshot and its
+    /// record, or during a fork). A provider whose snapshots are shared answers
+    /// `UNSUPPORTED`.
+    async fn list_snapshots(&self, ctx: &CallCtx) -> Result<Vec<String>> {
+        let _ = ctx;
+        Err(ProviderError::Unsupported {
+            op: "list_snapshots",
+        })
+    }
+
     /// Delete a snapshot. Deleting one that is already gone succeeds.
     async fn delete_snapshot(&self, ctx: &CallCtx, snapshot: &str) -> Result<()> {
         let _ = (ctx, snapshot);

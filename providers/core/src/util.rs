@@ -36,6 +36,28 @@ pub async fn collect(ctx: &CallCtx, path: &str, mut stream: ByteStream, max: u64
     }
 }
 
+/// The names of the entries of directory `dir` that `keep` accepts (none when `dir`
+/// does not exist): a provider's own snapshots, for `Provider::list_snapshots`.
+pub async fn entry_names(
+    dir: &std::path::Path,
+    keep: impl Fn(&str) -> bool,
+) -> std::io::Result<Vec<String>> {
+    let mut rd = match tokio::fs::read_dir(dir).await {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut names = Vec::new();
+    while let Some(e) = rd.next_entry().await? {
+        if let Some(name) = e.file_name().to_str()
+            && keep(name)
+        {
+            names.push(name.to_owned());
+        }
+    }
+    Ok(names)
+}
+
 /// Equality of secrets (tokens, keys) whose time depends only on the lengths, not on
 /// where the bytes differ (`subtle`'s constant-time comparison).
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

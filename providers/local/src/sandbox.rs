@@ -1270,6 +1270,13 @@ impl Provider for LocalProvider {
         Ok(self.create_with(ctx, spec, Some(dir)).await?)
     }
 
+    async fn list_snapshots(&self, ctx: &CallCtx) -> Result<Vec<String>> {
+        ctx.check()?;
+        tether_provider::util::entry_names(&self.cfg.snapshots(), valid_id)
+            .await
+            .map_err(|e| internal("cannot list the snapshots", e))
+    }
+
     async fn delete_snapshot(&self, ctx: &CallCtx, snapshot: &str) -> Result<()> {
         ctx.check()?;
         let Some(dir) = self.snapshot_dir(snapshot) else {

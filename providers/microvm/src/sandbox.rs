@@ -1401,6 +1401,14 @@ impl Provider for MicrovmProvider {
         self.sandbox(core)
     }
 
+    async fn list_snapshots(&self, _ctx: &CallCtx) -> Result<Vec<String>> {
+        // Finished ones and the `.tmp` of one cut short: both are this provider's alone.
+        let dir = self.cfg.root.join("snapshots");
+        tether_provider::util::entry_names(&dir, |n| n.starts_with("snap-"))
+            .await
+            .map_err(|e| internal("cannot list the snapshots", e))
+    }
+
     async fn delete_snapshot(&self, _ctx: &CallCtx, snapshot: &str) -> Result<()> {
         if let Some(dir) = self.snapshot_dir(snapshot) {
             let _ = tokio::fs::remove_dir_all(dir).await;
