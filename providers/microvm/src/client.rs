@@ -579,14 +579,25 @@ impl Cgroup {
         self.dir.join("cgroup.procs")
     }
 
-    /// Remove it (once its processes are gone).
+    /// Remove it once its processes are gone; what is still in it after half a second
+    /// is its VM's (qemu's helpers: nothing else joins it) and is killed first.
     pub fn remove(&self) {
-        for _ in 0..50 {
-            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
-                return;
+        for round in 0..2 {
+            for _ in 0..50 {
+                if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(10));
+            if round == 0 {
+                let procs = std::fs::read_to_string(self.procs()).unwrap_or_default();
+                procs
+                    .lines()
+                    .filter_map(|l| l.trim().parse::<u32>().ok())
+                    .for_each(kill_pid);
+            }
         }
+        tracing::warn!(cgroup = %self.dir.display(), "Could not remove a VM's cgroup");
     }
 }
 

@@ -228,6 +228,26 @@ fn a_cgroup_is_made_on_v1_or_v2_and_removed() {
     }
 }
 
+/// A cgroup whose VM left a helper behind is still removed: what is in it is killed.
+#[test]
+fn a_cgroup_with_a_process_left_in_it_is_removed() {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let id = format!("unit-left-{}", std::process::id());
+    let Some(cg) = client::Cgroup::create(root, &id, 64 << 20) else {
+        // No writable memory controller here: nothing to leave behind.
+        return;
+    };
+    let mut child = std::process::Command::new("sleep")
+        .arg("300")
+        .spawn()
+        .unwrap();
+    std::fs::write(cg.procs(), child.id().to_string()).unwrap();
+    cg.remove();
+    assert_eq!(client::Cgroup::find(root, &id), None, "the cgroup is left");
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the process in it was not ended");
+}
+
 #[test]
 fn entropy_and_tokens_differ_per_call() {
     let a = client::entropy().unwrap();
