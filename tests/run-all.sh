@@ -28,3 +28,7 @@ fi
 # Coverage-guided fuzzing, bounded (TETHER_FUZZ_SECONDS per target; skipped without
 # nightly Rust and cargo-fuzz).
 bash tests/fuzz/run.sh
+
+# Nothing the tests started is left on the host (processes, mounts, network namespaces,
+# loop devices, cgroups).
+bash tests/leftovers.sh
