@@ -448,6 +448,34 @@ impl ProviderInner {
         Ok(out)
     }
 
+    /// A lifecycle call whose status its caller judges: the retryable ones (429, 502 to
+    /// 504) go through the retry policy, any other comes back with its headers and body.
+    async fn judged_call<T: serde::Serialize + Sync>(
+        &self,
+        ctx: &CallCtx,
+        method: Method,
+        path: &str,
+        body: &T,
+        name: &'static str,
+        op: Op<'_>,
+    ) -> Result<(reqwest::StatusCode, HeaderMap, bytes::Bytes)> {
+        retry(ctx, self.http.retry, name, || async {
+            let req = self.api.request(method.clone(), path).json(body);
+            let (s, h, b) = self.http.call(ctx, req, op).await?;
+            if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
+                return Err(from_status(op, s, &h, &b));
+            }
+            Ok((s, h, b))
+        })
+        .await
+    }
+
+    /// What a 404 of a route a backend may lack means: `Ok` when sandbox `id` exists
+    /// (the route is missing), else why it is not found.
+    async fn route_missing(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        self.detail(ctx, id).await.map(|_| ())
+    }
+
     async fn detail(&self, ctx: &CallCtx, id: &str) -> Result<SandboxDetail> {
         let op = Op::Sandbox { op: "get", id };
         let path = format!("/sandboxes/{id}");
@@ -794,28 +822,19 @@ impl Provider for E2bProvider {
             deny_out: Some(egress.deny.iter().map(ToString::to_string).collect()),
             ..SandboxNetworkUpdate::default()
         };
-        let (status, headers, bytes) = retry(ctx, i.http.retry, "network", || async {
-            let (s, h, b) = i
-                .http
-                .call(ctx, i.api.request(Method::PUT, &path).json(&body), op)
-                .await?;
-            if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
-                return Err(from_status(op, s, &h, &b));
-            }
-            Ok((s, h, b))
-        })
-        .await?;
+        let (status, headers, bytes) = i
+            .judged_call(ctx, Method::PUT, &path, &body, "network", op)
+            .await?;
         match status.as_u16() {
             200..=299 => {
                 tracing::debug!(sandbox.id = %id, "Changed an E2B sandbox's egress rules");
                 Ok(())
             }
             405 | 501 => Err(ProviderError::Unsupported { op: "set_egress" }),
-            404 => match i.detail(ctx, id).await {
-                // The sandbox exists: it is the route that is missing.
-                Ok(_) => Err(ProviderError::Unsupported { op: "set_egress" }),
-                Err(e) => Err(e),
-            },
+            404 => {
+                i.route_missing(ctx, id).await?;
+                Err(ProviderError::Unsupported { op: "set_egress" })
+            }
             _ => Err(from_status(op, status, &headers, &bytes)),
         }
     }
@@ -829,24 +848,16 @@ impl Provider for E2bProvider {
         }
         let op = Op::Sandbox { op: "pause", id };
         let path = format!("/sandboxes/{id}/pause");
-        let (status, headers, body) = retry(ctx, i.http.retry, "pause", || async {
-            let (s, h, b) = i
-                .http
-                .call(
-                    ctx,
-                    i.api
-                        .request(Method::POST, &path)
-                        .json(&serde_json::json!({})),
-                    op,
-                )
-                .await?;
-            // Retryable statuses go through the retry policy; everything else is judged below.
-            if matches!(s.as_u16(), 429 | 502 | 503 | 504) {
-                return Err(from_status(op, s, &h, &b));
-            }
-            Ok((s, h, b))
-        })
-        .await?;
+        let (status, headers, body) = i
+            .judged_call(
+                ctx,
+                Method::POST,
+                &path,
+                &serde_json::json!({}),
+                "pause",
+                op,
+            )
+            .await?;
         match status.as_u16() {
             200..=299 => {
                 Probe::set(&i.probe.pause, YES);
@@ -859,14 +870,11 @@ impl Provider for E2bProvider {
                 Probe::set(&i.probe.pause, NO);
                 Err(ProviderError::Unsupported { op: "pause" })
             }
-            404 => match i.detail(ctx, id).await {
-                // The sandbox exists: it is the route that is missing.
-                Ok(_) => {
-                    Probe::set(&i.probe.pause, NO);
-                    Err(ProviderError::Unsupported { op: "pause" })
-                }
-                Err(e) => Err(e),
-            },
+            404 => {
+                i.route_missing(ctx, id).await?;
+                Probe::set(&i.probe.pause, NO);
+                Err(ProviderError::Unsupported { op: "pause" })
+            }
             _ => Err(from_status(op, status, &headers, &body)),
         }
     }
