@@ -232,6 +232,8 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
     let mut created: Vec<String> = Vec::new();
     let mut uploaded: Vec<(String, String, Vec<u8>)> = Vec::new();
     let mut killed_mid_flight = 0;
+    // Every sandbox id this test's state ever held (looked at after each kill).
+    let mut seen: BTreeSet<String> = BTreeSet::new();
     for round in 0..LOOP_ROUNDS {
         let port = free_port();
         let base = format!("http://127.0.0.1:{port}");
@@ -312,6 +314,7 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         // A different moment of the round each time: 30 to 300 ms in.
         tokio::time::sleep(Duration::from_millis(30 + (round as u64 * 137) % 270)).await;
         child.kill_9();
+        seen.extend(sandbox_dirs(state.path()));
         let before = acked.len();
         while let Some(a) = rx.recv().await {
             acked.push(a);
@@ -408,6 +411,29 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
     for sb in &owned {
         assert!(listed.contains(sb), "a live session's sandbox {sb} is gone");
     }
+    // Counted with ps too: no process is left in a sandbox no live session owns, and
+    // each owned one still has its processes (its init at least).
+    seen.extend(sandbox_dirs(state.path()));
+    let until = tokio::time::Instant::now() + Duration::from_secs(15);
+    let (stray, kept) = loop {
+        let by_sandbox = processes_by_sandbox(&seen);
+        let stray: usize = by_sandbox
+            .iter()
+            .filter(|(id, _)| !owned.contains(id))
+            .map(|(_, n)| n)
+            .sum();
+        if stray == 0 || tokio::time::Instant::now() > until {
+            break (stray, by_sandbox);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(stray, 0, "processes of sandboxes no session owns: {kept:?}");
+    for sb in &owned {
+        assert!(
+            kept.get(*sb).is_some_and(|n| *n > 0),
+            "no process of the live sandbox {sb}"
+        );
+    }
     // Every session survived every kill and still runs a command.
     for sid in &ids {
         let r: Value = http
@@ -426,11 +452,13 @@ async fn twenty_kill_9_rounds_lose_nothing_acknowledged_and_every_session_still_
         );
     }
     eprintln!(
-        "{LOOP_ROUNDS} rounds: {} acknowledged, {calls} calls logged, {repaired} repaired, {killed_mid_flight} kills mid-flight; {} creates and {} uploads acknowledged and found, {} sandboxes, each a live session's",
+        "{LOOP_ROUNDS} rounds: {} acknowledged, {calls} calls logged, {repaired} repaired, {killed_mid_flight} kills mid-flight; {} creates and {} uploads acknowledged and found, {} sandboxes, each a live session's; {} sandbox ids seen, 0 processes outside live sessions' sandboxes, {} inside them",
         acked.len(),
         created.len(),
         uploaded.len(),
-        listed.len()
+        listed.len(),
+        seen.len(),
+        kept.values().sum::<usize>()
     );
 }
 
@@ -706,6 +734,45 @@ async fn a_paused_local_sandbox_is_taken_over_paused_after_a_kill_9() {
     assert_eq!(w["status"]["code"], 0, "{w}");
     let want: String = (1..=15).map(|i| format!("t{i}\n")).collect();
     assert_eq!(stdout_of(&http, &base, &sid, "ticks").await, want);
+}
+
+/// The sandbox ids whose directories the local provider holds under `state` now.
+fn sandbox_dirs(state: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(state.join("sandboxes/local"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("sandbox.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// How many host processes run in each sandbox of `ids`, by the sandbox cgroup named
+/// after the id that each is in (`/proc/<pid>/cgroup`).
+fn processes_by_sandbox(ids: &BTreeSet<String>) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if e.file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+            .is_none()
+        {
+            continue;
+        }
+        let Ok(cg) = std::fs::read_to_string(e.path().join("cgroup")) else {
+            continue;
+        };
+        let id = cg.lines().find_map(|l| {
+            let path = l.splitn(3, ':').nth(2)?;
+            let mut parts = path.split('/');
+            parts.find(|p| *p == "tether")?;
+            parts.next().filter(|id| ids.contains(*id))
+        });
+        if let Some(id) = id {
+            *out.entry(id.to_owned()).or_insert(0) += 1;
+        }
+    }
+    out
 }
 
 /// Host pids of processes whose command line is exactly `argv`.
