@@ -159,6 +159,23 @@ fn network_events(d: &TestDaemon, sid: &str) -> Vec<Value> {
         .collect()
 }
 
+/// An E2B sandbox made with `key`; its id.
+async fn e2b_create(d: &TestDaemon, key: &str, body: Value) -> String {
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    r.json::<Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 async fn create(d: &TestDaemon, body: Value) -> String {
     let (st, b) = d.post("/v1/sessions", body).await;
     assert_eq!(st, 201, "{b}");
@@ -233,14 +250,12 @@ async fn egress_rules_hold_against_the_sandboxs_root_across_a_fork_and_a_restart
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 400);
-    let r = e2b(json!({"templateID": "base", "network": {"allowOut": [ok.clone()], "denyOut": ["0.0.0.0/0"]}}))
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let sbx = r.json::<Value>().await.unwrap()["sandboxID"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let sbx = e2b_create(
+        &d,
+        "e2b_egress_test_key",
+        json!({"templateID": "base", "network": {"allowOut": [ok.clone()], "denyOut": ["0.0.0.0/0"]}}),
+    )
+    .await;
     assert_eq!(reach(&d, &sbx, &ok).await, "hello");
     assert_eq!(reach(&d, &sbx, &denied).await, "refused");
     let header: Value = serde_json::from_str(
@@ -355,19 +370,7 @@ async fn egress_rules_change_on_a_running_sandbox_and_stay_changed() {
     // The E2B front: `allow_internet_access: false` denies all but `allowOut`; an empty
     // body lifts every rule; a host name is refused.
     let key = "e2b_egress_test_key";
-    let r = d
-        .http
-        .post(d.url("/v2/sandboxes"))
-        .header("x-api-key", key)
-        .json(&json!({"templateID": "base"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let sbx = r.json::<Value>().await.unwrap()["sandboxID"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let sbx = e2b_create(&d, key, json!({"templateID": "base"})).await;
     let path = format!("/sandboxes/{sbx}/network");
     assert_eq!(reach(&d, &sbx, &denied).await, "hello");
     let (st, body) = put(

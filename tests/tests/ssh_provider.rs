@@ -87,6 +87,21 @@ async fn collect(
     (out, None, None)
 }
 
+/// A handle on command `cid` of sandbox `sid` made by another provider from the ids
+/// alone, as after a daemon restart.
+async fn attach_anew(
+    host: &SshHost,
+    sid: &str,
+    cid: &str,
+) -> Arc<dyn tether_provider::ProcessHandle> {
+    let other = provider(config(host));
+    let sb = other.connect(&ctx(), sid).await.unwrap();
+    sb.process()
+        .attach(&ctx(), ProcessSelector::CommandId(cid.to_owned()))
+        .await
+        .unwrap()
+}
+
 async fn sandbox(p: &SshProvider) -> Arc<dyn Sandbox> {
     p.create(&ctx(), SandboxSpec::default())
         .await
@@ -121,16 +136,7 @@ async fn a_cut_connection_loses_no_output() {
     );
     assert_eq!(status.and_then(|s| s.code), Some(0));
     // A handle made from the command id alone (as after a daemon restart) reads the same.
-    let other = provider(config(&host));
-    let sb2 = other.connect(&ctx(), &sb.info().id).await.unwrap();
-    let again = sb2
-        .process()
-        .attach(
-            &ctx(),
-            ProcessSelector::CommandId(h.command_id().to_owned()),
-        )
-        .await
-        .unwrap();
+    let again = attach_anew(&host, &sb.info().id, h.command_id()).await;
     let (out2, status2, _) = collect(again.as_ref()).await;
     assert_eq!(out2, out);
     assert_eq!(status2.and_then(|s| s.code), Some(0));
@@ -157,16 +163,7 @@ async fn a_cut_connection_loses_no_stdin() {
     assert!(host.kill_connections() > 0, "no SSH connection to cut");
     h.write_stdin(&ctx(), "second\n".into()).await.unwrap();
     // Another provider's handle on the same command, found by its id.
-    let other = provider(config(&host));
-    let sb2 = other.connect(&ctx(), &sb.info().id).await.unwrap();
-    let again = sb2
-        .process()
-        .attach(
-            &ctx(),
-            ProcessSelector::CommandId(h.command_id().to_owned()),
-        )
-        .await
-        .unwrap();
+    let again = attach_anew(&host, &sb.info().id, h.command_id()).await;
     again.write_stdin(&ctx(), "third\n".into()).await.unwrap();
     assert!(
         tokio::time::timeout(Duration::from_millis(300), h.wait(&ctx()))
