@@ -262,3 +262,24 @@ fn entropy_and_tokens_differ_per_call() {
         32
     );
 }
+
+/// The provider lists its own snapshots, finished ones and a `.tmp` cut short, and only
+/// them, so that a starting daemon can delete the ones no record names.
+#[tokio::test]
+async fn its_snapshots_are_listed_and_deleted_by_id() {
+    use tether_provider::Provider as _;
+    let dir = tempfile::tempdir().unwrap();
+    let p = crate::MicrovmProvider::new(MicrovmConfig::with_root(dir.path())).unwrap();
+    let ctx = tether_provider::CallCtx::new("snapshots");
+    assert!(p.list_snapshots(&ctx).await.unwrap().is_empty());
+    let snaps = dir.path().join("snapshots");
+    for d in ["snap-a", "snap-b.tmp", "not-a-snapshot"] {
+        std::fs::create_dir_all(snaps.join(d)).unwrap();
+    }
+    let mut listed = p.list_snapshots(&ctx).await.unwrap();
+    listed.sort();
+    assert_eq!(listed, ["snap-a", "snap-b.tmp"]);
+    p.delete_snapshot(&ctx, "snap-b.tmp").await.unwrap();
+    assert_eq!(p.list_snapshots(&ctx).await.unwrap(), ["snap-a"]);
+    assert!(snaps.join("not-a-snapshot").exists());
+}
