@@ -1249,3 +1249,33 @@ snapshotTest('Sandbox.fork (one, two, by id; another tenant; a killed sandbox)',
   ctx.forget(sbx.sandboxId);
   await rejectsWith(sbx.fork(), SandboxNotFoundError, 'fork of a killed sandbox');
 });
+
+// === network updates (providers that enforce egress rules: TETHER_SUITE_EGRESS) ===
+
+const EGRESS = Boolean(process.env.TETHER_SUITE_EGRESS);
+
+sdkTest("Sandbox.updateNetwork: a running sandbox's egress rules replaced whole, enforced at once, lifted again", async (ctx) => {
+  const sbx = await ctx.create();
+  // A rule is enforced or refused, never dropped: a host name is refused everywhere.
+  const bad = await rejectsWith(sbx.updateNetwork({ denyOut: ['example.com'] }), SandboxError, 'a host-name rule');
+  assert.match(bad.message, /denyOut/);
+  if (!EGRESS) {
+    await rejectsWith(sbx.updateNetwork({ denyOut: ['10.255.255.1/32'] }), SandboxError, 'rules on a provider without them');
+    return;
+  }
+  // A denied network is refused at once, inside the sandbox: nothing leaves it.
+  const probe = "timeout 5 bash -c 'exec 3<>/dev/tcp/10.255.255.1/80'; echo $?";
+  await sbx.updateNetwork({ denyOut: ['10.255.255.0/24'], allowOut: ['10.255.255.2'] });
+  const started = Date.now();
+  const r = await sbx.commands.run(probe, { requestTimeoutMs: REQUEST_TIMEOUT_MS });
+  assert.equal(r.stdout.trim().split('\n').at(-1), '1', r.stdout + r.stderr);
+  assert.ok(Date.now() - started < 4000, 'the refusal was not at once');
+  // By id; an empty update lifts every rule; another tenant's sandbox is not found.
+  await Sandbox.updateNetwork(sbx.sandboxId, {});
+  const err = await rejectsWith(
+    Sandbox.updateNetwork(sbx.sandboxId, {}, { apiKey: ctx.env.otherKey }),
+    SandboxError,
+    "another tenant's network update",
+  );
+  assert.ok(err instanceof SandboxNotFoundError || err.statusCode === 404, `${err.name}: ${err.message}`);
+});
