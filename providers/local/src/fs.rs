@@ -43,7 +43,6 @@ use tether_protocol::fs::{
     WriteOutcome,
 };
 use tether_provider::{ByteStream, CallCtx, Fs, ProviderError, Result};
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::{Mutex, broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -51,7 +50,7 @@ use tokio_util::task::TaskTracker;
 use crate::error::{bad_path, fs_errno, fs_io, internal, join, outside};
 
 /// Size of the chunks of a file read.
-pub const READ_CHUNK: usize = 64 * 1024;
+pub const READ_CHUNK: usize = 256 * 1024;
 
 /// Prefix of the temporary files of in-flight writes (hidden from watch events).
 pub const TEMP_PREFIX: &str = ".tether-write-";
@@ -405,6 +404,54 @@ fn unique_mtime() -> rustix::fs::Timespec {
 /// over. Once started, the closure is waited for even if the call is cancelled: these are
 /// short local system calls, and returning early would report a cancel for an operation
 /// that takes effect anyway (or leak the temporary file a write was creating).
+/// Read up to `len` bytes of `file` at `offset` on the blocking pool.
+fn read_at(
+    file: Arc<OwnedFd>,
+    offset: u64,
+    len: usize,
+) -> tokio::task::JoinHandle<std::io::Result<Vec<u8>>> {
+    tokio::task::spawn_blocking(move || {
+        let mut buf = Vec::with_capacity(len);
+        loop {
+            match rustix::io::pread(&*file, rustix::buffer::spare_capacity(&mut buf), offset) {
+                Ok(_) => return Ok(buf),
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    })
+}
+
+/// Bytes gathered from an upload's chunks before one write.
+const WRITE_BATCH: usize = 1 << 20;
+/// Chunks gathered before one write, well under `IOV_MAX`.
+const WRITE_SLICES: usize = 256;
+
+/// What an upload's blocking writer is sent.
+enum Batch {
+    /// Chunks to append, in order.
+    Data(Vec<Bytes>),
+    /// The body ended: make the file durable and hand it back.
+    Done,
+}
+
+/// Write every byte of `chunks` with as few `writev`s as it takes. (The standard
+/// library's `write_all_vectored` is not stable yet.)
+fn write_all_vectored(file: &mut std::fs::File, chunks: &[Bytes]) -> std::io::Result<()> {
+    use std::io::{IoSlice, Write};
+    let mut slices: Vec<IoSlice<'_>> = chunks.iter().map(|c| IoSlice::new(c)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        match file.write_vectored(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 async fn blocking<T, F>(ctx: &CallCtx, creds: Option<(u32, u32)>, f: F) -> Result<T>
 where
     T: Send + 'static,
@@ -508,31 +555,32 @@ impl Fs for LocalFs {
             }
         })
         .await?;
-        let mut file = tokio::fs::File::from_std(std::fs::File::from(fd));
-        if range.offset > 0 {
-            file.seek(std::io::SeekFrom::Start(range.offset))
-                .await
-                .map_err(|e| fs_io(path, e))?;
-        }
-        let state = (file, range.length, path.to_owned(), false);
+        // Each chunk is one `pread` on the blocking pool, and the next one is started
+        // before a chunk is handed on, so the disk and the consumer overlap. No thread
+        // waits on a consumer that stops reading: a stalled download holds at most one
+        // finished chunk.
+        let file = Arc::new(fd);
+        let want =
+            |left: Option<u64>| left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
+        let first = (range.length != Some(0))
+            .then(|| read_at(file.clone(), range.offset, want(range.length)));
+        let state = (file, first, range.offset, range.length, path.to_owned());
         let stream =
-            futures_util::stream::unfold(state, |(mut file, left, path, done)| async move {
-                if done || left == Some(0) {
+            futures_util::stream::unfold(state, move |(file, next, at, left, path)| async move {
+                let buf = match next?.await {
+                    Ok(Ok(buf)) => buf,
+                    Ok(Err(e)) => {
+                        return Some((Err(fs_io(&path, e)), (file, None, at, left, path)));
+                    }
+                    Err(e) => return Some((Err(join(e)), (file, None, at, left, path))),
+                };
+                if buf.is_empty() {
                     return None;
                 }
-                let want = left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
-                let mut buf = vec![0u8; want];
-                match file.read(&mut buf).await {
-                    Ok(0) => None,
-                    Ok(n) => {
-                        buf.truncate(n);
-                        Some((
-                            Ok(Bytes::from(buf)),
-                            (file, left.map(|l| l - n as u64), path, false),
-                        ))
-                    }
-                    Err(e) => Some((Err(fs_io(&path, e)), (file, left, path, true))),
-                }
+                let n = buf.len() as u64;
+                let (at, left) = (at + n, left.map(|l| l - n));
+                let next = (left != Some(0)).then(|| read_at(file.clone(), at, want(left)));
+                Some((Ok(Bytes::from(buf)), (file, next, at, left, path)))
             });
         Ok(stream.boxed())
     }
@@ -578,32 +626,85 @@ impl Fs for LocalFs {
         };
 
         // Stream the data in; an error or the end of the call's budget abandons the
-        // temporary file before anything is published.
-        let mut file = tokio::fs::File::from_std(std::fs::File::from(fd));
+        // temporary file before anything is published. One blocking writer takes
+        // batches of the body's chunks while the next batch is received: a hand-off
+        // to the blocking pool per chunk (about 32 KiB from an HTTP body) cost more
+        // than the write itself, and halved an upload's throughput.
+        let (tx, mut rx) = mpsc::channel::<Batch>(1);
+        let writer =
+            tokio::task::spawn_blocking(move || -> std::io::Result<Option<std::fs::File>> {
+                let mut file = std::fs::File::from(fd);
+                while let Some(batch) = rx.blocking_recv() {
+                    match batch {
+                        Batch::Data(chunks) => write_all_vectored(&mut file, &chunks)?,
+                        Batch::Done => {
+                            file.sync_all()?;
+                            return Ok(Some(file));
+                        }
+                    }
+                }
+                Ok(None)
+            });
         let mut size = 0u64;
         let streamed: Result<()> = async {
+            let mut batch = Vec::new();
+            let mut batched = 0usize;
             loop {
                 let next = ctx.run(async { Ok(data.next().await) }).await?;
-                match next {
-                    None => break,
+                let end = match next {
+                    None => true,
                     Some(chunk) => {
                         let chunk = chunk?;
                         size += chunk.len() as u64;
-                        ctx.run(async { file.write_all(&chunk).await.map_err(|e| fs_io(path, e)) })
-                            .await?;
+                        batched += chunk.len();
+                        if !chunk.is_empty() {
+                            batch.push(chunk);
+                        }
+                        false
+                    }
+                };
+                if !batch.is_empty()
+                    && (end || batched >= WRITE_BATCH || batch.len() >= WRITE_SLICES)
+                {
+                    let chunks = std::mem::take(&mut batch);
+                    batched = 0;
+                    if ctx
+                        .run(async { Ok(tx.send(Batch::Data(chunks)).await.is_err()) })
+                        .await?
+                    {
+                        // The writer stopped on an error; it is reported below.
+                        return Ok(());
                     }
                 }
+                if end {
+                    let _ = tx.send(Batch::Done).await;
+                    return Ok(());
+                }
             }
-            file.flush().await.map_err(|e| fs_io(path, e))?;
-            file.sync_all().await.map_err(|e| fs_io(path, e))?;
-            Ok(())
         }
         .await;
-        if let Err(e) = streamed {
-            cleanup(parent, tmp_name).await;
-            return Err(e);
-        }
-        let file = file.into_std().await;
+        drop(tx);
+        let written = match streamed {
+            Ok(()) => ctx
+                .run(async { writer.await.map_err(join) })
+                .await
+                .and_then(|r| r.map_err(|e| fs_io(path, e))),
+            Err(e) => Err(e),
+        };
+        let file = match written {
+            Ok(Some(file)) => file,
+            Ok(None) => {
+                cleanup(parent, tmp_name).await;
+                return Err(ProviderError::Internal {
+                    message: "the file writer ended before the upload".into(),
+                    source: None,
+                });
+            }
+            Err(e) => {
+                cleanup(parent, tmp_name).await;
+                return Err(e);
+            }
+        };
         if let Err(e) = ctx.check() {
             cleanup(parent, tmp_name).await;
             return Err(e);

@@ -327,6 +327,7 @@ pub struct LocalProvider {
     net_helper: Option<PathBuf>,
     ip: Option<PathBuf>,
     mount: PathBuf,
+    losetup: Option<PathBuf>,
     live: Mutex<HashMap<String, Arc<LocalSandbox>>>,
 }
 
@@ -370,6 +371,7 @@ impl LocalProvider {
             net_helper,
             ip: find_program("ip"),
             mount: find_program("mount").unwrap_or_else(|| PathBuf::from("/bin/mount")),
+            losetup: find_program("losetup"),
             live: Mutex::new(HashMap::new()),
         })
     }
@@ -532,6 +534,7 @@ impl LocalProvider {
             lower: template.lower.clone(),
             owner: uid_base,
             mount: self.mount.clone(),
+            losetup: self.losetup.clone(),
             hosts_entry: template.name == "base",
             binds: template.binds.clone(),
             devices: self.cfg.device_paths.clone(),
@@ -656,6 +659,7 @@ impl LocalProvider {
             lower: PathBuf::new(),
             owner: 0,
             mount: self.mount.clone(),
+            losetup: None,
             hosts_entry: false,
             binds: Vec::new(),
             devices: Vec::new(),

@@ -569,6 +569,31 @@ async fn a_5_gib_file_hits_the_disk_limit_and_the_host_state_dir_stays_writable(
     destroy(&e, &other).await;
 }
 
+/// Whether files in `dir` can be opened for direct I/O.
+fn takes_direct_io(dir: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = dir.join("direct-io-probe");
+    let ok = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+        .open(&probe)
+        .is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+/// The `dio` flag of the loop device whose backing file is `image`.
+fn loop_dio(image: &Path) -> Option<String> {
+    std::fs::read_dir("/sys/block").ok()?.flatten().find_map(|d| {
+        let back = std::fs::read_to_string(d.path().join("loop/backing_file")).ok()?;
+        (Path::new(back.trim()) == image)
+            .then(|| std::fs::read_to_string(d.path().join("loop/dio")).ok())?
+            .map(|v| v.trim().to_owned())
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_are_per_sandbox_and_metrics_report_them() {
     let e = env();
@@ -576,6 +601,17 @@ async fn limits_are_per_sandbox_and_metrics_report_them() {
     let out = sh(sb.as_ref(), "df -B1 --output=size / | tail -1").await;
     let size: u64 = out.stdout.trim().parse().unwrap();
     assert!(size <= 64 << 20, "root of {size} bytes");
+    // Its store's loop device writes to the image with direct I/O (where the state
+    // directory's file system takes it), so the image is not cached twice.
+    let image = e
+        .dir
+        .path()
+        .join("sandboxes")
+        .join(sb.info().id)
+        .join("store.img");
+    if takes_direct_io(e.dir.path()) {
+        assert_eq!(loop_dio(&image).as_deref(), Some("1"), "{image:?}");
+    }
     let m = e.provider.metrics(&ctx(), &sb.info().id).await.unwrap();
     assert_eq!(m.memory_limit_bytes, Some(256 << 20));
     assert!(m.memory_bytes > 0 && m.pids >= 1, "{m:?}");
