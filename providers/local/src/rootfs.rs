@@ -295,6 +295,14 @@ pub fn build_base(
 ) -> Result<PathBuf> {
     let dir = templates.join("base");
     if dir.join(COMPLETE).exists() {
+        // A template built before the current tuning gets it now (this runs before
+        // sandboxes are made from it, by `tether template build`).
+        if !dir.join(BASE_TUNING).exists() {
+            progress(BuildProgress::Step("tune the login shell".into()));
+            tune_base(&dir.join("rootfs"))?;
+            std::fs::write(dir.join(BASE_TUNING), b"")
+                .map_err(|e| internal("cannot mark the tuning", e))?;
+        }
         return Ok(dir.join("rootfs"));
     }
     let started = Instant::now();
@@ -322,11 +330,13 @@ pub fn build_base(
             "user `user` with passwordless sudo".into(),
         ));
         configure_base(&rootfs)?;
+        tune_base(&rootfs)?;
         progress(BuildProgress::Step(format!(
             "shift ownership to {uid_base}+"
         )));
         shift_tree(&rootfs, uid_base)
             .map_err(|e| internal("cannot shift the template's ownership", e))?;
+        std::fs::write(tmp.join(BASE_TUNING), b"").map_err(|e| internal("cannot finish", e))?;
         std::fs::write(tmp.join(COMPLETE), b"").map_err(|e| internal("cannot finish", e))?;
         Ok(())
     })();
@@ -404,6 +414,37 @@ fn configure_base(rootfs: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(rootfs.join("var/cache/apt/archives"));
     let _ = std::fs::create_dir_all(rootfs.join("var/cache/apt/archives/partial"));
     Ok(())
+}
+
+/// Marks a base template that has [`tune_base`]'s changes (bump it when they change).
+const BASE_TUNING: &str = ".tuned-1";
+
+/// Make a login shell cheap: Debian's `/etc/profile` asks `id -u` (a subshell and a
+/// program, about a millisecond, on every `bash -l` and so on every shell command)
+/// what bash already knows as `$EUID`. Other shells, which have no `$EUID`, still ask
+/// `id`. Idempotent; the file keeps its owner and mode.
+fn tune_base(rootfs: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let profile = rootfs.join("etc/profile");
+    let Ok(text) = std::fs::read_to_string(&profile) else {
+        return Ok(());
+    };
+    let tuned = text.replace("\"$(id -u)\"", "\"${EUID:-$(id -u)}\"");
+    if tuned == text {
+        return Ok(());
+    }
+    let meta = std::fs::metadata(&profile).map_err(|e| internal("cannot stat /etc/profile", e))?;
+    let tmp = rootfs.join("etc/.profile.tether");
+    let write = || -> std::io::Result<()> {
+        std::fs::write(&tmp, &tuned)?;
+        std::os::unix::fs::chown(&tmp, Some(meta.uid()), Some(meta.gid()))?;
+        std::fs::set_permissions(&tmp, meta.permissions())?;
+        std::fs::rename(&tmp, &profile)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        internal("cannot tune /etc/profile", e)
+    })
 }
 
 /// Add `base` to the owner and group of every file below `dir`, keeping set-id bits

@@ -68,6 +68,10 @@ fn provider(templates: PathBuf) -> (tempfile::TempDir, Arc<LocalProvider>) {
 async fn sh(sb: &dyn Sandbox, cmd: &str, user: Option<&str>) -> (String, String, Option<i32>) {
     let mut spec = ProcessSpec::shell(cmd);
     spec.user = user.map(str::to_owned);
+    run(sb, spec).await
+}
+
+async fn run(sb: &dyn Sandbox, spec: ProcessSpec) -> (String, String, Option<i32>) {
     let h = sb
         .process()
         .spawn(&CallCtx::new("base"), spec)
@@ -178,5 +182,53 @@ async fn base_is_debian_with_user_sudo_python_git_curl() {
         (out.as_str(), err.as_str(), code),
         ("via-fd\n", "e\n", Some(0))
     );
+    p.destroy(&ctx, &sb.info().id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_shell_runs_no_program_to_learn_its_uid() {
+    let Some(templates) = tokio::task::spawn_blocking(built).await.unwrap() else {
+        return;
+    };
+    let (_dir, p) = provider(templates);
+    let ctx = CallCtx::new("base");
+    let sb = p.create(&ctx, SandboxSpec::default()).await.unwrap();
+    // An `id` first on the PATH notes every call, then does the real one's work.
+    let (_, err, code) = sh(
+        sb.as_ref(),
+        "mkdir -p /tmp/spy && printf '#!/bin/sh\\necho \"$@\" >> /tmp/spy/calls\\nexec /usr/bin/id \"$@\"\\n' > /tmp/spy/id && chmod 755 /tmp/spy/id && /tmp/spy/id -u",
+        None,
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    // The login shell still sets the PATH each user gets, as root and as `user`.
+    for (user, path) in [
+        (
+            None,
+            "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games",
+        ),
+        (
+            Some("root"),
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
+    ] {
+        let mut spec = ProcessSpec::shell("echo $PATH");
+        spec.user = user.map(str::to_owned);
+        spec.env
+            .insert("PATH".into(), Some("/tmp/spy:/usr/bin:/bin".into()));
+        let (out, err, code) = run(sb.as_ref(), spec).await;
+        assert_eq!((out.trim(), code), (path, Some(0)), "{user:?}: {err}");
+    }
+    // Only the check above called it; `sh -l` (no `$EUID`) still does, and works.
+    let mut spec = ProcessSpec::argv(["/bin/sh", "-lc", "echo $PATH"]);
+    spec.env
+        .insert("PATH".into(), Some("/tmp/spy:/usr/bin:/bin".into()));
+    let (out, _, _) = run(sb.as_ref(), spec).await;
+    assert_eq!(
+        out.trim(),
+        "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+    );
+    let (calls, _, _) = sh(sb.as_ref(), "cat /tmp/spy/calls", None).await;
+    assert_eq!(calls, "-u\n-u\n", "a login shell ran `id`");
     p.destroy(&ctx, &sb.info().id).await.unwrap();
 }

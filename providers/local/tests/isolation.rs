@@ -586,12 +586,15 @@ fn takes_direct_io(dir: &Path) -> bool {
 
 /// The `dio` flag of the loop device whose backing file is `image`.
 fn loop_dio(image: &Path) -> Option<String> {
-    std::fs::read_dir("/sys/block").ok()?.flatten().find_map(|d| {
-        let back = std::fs::read_to_string(d.path().join("loop/backing_file")).ok()?;
-        (Path::new(back.trim()) == image)
-            .then(|| std::fs::read_to_string(d.path().join("loop/dio")).ok())?
-            .map(|v| v.trim().to_owned())
-    })
+    std::fs::read_dir("/sys/block")
+        .ok()?
+        .flatten()
+        .find_map(|d| {
+            let back = std::fs::read_to_string(d.path().join("loop/backing_file")).ok()?;
+            (Path::new(back.trim()) == image)
+                .then(|| std::fs::read_to_string(d.path().join("loop/dio")).ok())?
+                .map(|v| v.trim().to_owned())
+        })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
