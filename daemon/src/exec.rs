@@ -192,12 +192,33 @@ impl RunningCommand {
     }
 }
 
+/// How a command's `process/exited` event reaches the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExitRecord {
+    /// Durable before the outcome is handed on (a caller may read the end from the log).
+    Durable,
+    /// Written with the caller's next durable event (a tool call's `tool/result` group),
+    /// saving an `fdatasync`. Lost in a crash only together with that event; the restarted
+    /// daemon then finds the command ended through its provider and logs the end itself.
+    WithNext,
+}
+
 /// Start a command in the session's sandbox and its pump. `ctx` bounds only the start.
 pub async fn start(
     session: &Arc<Session>,
     ctx: &CallCtx,
+    spec: ProcessSpec,
+    limits: ExecLimits,
+) -> Result<Arc<RunningCommand>> {
+    start_with(session, ctx, spec, limits, ExitRecord::Durable).await
+}
+
+async fn start_with(
+    session: &Arc<Session>,
+    ctx: &CallCtx,
     mut spec: ProcessSpec,
     limits: ExecLimits,
+    exit: ExitRecord,
 ) -> Result<Arc<RunningCommand>> {
     let sandbox = session.sandbox()?;
     if spec.command_id.is_none() {
@@ -292,6 +313,7 @@ pub async fn start(
         spec,
         limits,
         StreamOffsets::default(),
+        exit,
     ))
 }
 
@@ -323,7 +345,15 @@ pub async fn resume(
         }),
         output_idle: output_idle_ms.map(Duration::from_millis),
     };
-    Ok(supervise(session, handle, journal, spec, limits, from))
+    Ok(supervise(
+        session,
+        handle,
+        journal,
+        spec,
+        limits,
+        from,
+        ExitRecord::Durable,
+    ))
 }
 
 /// The running command's record and its pump task, reading the provider's events from
@@ -335,6 +365,7 @@ fn supervise(
     spec: ProcessSpec,
     limits: ExecLimits,
     from: StreamOffsets,
+    exit: ExitRecord,
 ) -> Arc<RunningCommand> {
     let command_id = handle.command_id().to_owned();
     let (tx, rx) = watch::channel(None);
@@ -376,17 +407,21 @@ fn supervise(
             span.record("bytes.out", i64::try_from(outcome.stdout_bytes + outcome.stderr_bytes).unwrap_or(i64::MAX));
             let _ = journal.sync().await;
             journal.finish().await;
-            let logged = session2
-                .log
-                .append(EventBody::ProcessExited {
-                    command_id: command_id.clone(),
-                    status: outcome.status.unwrap_or(ExitStatus { code: None, signal: None }),
-                    stdout_bytes: outcome.stdout_bytes,
-                    stderr_bytes: outcome.stderr_bytes,
-                    clock: outcome.clock,
-                    limit: outcome.limit,
-                })
-                .await;
+            let ended = EventBody::ProcessExited {
+                command_id: command_id.clone(),
+                status: outcome.status.unwrap_or(ExitStatus { code: None, signal: None }),
+                stdout_bytes: outcome.stdout_bytes,
+                stderr_bytes: outcome.stderr_bytes,
+                clock: outcome.clock,
+                limit: outcome.limit,
+            };
+            let logged = match exit {
+                ExitRecord::Durable => session2.log.append(ended).await.map(drop),
+                ExitRecord::WithNext => {
+                    session2.log.stage(ended).await;
+                    Ok(())
+                }
+            };
             if let Err(e) = logged {
                 tracing::warn!(command.id = %command_id, error = %e, "Could not log the end of a command");
             }
@@ -623,7 +658,7 @@ pub async fn run(
     spec: ProcessSpec,
     limits: ExecLimits,
 ) -> Result<(Arc<RunningCommand>, CommandOutcome)> {
-    let cmd = start(session, ctx, spec, limits).await?;
+    let cmd = start_with(session, ctx, spec, limits, ExitRecord::WithNext).await?;
     let outcome = tokio::select! {
         o = cmd.wait() => o,
         _ = ctx.cancel.cancelled() => {

@@ -1868,6 +1868,45 @@ async fn bash_reports_exit_code_and_both_streams() {
 }
 
 #[tokio::test]
+async fn a_bash_call_is_three_durability_points() {
+    let (s, _m, _d) = test_session().await;
+    let p = builtin(LimitsConfig::default(), PipelineConfig::default());
+    run_one(&p, &s, call("w", "bash", json!({"command": "true"}))).await;
+    let before = s.log.stats().batches;
+    let r = run_one(&p, &s, call("b1", "bash", json!({"command": "echo hi"}))).await;
+    assert_eq!(text_of(&r), "exit code: 0\n--- stdout ---\nhi\n");
+    // `tool/call` (before the command runs), `process/started` (its id, for a restart),
+    // then its end, the result and the turn's end in one group.
+    assert_eq!(s.log.stats().batches - before, 3);
+    let kinds: Vec<String> = s
+        .log
+        .events_after(None)
+        .await
+        .unwrap()
+        .iter()
+        .rev()
+        .take(6)
+        .map(|e| {
+            serde_json::to_value(&e.body).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "turn/end",
+            "tool/result",
+            "process/exited",
+            "process/started",
+            "tool/call",
+            "turn/start"
+        ]
+    );
+}
+
+#[tokio::test]
 async fn bash_keeps_the_tail_of_long_output() {
     let (s, _m, _d) = test_session().await;
     let limits = LimitsConfig {
