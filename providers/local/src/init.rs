@@ -101,6 +101,10 @@ pub struct InitSpec {
     pub hosts_entry: bool,
     /// Host paths to bind read-only at the same path inside.
     pub binds: Vec<PathBuf>,
+    /// Files tether supplies, shown read-only in place of a bind of the host's file at
+    /// the same path: path inside -> content.
+    #[serde(default)]
+    pub bind_texts: std::collections::BTreeMap<PathBuf, String>,
     /// Host device nodes to bind into `/dev`.
     pub devices: Vec<PathBuf>,
     /// Size of `/dev/shm` in bytes.
@@ -568,6 +572,35 @@ fn bind(source: &Path, target: &Path, read_only: bool) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Show each of `texts` read-only at its path (relative to the sandbox root). The files
+/// are written to a tmpfs of their own, which is detached once they are bound: the
+/// sandbox's mount table names no host path for them.
+fn bind_texts(texts: &std::collections::BTreeMap<PathBuf, String>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if texts.is_empty() {
+        return Ok(());
+    }
+    let stage = Path::new("dev/.tether-files");
+    std::fs::create_dir_all(stage)?;
+    mount_fs(
+        "tmpfs",
+        "dev/.tether-files",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        "mode=0755,size=1m",
+    )?;
+    let bound = texts.iter().enumerate().try_for_each(|(i, (p, text))| {
+        let file = stage.join(i.to_string());
+        std::fs::write(&file, text)?;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
+        let rel = relative(p);
+        mount_point(&rel, &file)?;
+        bind(&file, &rel, true)
+    });
+    let _ = rustix::mount::unmount(stage, rustix::mount::UnmountFlags::DETACH);
+    let _ = std::fs::remove_dir(stage);
+    bound
+}
+
 /// Make `rel` (relative to the sandbox root) a mount point of the same kind as `src`.
 fn mount_point(rel: &Path, src: &Path) -> std::io::Result<()> {
     if src.is_dir() {
@@ -598,7 +631,11 @@ fn build_root(spec: &InitSpec) -> Result<(), (String, std::io::Error)> {
     )
     .map_err(|e| ("make / private".to_owned(), e.into()))?;
     // cwd is the sandbox root: every path below is relative to it.
-    for p in &spec.binds {
+    for p in spec
+        .binds
+        .iter()
+        .filter(|p| !spec.bind_texts.contains_key(*p))
+    {
         let Ok(meta) = std::fs::symlink_metadata(p) else {
             continue;
         };
@@ -620,6 +657,7 @@ fn build_root(spec: &InitSpec) -> Result<(), (String, std::io::Error)> {
         "mode=0755,size=1m",
     )
     .map_err(step("mount /dev"))?;
+    bind_texts(&spec.bind_texts).map_err(step("bind the supplied files"))?;
     for d in &spec.devices {
         if !d.exists() {
             continue;

@@ -19,6 +19,7 @@
 //!   passwordless `sudo`, built by [`build_base`] (minutes) and reused. Its files are
 //!   owned by the sandbox uid range, so root inside owns them.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use tokio::time::Instant;
@@ -58,6 +59,8 @@ pub(crate) struct Template {
     pub name: String,
     pub lower: PathBuf,
     pub binds: Vec<PathBuf>,
+    /// Files tether supplies in place of binds of the host's: path inside -> content.
+    pub bind_texts: BTreeMap<PathBuf, String>,
 }
 
 /// Run a program to completion, mapping failure to `INTERNAL` with its stderr.
@@ -183,11 +186,31 @@ pub(crate) fn host_template(
             let _ = std::fs::remove_dir_all(&tmp);
         }
     }
+    // The host's `/etc/profile`, made cheap as the base template's is, shown in its place
+    // (read at every start: a changed host file is what the next sandbox sees).
+    let mut bind_texts = BTreeMap::new();
+    let profile = Path::new("/etc/profile");
+    if binds.iter().any(|b| b == profile)
+        && let Some(tuned) = std::fs::read_to_string(profile)
+            .ok()
+            .and_then(|t| tune_profile(&t))
+    {
+        bind_texts.insert(profile.to_owned(), tuned);
+    }
     Ok(Template {
         name: "host".into(),
         lower,
         binds: binds.to_vec(),
+        bind_texts,
     })
+}
+
+/// `profile` with its `"$(id -u)"` (a subshell and a program on every login shell, about
+/// a millisecond) asked of bash's `$EUID` first; other shells, which have no `$EUID`,
+/// still run `id`. `None` when there is nothing to change.
+pub(crate) fn tune_profile(profile: &str) -> Option<String> {
+    let tuned = profile.replace("\"$(id -u)\"", "\"${EUID:-$(id -u)}\"");
+    (tuned != profile).then_some(tuned)
 }
 
 fn build_skeleton(skel: &Path, binds: &[PathBuf], home: &Path, owner: u32) -> std::io::Result<()> {
@@ -265,6 +288,7 @@ pub(crate) fn base_template(templates: &Path) -> Option<Template> {
         name: "base".into(),
         lower: dir.join("rootfs"),
         binds: Vec::new(),
+        bind_texts: BTreeMap::new(),
     })
 }
 
@@ -419,20 +443,17 @@ fn configure_base(rootfs: &Path) -> Result<()> {
 /// Marks a base template that has [`tune_base`]'s changes (bump it when they change).
 const BASE_TUNING: &str = ".tuned-1";
 
-/// Make a login shell cheap: Debian's `/etc/profile` asks `id -u` (a subshell and a
-/// program, about a millisecond, on every `bash -l` and so on every shell command)
-/// what bash already knows as `$EUID`. Other shells, which have no `$EUID`, still ask
-/// `id`. Idempotent; the file keeps its owner and mode.
+/// Make a login shell cheap ([`tune_profile`] on `/etc/profile`: every shell command is
+/// a `bash -l`). Idempotent; the file keeps its owner and mode.
 fn tune_base(rootfs: &Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let profile = rootfs.join("etc/profile");
-    let Ok(text) = std::fs::read_to_string(&profile) else {
+    let Some(tuned) = std::fs::read_to_string(&profile)
+        .ok()
+        .and_then(|t| tune_profile(&t))
+    else {
         return Ok(());
     };
-    let tuned = text.replace("\"$(id -u)\"", "\"${EUID:-$(id -u)}\"");
-    if tuned == text {
-        return Ok(());
-    }
     let meta = std::fs::metadata(&profile).map_err(|e| internal("cannot stat /etc/profile", e))?;
     let tmp = rootfs.join("etc/.profile.tether");
     let write = || -> std::io::Result<()> {

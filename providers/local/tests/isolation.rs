@@ -569,6 +569,27 @@ async fn a_5_gib_file_hits_the_disk_limit_and_the_host_state_dir_stays_writable(
     destroy(&e, &other).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_templates_login_shell_asks_bash_its_uid() {
+    let Ok(host) = std::fs::read_to_string("/etc/profile") else {
+        return;
+    };
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    // The host's `/etc/profile`, its `$(id -u)` asked of `$EUID` first (no subshell and
+    // no program on every command), and nothing else changed.
+    let out = sh(sb.as_ref(), "cat /etc/profile").await;
+    assert_eq!(
+        out.stdout,
+        host.replace("\"$(id -u)\"", "\"${EUID:-$(id -u)}\""),
+        "{}",
+        out.stderr
+    );
+    // The host's file itself is untouched.
+    assert_eq!(std::fs::read_to_string("/etc/profile").unwrap(), host);
+    destroy(&e, &sb).await;
+}
+
 /// Whether files in `dir` can be opened for direct I/O.
 fn takes_direct_io(dir: &Path) -> bool {
     use std::os::unix::fs::OpenOptionsExt;
