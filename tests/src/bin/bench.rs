@@ -632,8 +632,13 @@ enum Kind {
     },
     /// tetherd's native API: processes and files.
     Native { sid: String },
-    /// tetherd's native API: the `bash` tool call.
-    NativeTool { sid: String },
+    /// tetherd's native API: the `bash` tool call. A session runs its turns one after
+    /// another (an agent's calls are a sequence), so concurrent calls go to sessions of
+    /// their own (`pool`, made on first use).
+    NativeTool {
+        sid: String,
+        pool: tokio::sync::OnceCell<Vec<String>>,
+    },
     /// The `tether` CLI (`tether exec`, `tether cp`), one process per call.
     Cli {
         bin: PathBuf,
@@ -747,23 +752,7 @@ impl BPath {
             Kind::Tcp { .. } => return Err("n/a".into()),
             Kind::Seam { sb, .. } => seam_exec(sb.as_ref(), cmd).await?,
             Kind::Native { sid } => native_exec(&w.d, sid, cmd).await?,
-            Kind::NativeTool { sid } => {
-                let t = Instant::now();
-                let r = w
-                    .d
-                    .http
-                    .post(w.d.url(&format!("/v1/sessions/{sid}/tool-calls")))
-                    .json(&serde_json::json!({"calls": [{"id": uuid::Uuid::new_v4().simple().to_string(), "name": "bash", "arguments": {"command": cmd}}]}))
-                    .send()
-                    .await
-                    .map_err(|e| format!("tool call: {e}"))?;
-                let ok = r.status().is_success();
-                let body = r.bytes().await.map_err(|e| format!("tool call: {e}"))?;
-                if !ok {
-                    return Err(format!("tool call: {}", String::from_utf8_lossy(&body)));
-                }
-                (t.elapsed().as_secs_f64(), want)
-            }
+            Kind::NativeTool { sid, .. } => (native_tool(&w.d, sid, cmd).await?, want),
             Kind::Cli { bin, sid, .. } => {
                 let mut c = std::process::Command::new(bin);
                 c.env_remove("TETHER_TOKEN")
@@ -1029,6 +1018,25 @@ impl BPath {
                     Ok::<_, String>(())
                 })?;
             }
+            Kind::NativeTool { pool, .. } => {
+                let sids = pool
+                    .get_or_try_init(|| async {
+                        let mut sids = Vec::with_capacity(CONCURRENT);
+                        for _ in 0..CONCURRENT {
+                            let sid = w.d.new_session().await?;
+                            native_tool(&w.d, &sid, "true").await?;
+                            sids.push(sid);
+                        }
+                        Ok::<_, String>(sids)
+                    })
+                    .await?;
+                let t = Instant::now();
+                let rs = join_all(sids.iter().map(|sid| native_tool(&w.d, sid, "true"))).await;
+                if let Some(e) = rs.into_iter().find_map(Result::err) {
+                    return Err(e);
+                }
+                return Ok(t.elapsed().as_secs_f64());
+            }
             _ => {
                 let rs = join_all((0..CONCURRENT).map(|_| self.exec(w, "true", 0))).await;
                 if let Some(e) = rs.into_iter().find_map(Result::err) {
@@ -1202,6 +1210,24 @@ async fn seam_exec(sb: &dyn Sandbox, cmd: &str) -> Result<(f64, usize), String> 
 }
 
 /// Run `cmd` through the native processes API, following its output; (seconds, stdout bytes).
+/// One `bash` tool call of `cmd` in session `sid`; its latency.
+async fn native_tool(d: &Tetherd, sid: &str, cmd: &str) -> Result<f64, String> {
+    let t = Instant::now();
+    let r = d
+        .http
+        .post(d.url(&format!("/v1/sessions/{sid}/tool-calls")))
+        .json(&serde_json::json!({"calls": [{"id": uuid::Uuid::new_v4().simple().to_string(), "name": "bash", "arguments": {"command": cmd}}]}))
+        .send()
+        .await
+        .map_err(|e| format!("tool call: {e}"))?;
+    let ok = r.status().is_success();
+    let body = r.bytes().await.map_err(|e| format!("tool call: {e}"))?;
+    if !ok {
+        return Err(format!("tool call: {}", String::from_utf8_lossy(&body)));
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
 async fn native_exec(d: &Tetherd, sid: &str, cmd: &str) -> Result<(f64, usize), String> {
     #[derive(Deserialize)]
     struct Started {
@@ -1498,6 +1524,10 @@ fn print_tables(r: &Report) {
     }
     if !r.concurrent.is_empty() {
         println!("### {CONCURRENT} concurrent `exec true`");
+        println!();
+        println!(
+            "(The bash tool call row: one call in each of {CONCURRENT} sessions; a session runs its turns in order.)"
+        );
         println!();
         println!(
             "| path | wall median (ms) | wall p99 (ms) | calls/s | x floor rate | tetherd CPU/call (ms) |"
@@ -2245,7 +2275,10 @@ async fn run(opts: Opts) {
         paths.push(BPath {
             name: P_TOOL,
             floor: false,
-            kind: Kind::NativeTool { sid: sid.clone() },
+            kind: Kind::NativeTool {
+                sid: sid.clone(),
+                pool: tokio::sync::OnceCell::new(),
+            },
         });
         let cli_dir = work.path().join("cli");
         std::fs::create_dir_all(&cli_dir).expect("cli dir");
