@@ -1016,8 +1016,31 @@ fn nat_helpers(helper: &Path) -> Vec<(i32, u32)> {
 /// id only if it did not itself `setsid`). Used when no cgroup tracks the command.
 pub(crate) fn group_members(id: i32) -> Vec<i32> {
     let mut out = Vec::new();
+    scan_processes(|pid, pgrp, session| {
+        if pgrp == id || session == id {
+            out.push(pid);
+        }
+    });
+    out
+}
+
+/// Live processes by process group and by session (a process is listed under both),
+/// from one pass over `/proc`: what many [`group_members`] calls would find.
+pub(crate) fn live_groups() -> HashMap<i32, Vec<i32>> {
+    let mut out: HashMap<i32, Vec<i32>> = HashMap::new();
+    scan_processes(|pid, pgrp, session| {
+        out.entry(pgrp).or_default().push(pid);
+        if session != pgrp {
+            out.entry(session).or_default().push(pid);
+        }
+    });
+    out
+}
+
+/// `f(pid, process group, session)` for every live (non-zombie) process.
+fn scan_processes(mut f: impl FnMut(i32, i32, i32)) {
     let Ok(rd) = std::fs::read_dir("/proc") else {
-        return out;
+        return;
     };
     for e in rd.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
@@ -1030,20 +1053,19 @@ pub(crate) fn group_members(id: i32) -> Vec<i32> {
         let Some((_, rest)) = stat.rsplit_once(')') else {
             continue;
         };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let (Some(state), Some(pgrp), Some(session)) =
-            (fields.first(), fields.get(2), fields.get(3))
+        let mut fields = rest.split_whitespace();
+        let (Some(state), _, Some(pgrp), Some(session)) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
         else {
             continue;
         };
-        if *state == "Z" || *state == "X" {
+        if state == "Z" || state == "X" {
             continue;
         }
-        if pgrp.parse::<i32>().ok() == Some(id) || session.parse::<i32>().ok() == Some(id) {
-            out.push(pid);
+        if let (Ok(pgrp), Ok(session)) = (pgrp.parse::<i32>(), session.parse::<i32>()) {
+            f(pid, pgrp, session);
         }
     }
-    out
 }
 
 /// Signal a process group, ignoring a group that is already gone.

@@ -112,8 +112,13 @@ impl LocalProcess {
             .values()
             .cloned()
             .collect();
+        // One pass over /proc for all of them: a sandbox remembers every command it ran,
+        // and a pass per command made a destroy quadratic.
+        let live = tokio::task::spawn_blocking(crate::client::live_groups)
+            .await
+            .unwrap_or_default();
         for c in &commands {
-            c.kill_now();
+            c.kill_among(&live);
         }
     }
 
@@ -791,9 +796,29 @@ impl LocalCommand {
             return;
         };
         signal_group(pid as i32, sig);
-        // Members that left the group but kept the session (pty commands).
-        for member in group_members(pid as i32) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(member), sig);
+        // Members that left the group but kept the session: only a pty command leads a
+        // session (any other's members are its group, which the signal reached).
+        if self.pty.is_some() {
+            for member in group_members(pid as i32) {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(member), sig);
+            }
+        }
+    }
+
+    /// SIGKILL for the command's group and session, found in `live` (from
+    /// [`crate::client::live_groups`]); nothing for a command that ended and left
+    /// nothing behind (its group id may since name someone else's group).
+    fn kill_among(&self, live: &HashMap<i32, Vec<i32>>) {
+        let Some(pid) = self.host_pid.filter(|p| *p > 1).map(|p| p as i32) else {
+            return;
+        };
+        let members = live.get(&pid);
+        if self.progress.borrow().exited.is_some() && members.is_none() {
+            return;
+        }
+        signal_group(pid, NixSignal::SIGKILL);
+        for &member in members.into_iter().flatten() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(member), NixSignal::SIGKILL);
         }
     }
 
