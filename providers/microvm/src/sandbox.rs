@@ -380,6 +380,46 @@ impl std::fmt::Debug for MicrovmProvider {
     }
 }
 
+/// A VM being started. The id leaves `creating` when the start ends; a start whose
+/// future was dropped (a caller that went away) is undone here ([`undo_start`]).
+struct Starting<'a> {
+    creating: &'a RwLock<HashSet<String>>,
+    tasks: &'a tokio_util::task::TaskTracker,
+    dir: PathBuf,
+    id: String,
+    /// The start ran to its end (and undid itself if it failed).
+    settled: bool,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.creating
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+        if self.settled {
+            return;
+        }
+        let (id, dir) = (self.id.clone(), self.dir.clone());
+        // The removal waits for the dropped qemu (being killed) to leave its cgroup: off
+        // the runtime's threads when there is one.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.tasks.spawn_blocking(move || undo_start(&id, &dir));
+        } else {
+            undo_start(&id, &dir);
+        }
+    }
+}
+
+/// Remove what a start that did not finish left: the VM's cgroup, with whatever still
+/// runs in it, and its directory.
+fn undo_start(id: &str, dir: &Path) {
+    if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), id) {
+        cg.remove();
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 impl Drop for MicrovmProvider {
     fn drop(&mut self) {
         self.cancel.cancel();
@@ -802,17 +842,18 @@ impl MicrovmProvider {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone());
+        let mut starting = Starting {
+            creating: &self.creating,
+            tasks: &self.tasks,
+            dir: self.vms().join(&id),
+            id: id.clone(),
+            settled: false,
+        };
         let r = self.start_vm_inner(ctx, &id, origin, spec).await;
-        self.creating
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
         if r.is_err() {
-            if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
-                cg.remove();
-            }
-            let _ = std::fs::remove_dir_all(self.vms().join(&id));
+            undo_start(&id, &starting.dir);
         }
+        starting.settled = true;
         r
     }
 

@@ -113,6 +113,61 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_caller_goes_away_leaves_no_vm_behind() {
+    let Some(cfg) = config() else { return };
+    let p = provider(&cfg);
+    // The template first (its boot is not what is dropped here).
+    let warm = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    p.destroy(&ctx(), &warm.info().id).await.unwrap();
+    let vms = cfg.root.join("vms");
+    let dirs = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&vms)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let before = dirs();
+    // The create is dropped once its qemu runs (restoring, before the guest answers).
+    let started = async {
+        loop {
+            if let Some(d) = dirs().into_iter().find(|d| !before.contains(d))
+                && !qemus_of(&d).is_empty()
+            {
+                return d;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let dir = tokio::select! {
+        r = p.create(&ctx(), SandboxSpec::default()) => {
+            panic!("the create ended before it could be dropped: {:?}", r.map(|s| s.info().id.clone()));
+        }
+        d = started => d,
+    };
+    let id = dir.file_name().unwrap().to_string_lossy().into_owned();
+    // Its qemu, cgroup and directory go; the provider lists nothing of it.
+    let gone = async {
+        while !qemus_of(&dir).is_empty()
+            || dir.exists()
+            || tether_provider_microvm::client::Cgroup::find(Path::new("/sys/fs/cgroup"), &id)
+                .is_some()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), gone)
+        .await
+        .expect("a dropped create left its VM behind");
+    let ids: Vec<String> = p
+        .list(&ctx())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    assert!(!ids.contains(&id), "{ids:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_stops_the_guest_and_resume_continues_it() {
     let Some(cfg) = config() else { return };
     let p = provider(&cfg);
