@@ -137,8 +137,9 @@ async fn a_create_whose_caller_goes_away_leaves_no_vm_behind() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
+    let c = ctx();
     let dir = tokio::select! {
-        r = p.create(&ctx(), SandboxSpec::default()) => {
+        r = p.create(&c, SandboxSpec::default()) => {
             panic!("the create ended before it could be dropped: {:?}", r.map(|s| s.info().id.clone()));
         }
         d = started => d,
