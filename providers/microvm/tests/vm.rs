@@ -48,6 +48,16 @@ async fn healthy(port: u16) -> bool {
     tether_provider_microvm::client::probe(&http, port, Duration::from_secs(2)).await
 }
 
+/// The ids the provider lists.
+async fn listed(p: &MicrovmProvider) -> Vec<String> {
+    p.list(&ctx())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect()
+}
+
 fn provider(cfg: &MicrovmConfig) -> Arc<MicrovmProvider> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -84,13 +94,7 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
     assert_ne!(core.port(), core2.port());
     assert!(healthy(core2.port()).await);
 
-    let ids: Vec<String> = p
-        .list(&ctx())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|i| i.id)
-        .collect();
+    let ids = listed(&p).await;
     assert!(ids.contains(&id) && ids.contains(&id2));
     let m = p.metrics(&ctx(), &id).await.unwrap();
     assert!(m.memory_bytes > 0 && m.memory_limit_bytes == Some(256 << 20));
@@ -100,13 +104,7 @@ async fn boot_save_restore_answers_health_and_destroy_leaves_no_qemu() {
     assert!(qemus_of(&vmdir).is_empty(), "a qemu survived destroy");
     assert!(qemus_of(&core2.dir).is_empty(), "a qemu survived destroy");
     assert!(!vmdir.exists());
-    let ids: Vec<String> = p
-        .list(&ctx())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|i| i.id)
-        .collect();
+    let ids = listed(&p).await;
     assert!(!ids.contains(&id) && !ids.contains(&id2));
     // Destroying again succeeds.
     p.destroy(&ctx(), &id).await.unwrap();
@@ -158,13 +156,7 @@ async fn a_create_whose_caller_goes_away_leaves_no_vm_behind() {
     tokio::time::timeout(Duration::from_secs(10), gone)
         .await
         .expect("a dropped create left its VM behind");
-    let ids: Vec<String> = p
-        .list(&ctx())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|i| i.id)
-        .collect();
+    let ids = listed(&p).await;
     assert!(!ids.contains(&id), "{ids:?}");
 }
 
