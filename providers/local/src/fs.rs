@@ -400,10 +400,6 @@ fn unique_mtime() -> rustix::fs::Timespec {
     }
 }
 
-/// Run a blocking file-system closure on the blocking pool, unless the call is already
-/// over. Once started, the closure is waited for even if the call is cancelled: these are
-/// short local system calls, and returning early would report a cancel for an operation
-/// that takes effect anyway (or leak the temporary file a write was creating).
 /// Read up to `len` bytes of `file` at `offset` on the blocking pool.
 fn read_at(
     file: Arc<OwnedFd>,
@@ -452,6 +448,10 @@ fn write_all_vectored(file: &mut std::fs::File, chunks: &[Bytes]) -> std::io::Re
     Ok(())
 }
 
+/// Run a blocking file-system closure on the blocking pool, unless the call is already
+/// over. Once started, the closure is waited for even if the call is cancelled: these are
+/// short local system calls, and returning early would report a cancel for an operation
+/// that takes effect anyway (or leak the temporary file a write was creating).
 async fn blocking<T, F>(ctx: &CallCtx, creds: Option<(u32, u32)>, f: F) -> Result<T>
 where
     T: Send + 'static,

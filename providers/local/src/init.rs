@@ -443,23 +443,14 @@ fn start_pid1() -> ExitCode {
     }
 }
 
-/// The source of the mount at `path` (a loop device for the store).
-fn mount_source(path: &Path) -> Option<String> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let want = path.to_string_lossy();
-    info.lines()
-        .rev()
-        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m == want))
-        .find_map(|l| l.split_once(" - ")?.1.split(' ').nth(1).map(str::to_owned))
-}
-
 /// Let the store's loop device write to its image with direct I/O: the image's pages
 /// are then not cached a second time under the sandbox's own, which halves the page
 /// cache a sandbox's writes take and makes an upload's `fsync` about a quarter
 /// faster. Best effort: a state directory whose file system refuses direct I/O keeps
 /// buffered I/O, which is correct, only slower.
 fn direct_io(losetup: &Path, store: &Path) {
-    let Some(dev) = mount_source(store).filter(|d| d.starts_with("/dev/loop")) else {
+    let Some(dev) = crate::rootfs::mount_source(store).filter(|d| d.starts_with("/dev/loop"))
+    else {
         return;
     };
     let _ = std::process::Command::new(losetup)

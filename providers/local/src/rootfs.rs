@@ -83,12 +83,18 @@ fn run(program: &str, args: &[&str]) -> Result<()> {
 
 /// Whether `path` is a mount point (in the provider's mount namespace).
 pub(crate) fn is_mounted(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
+    mount_source(path).is_some()
+}
+
+/// The source of the topmost mount at `path` (in this process's mount namespace): a
+/// loop device for a store.
+pub(crate) fn mount_source(path: &Path) -> Option<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let want = path.to_string_lossy();
     info.lines()
-        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == want))
+        .rev()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m == want))
+        .find_map(|l| l.split_once(" - ")?.1.split(' ').nth(1).map(str::to_owned))
 }
 
 /// Create the store image of `size` bytes and its file system (root owned by `owner`).

@@ -65,6 +65,18 @@ fn provider(templates: PathBuf) -> (tempfile::TempDir, Arc<LocalProvider>) {
     (dir, Arc::new(LocalProvider::new(cfg).unwrap()))
 }
 
+/// A provider on the built template and a sandbox of it (`None`: the template could not
+/// be built here).
+async fn base_sandbox() -> Option<(tempfile::TempDir, Arc<LocalProvider>, Arc<dyn Sandbox>)> {
+    let templates = tokio::task::spawn_blocking(built).await.unwrap()?;
+    let (dir, p) = provider(templates);
+    let sb = p
+        .create(&CallCtx::new("base"), SandboxSpec::default())
+        .await
+        .unwrap();
+    Some((dir, p, sb))
+}
+
 async fn sh(sb: &dyn Sandbox, cmd: &str, user: Option<&str>) -> (String, String, Option<i32>) {
     let mut spec = ProcessSpec::shell(cmd);
     spec.user = user.map(str::to_owned);
@@ -133,12 +145,10 @@ async fn the_conformance_suite_passes_on_the_base_template() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn base_is_debian_with_user_sudo_python_git_curl() {
-    let Some(templates) = tokio::task::spawn_blocking(built).await.unwrap() else {
+    let Some((_dir, p, sb)) = base_sandbox().await else {
         return;
     };
-    let (_dir, p) = provider(templates);
     let ctx = CallCtx::new("base");
-    let sb = p.create(&ctx, SandboxSpec::default()).await.unwrap();
     let (out, err, code) = sh(
         sb.as_ref(),
         "id -un; echo $HOME; cat /etc/debian_version >/dev/null && echo debian; python3 -c 'print(6*7)'; git --version | cut -d' ' -f1; curl --version | head -1 | cut -d' ' -f1; sudo -n id -u; cat /etc/shadow >/dev/null 2>&1 || echo no-shadow; sudo -n cat /etc/shadow >/dev/null && echo sudo-shadow",
@@ -187,12 +197,10 @@ async fn base_is_debian_with_user_sudo_python_git_curl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_login_shell_runs_no_program_to_learn_its_uid() {
-    let Some(templates) = tokio::task::spawn_blocking(built).await.unwrap() else {
+    let Some((_dir, p, sb)) = base_sandbox().await else {
         return;
     };
-    let (_dir, p) = provider(templates);
     let ctx = CallCtx::new("base");
-    let sb = p.create(&ctx, SandboxSpec::default()).await.unwrap();
     // An `id` first on the PATH notes every call, then does the real one's work.
     let (_, err, code) = sh(
         sb.as_ref(),
