@@ -50,7 +50,8 @@ struct Rule {
 struct State {
     rules: RwLock<Vec<Rule>>,
     /// (path, what happened) of every request, in order.
-    seen: RwLock<Vec<(String, &'static str)>>,
+    /// Every request: its method, its path, what happened to it.
+    seen: RwLock<Vec<(http::Method, String, &'static str)>>,
 }
 
 /// A running HTTP fault proxy; dropping it stops it.
@@ -156,24 +157,34 @@ impl HttpFaultProxy {
         }
     }
 
-    /// Every request so far: its path and what happened to it, in order.
+    /// Every request so far: its method and path, and what happened to it, in order.
     pub fn seen(&self) -> Vec<(String, &'static str)> {
         self.state
             .seen
             .read()
-            .map(|s| s.clone())
+            .map(|s| s.iter().map(|(m, p, w)| (format!("{m} {p}"), *w)).collect())
             .unwrap_or_default()
     }
 
     /// How many requests with a path starting with `prefix` were `what` (`forwarded`,
     /// `refused`, `truncated`, `delayed`).
     pub fn count(&self, prefix: &str, what: &str) -> usize {
+        self.count_where(|_, p| p.starts_with(prefix), what)
+    }
+
+    /// [`HttpFaultProxy::count`] of the requests with `method` only (a list and a create
+    /// share a path).
+    pub fn count_method(&self, method: http::Method, prefix: &str, what: &str) -> usize {
+        self.count_where(|m, p| *m == method && p.starts_with(prefix), what)
+    }
+
+    fn count_where(&self, pick: impl Fn(&http::Method, &str) -> bool, what: &str) -> usize {
         self.state
             .seen
             .read()
             .map(|s| {
                 s.iter()
-                    .filter(|(p, w)| p.starts_with(prefix) && *w == what)
+                    .filter(|(m, p, w)| pick(m, p) && *w == what)
                     .count()
             })
             .unwrap_or(0)
@@ -190,9 +201,9 @@ fn take_rule(st: &State, path: &str) -> Option<Action> {
     Some(rule.action.clone())
 }
 
-fn note(st: &State, path: &str, what: &'static str) {
+fn note(st: &State, method: &http::Method, path: &str, what: &'static str) {
     if let Ok(mut s) = st.seen.write() {
-        s.push((path.to_owned(), what));
+        s.push((method.clone(), path.to_owned(), what));
     }
 }
 
@@ -219,7 +230,7 @@ async fn handle(
         retry_after_s,
     }) = action
     {
-        note(&st, &path, "refused");
+        note(&st, req.method(), &path, "refused");
         let code = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut r = full(
             code,
@@ -243,6 +254,7 @@ async fn handle(
     };
     note(
         &st,
+        req.method(),
         &path,
         match (truncate, delay) {
             (true, _) => "truncated",

@@ -102,6 +102,19 @@ async fn attach_anew(
         .unwrap()
 }
 
+/// Kill the provider's SSH connections. A connection dropped by an earlier cut may still
+/// be coming back (a follower reconnects on its own clock): up to 2 s for one to be there.
+async fn cut(host: &SshHost) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while host.kill_connections() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no SSH connection to cut"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn sandbox(p: &SshProvider) -> Arc<dyn Sandbox> {
     p.create(&ctx(), SandboxSpec::default())
         .await
@@ -125,7 +138,7 @@ async fn a_cut_connection_loses_no_output() {
         .unwrap();
     let mut events = h.events(StreamOffsets::default());
     read_until(&mut events, "line5\n").await;
-    assert!(host.kill_connections() > 0, "no SSH connection to cut");
+    cut(&host).await;
     let (out, status, err) = collect(h.as_ref()).await;
     assert_eq!(err, None, "the stream must recover");
     let expected: String = (1..=40).map(|i| format!("line{i}\n")).collect();
@@ -158,9 +171,9 @@ async fn a_cut_connection_loses_no_stdin() {
     h.write_stdin(&ctx(), "first\n".into()).await.unwrap();
     let mut events = h.events(StreamOffsets::default());
     read_until(&mut events, "first\n").await;
-    assert!(host.kill_connections() > 0, "no SSH connection to cut");
+    cut(&host).await;
     h.write_stdin(&ctx(), big.clone().into()).await.unwrap();
-    assert!(host.kill_connections() > 0, "no SSH connection to cut");
+    cut(&host).await;
     h.write_stdin(&ctx(), "second\n".into()).await.unwrap();
     // Another provider's handle on the same command, found by its id.
     let again = attach_anew(&host, &sb.info().id, h.command_id()).await;
