@@ -4,6 +4,7 @@
 //! host forward.
 
 use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -876,9 +877,9 @@ pub async fn wait_incoming(socket: &Path, limit: Duration, poll: Duration) -> Re
 
 // === the guest agent ===
 
-/// One `/health` probe of the agent at `port`, bounded by `limit`.
-pub async fn probe(http: &reqwest::Client, port: u16, limit: Duration) -> bool {
-    let url = format!("http://127.0.0.1:{port}/health");
+/// One `/health` probe of the agent at `agent`, bounded by `limit`.
+pub async fn probe(http: &reqwest::Client, agent: SocketAddr, limit: Duration) -> bool {
+    let url = format!("http://{agent}/health");
     matches!(
         http.get(url).timeout(limit).send().await,
         Ok(r) if r.status().is_success()
@@ -889,7 +890,7 @@ pub async fn probe(http: &reqwest::Client, port: u16, limit: Duration) -> bool {
 /// limits: slirp accepts at once and a connection to a guest not listening yet stalls).
 pub async fn wait_ready(
     http: &reqwest::Client,
-    port: u16,
+    agent: SocketAddr,
     qemu: &mut QemuProcess,
     per_probe: Duration,
     limit: Duration,
@@ -897,7 +898,7 @@ pub async fn wait_ready(
 ) -> Result<()> {
     let end = Instant::now() + limit;
     loop {
-        if probe(http, port, per_probe).await {
+        if probe(http, agent, per_probe).await {
             return Ok(());
         }
         if qemu.exited() {
@@ -920,16 +921,16 @@ pub async fn wait_ready(
     }
 }
 
-/// `POST /init` to the agent at `port` (`current_token`: the token the guest holds
+/// `POST /init` to the agent at `agent` (`current_token`: the token the guest holds
 /// already, if any).
 pub async fn init_agent(
     http: &reqwest::Client,
-    port: u16,
+    agent: SocketAddr,
     body: &tether_protocol::e2b::InitRequest,
     current_token: Option<&str>,
     limit: Duration,
 ) -> Result<()> {
-    let url = format!("http://127.0.0.1:{port}/init");
+    let url = format!("http://{agent}/init");
     let mut req = http.post(url).json(body);
     // A VM restored from a sandbox's snapshot holds that sandbox's token: the agent takes
     // a new one from a caller that proves it holds the current one.

@@ -16,15 +16,15 @@ pub use tether_envd_client::EnvdFs as VmFs;
 /// `Fs::watch` is offered (envd's `WatchDir`).
 pub const WATCH: bool = true;
 
-/// The envd client of the VM `id` whose agent listens on `127.0.0.1:port`.
+/// The envd client of the VM `id` whose agent is reached at `agent`.
 pub(crate) fn envd_client(
     id: &str,
-    port: u16,
+    agent: std::net::SocketAddr,
     token: &str,
     cfg: Arc<EnvdClientConfig>,
     http: reqwest::Client,
 ) -> Result<EnvdSandboxClient> {
-    let base_url = reqwest::Url::parse(&format!("http://127.0.0.1:{port}"))
+    let base_url = reqwest::Url::parse(&format!("http://{agent}"))
         .map_err(|e| internal("the agent's URL", e))?;
     let endpoint = EnvdEndpoint {
         base_url,

@@ -24,4 +24,4 @@ mod tests;
 
 pub use config::{Accel, MicrovmConfig};
 pub use image::{GuestImage, GuestProgress, GuestSpec, build_guest, find_guest};
-pub use sandbox::{KIND, MicrovmProvider, MicrovmSandbox, VmCore, VmStamp};
+pub use sandbox::{AgentRoute, KIND, MicrovmProvider, MicrovmSandbox, VmCore, VmStamp};

@@ -370,6 +370,19 @@ pub struct MicrovmProvider {
     /// Saves to disk armed by pauses, cancelled when the provider goes.
     tasks: tokio_util::task::TaskTracker,
     cancel: tokio_util::sync::CancellationToken,
+    /// Where the agent of a VM is dialled, given the host port its forward listens on.
+    route: AgentRoute,
+}
+
+/// Where the provider dials a VM's guest agent, given the host port of the VM's forward
+/// (on 127.0.0.1). Every call to the agent goes there: readiness probes, `/init`, envd
+/// and port tunnels. The default is the forward itself; [`MicrovmProvider::with_agent_route`]
+/// puts something in between (a fault-injecting proxy, in tether's own fault matrix).
+pub type AgentRoute = Arc<dyn Fn(u16) -> std::net::SocketAddr + Send + Sync>;
+
+/// The VM's forward itself.
+fn direct_route() -> AgentRoute {
+    Arc::new(|port| std::net::SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
 impl std::fmt::Debug for MicrovmProvider {
@@ -476,9 +489,23 @@ impl MicrovmProvider {
             creating: RwLock::new(HashSet::new()),
             tasks: tokio_util::task::TaskTracker::new(),
             cancel: tokio_util::sync::CancellationToken::new(),
+            route: direct_route(),
         };
         p.sweep();
         Ok(p)
+    }
+
+    /// The same provider, dialling each VM's agent where `route` says (see
+    /// [`AgentRoute`]).
+    #[must_use]
+    pub fn with_agent_route(mut self, route: AgentRoute) -> Self {
+        self.route = route;
+        self
+    }
+
+    /// The address the agent behind host port `port` is dialled at.
+    fn agent(&self, port: u16) -> std::net::SocketAddr {
+        (self.route)(port)
     }
 
     /// The configuration.
@@ -778,7 +805,7 @@ impl MicrovmProvider {
             let r = async {
                 client::wait_ready(
                     &self.http,
-                    launch.port,
+                    self.agent(launch.port),
                     &mut q,
                     self.cfg.probe_timeout(),
                     self.cfg.boot_timeout(),
@@ -943,15 +970,18 @@ impl MicrovmProvider {
                 let mut q =
                     QemuProcess::spawn(&self.cfg, &origin.image, &launch, &origin.cmdline, cgroup)
                         .map_err(fail)?;
-                match client::wait_ready(
-                    &self.http,
-                    port,
-                    &mut q,
-                    self.cfg.probe_timeout(),
-                    self.cfg.restore_timeout(),
-                    &launch.console(),
-                )
-                .await
+                // The caller's deadline bounds the wait too: an agent that never answers
+                // looks like a guest still waking up.
+                match ctx
+                    .run(client::wait_ready(
+                        &self.http,
+                        self.agent(port),
+                        &mut q,
+                        self.cfg.probe_timeout(),
+                        self.cfg.restore_timeout(),
+                        &launch.console(),
+                    ))
+                    .await
                 {
                     Ok(()) => Ok((q, stamp)),
                     Err(error) => {
@@ -986,14 +1016,15 @@ impl MicrovmProvider {
             timestamp: Some(rfc3339_now()),
             tether_entropy: Some(client::entropy()?),
         };
-        if let Err(e) = client::init_agent(
-            &self.http,
-            stamp.port,
-            &body,
-            origin.prev_token.as_deref(),
-            self.cfg.init_timeout(),
-        )
-        .await
+        if let Err(e) = ctx
+            .run(client::init_agent(
+                &self.http,
+                self.agent(stamp.port),
+                &body,
+                origin.prev_token.as_deref(),
+                self.cfg.init_timeout(),
+            ))
+            .await
         {
             q.kill(self.cfg.stop_grace()).await;
             return Err(e);
@@ -1037,7 +1068,7 @@ impl MicrovmProvider {
     ) -> std::result::Result<VmCore, (ProviderError, QemuProcess)> {
         let envd = match envd_client(
             &stamp.id,
-            stamp.port,
+            self.agent(stamp.port),
             &stamp.token,
             self.envd_cfg.clone(),
             self.envd_http.clone(),
@@ -1152,7 +1183,7 @@ impl MicrovmProvider {
             qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
             client::wait_ready(
                 &self.http,
-                s.port,
+                self.agent(s.port),
                 &mut q,
                 self.cfg.probe_timeout(),
                 self.cfg.restore_timeout(),
@@ -1169,7 +1200,7 @@ impl MicrovmProvider {
             };
             client::init_agent(
                 &self.http,
-                s.port,
+                self.agent(s.port),
                 &body,
                 Some(&s.token),
                 self.cfg.init_timeout(),
@@ -1466,8 +1497,8 @@ impl Provider for MicrovmProvider {
         // The guest agent's tunnel: an upgraded connection it splices to that port on
         // the guest's loopback.
         let url = format!(
-            "http://127.0.0.1:{}{}{port}",
-            s.port,
+            "http://{}{}{port}",
+            self.agent(s.port),
             tether_protocol::e2b::GUEST_PORT_TUNNEL_PATH
         );
         let tunnel = |e: reqwest::Error| ProviderError::Unavailable {

@@ -45,7 +45,12 @@ fn qemus_of(dir: &Path) -> Vec<u32> {
 
 async fn healthy(port: u16) -> bool {
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
-    tether_provider_microvm::client::probe(&http, port, Duration::from_secs(2)).await
+    tether_provider_microvm::client::probe(
+        &http,
+        ([127, 0, 0, 1], port).into(),
+        Duration::from_secs(2),
+    )
+    .await
 }
 
 /// The ids the provider lists.
@@ -170,7 +175,14 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
     p.pause(&ctx(), &id).await.unwrap();
     // A stopped guest does not answer (slirp accepts, the guest never replies).
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
-    assert!(!tether_provider_microvm::client::probe(&http, port, Duration::from_millis(500)).await);
+    assert!(
+        !tether_provider_microvm::client::probe(
+            &http,
+            ([127, 0, 0, 1], port).into(),
+            Duration::from_millis(500)
+        )
+        .await
+    );
     p.resume(&ctx(), &id).await.unwrap();
     assert!(healthy(port).await);
     p.destroy(&ctx(), &id).await.unwrap();
