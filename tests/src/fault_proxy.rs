@@ -83,29 +83,31 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("proxy address");
         let state = Arc::new(State::default());
         let stop = CancellationToken::new();
-        let (st, token) = (state.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    _ = token.cancelled() => return,
-                    a = listener.accept() => a,
-                };
-                let Ok((client, _)) = accepted else { continue };
-                st.accepted.fetch_add(1, Ordering::Relaxed);
-                let (st, token) = (st.clone(), token.clone());
-                tokio::spawn(async move {
-                    if st.mode.load(Ordering::Acquire) == BLACKHOLE
-                        || st.frozen.load(Ordering::Acquire)
-                    {
-                        blackhole(client, token).await;
-                    } else {
-                        st.forwarded.fetch_add(1, Ordering::Relaxed);
-                        forward(client, upstream, st, token).await;
-                    }
-                });
-            }
-        });
+        serve(listener, upstream, state.clone(), stop.clone());
         Self { addr, state, stop }
+    }
+
+    /// A route for clients with one upstream per port (a microVM provider dials each VM's
+    /// agent at its own forwarded port on 127.0.0.1): the address to dial for upstream
+    /// port `p` is a listener of its own, made at the first ask, that forwards to
+    /// `127.0.0.1:p` under this proxy's faults and counters (arming this proxy arms them
+    /// all, and a fault still fires once) and stops with it. Call it inside a runtime.
+    pub fn per_port_route(&self) -> Arc<dyn Fn(u16) -> SocketAddr + Send + Sync> {
+        let (state, stop) = (self.state.clone(), self.stop.clone());
+        // Held for a bind only, never across an await.
+        let routes = std::sync::RwLock::new(std::collections::HashMap::new());
+        Arc::new(move |port| {
+            let mut routes = routes.write().unwrap_or_else(|e| e.into_inner());
+            *routes.entry(port).or_insert_with(|| {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a route");
+                l.set_nonblocking(true).expect("a non-blocking route");
+                let addr = l.local_addr().expect("route address");
+                let l = TcpListener::from_std(l).expect("a route in the runtime");
+                let upstream = SocketAddr::from(([127, 0, 0, 1], port));
+                serve(l, upstream, state.clone(), stop.clone());
+                addr
+            })
+        })
     }
 
     /// The proxy's address.
@@ -224,6 +226,30 @@ async fn blackhole(mut client: TcpStream, token: CancellationToken) {
             },
         }
     }
+}
+
+/// Accept on `listener` and forward to `upstream` under `st`, until `stop`.
+fn serve(listener: TcpListener, upstream: SocketAddr, st: Arc<State>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let Ok((client, _)) = accepted else { continue };
+            st.accepted.fetch_add(1, Ordering::Relaxed);
+            let (st, token) = (st.clone(), stop.clone());
+            tokio::spawn(async move {
+                if st.mode.load(Ordering::Acquire) == BLACKHOLE || st.frozen.load(Ordering::Acquire)
+                {
+                    blackhole(client, token).await;
+                } else {
+                    st.forwarded.fetch_add(1, Ordering::Relaxed);
+                    forward(client, upstream, st, token).await;
+                }
+            });
+        }
+    });
 }
 
 async fn forward(
