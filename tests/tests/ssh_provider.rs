@@ -652,3 +652,105 @@ async fn environment_changes_reach_the_command_whatever_their_names() {
     }
     p.destroy(&ctx(), &sb.info().id).await.unwrap();
 }
+
+/// E2B's port proxy reaches a port of an SSH sandbox: a port of its host's loopback,
+/// through a `direct-tcpip` channel (as `ssh -L` reaches it), for HTTP/1.1 and HTTP/2
+/// clients alike. A port nothing listens on is 502, as on every provider, and a
+/// destroyed sandbox's ports are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_e2b_front_reaches_a_server_in_an_ssh_sandbox() {
+    let host = SshHost::start().await;
+    let cfg = config(&host);
+    let d = tether_tests::TestDaemon::start_with(move |c| {
+        c.providers.insert(
+            "vm".into(),
+            tether_daemon::config::ProviderConfig::Ssh(cfg.clone()),
+        );
+        c.e2b_front.provider = Some("vm".into());
+    })
+    .await;
+    let key = "e2b_ssh_port_test_key";
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", key)
+        .json(&serde_json::json!({"templateID": "base", "timeout": 120}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let sid = r.json::<serde_json::Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // The test host is a network namespace of its own: any port is free on its loopback.
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/processes"),
+            serde_json::json!({"cmd": format!(
+                "echo served-from-{sid} > page.txt && exec python3 -m http.server {port} --bind 127.0.0.1"
+            )}),
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let get = |port: u16, path: &'static str| {
+        d.http
+            .get(d.url(path))
+            .header("host", format!("{port}-{sid}.localhost"))
+            .send()
+    };
+    let mut last = String::new();
+    let mut served = None;
+    for _ in 0..100 {
+        let r = get(port, "/page.txt").await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap_or_default();
+        if status == 200 {
+            served = Some(text);
+            break;
+        }
+        last = format!("{status} {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        served.as_deref(),
+        Some(format!("served-from-{sid}\n").as_str()),
+        "the server in the sandbox was not reached; last answer: {last}"
+    );
+    // Another connection, another channel: a second request is served as well.
+    let r = get(port, "/page.txt").await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(
+        r.headers()["server"].to_str().unwrap().split('/').next(),
+        Some("SimpleHTTP")
+    );
+    // An HTTP/2 client (prior knowledge, as h2c and gRPC clients speak) is served too: the
+    // front speaks HTTP/1.1 to the server in the sandbox, which knows no other.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let r = h2
+        .get(d.url("/page.txt"))
+        .header("e2b-sandbox-id", sid.as_str())
+        .header("e2b-sandbox-port", port.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.text().await.unwrap(), format!("served-from-{sid}\n"));
+    // Nothing listens on the next port.
+    assert_eq!(get(port + 1, "/").await.unwrap().status().as_u16(), 502);
+    let r = d
+        .http
+        .delete(d.url(&format!("/sandboxes/{sid}")))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    assert_ne!(get(port, "/page.txt").await.unwrap().status().as_u16(), 200);
+    d.stop().await;
+}

@@ -250,6 +250,56 @@ impl Drop for Lease {
     }
 }
 
+/// A forwarded channel's byte stream ([`HostPool::forward`]), holding its lease while it
+/// lives.
+pub(crate) struct Forwarded {
+    stream: std::pin::Pin<Box<russh::ChannelStream<Msg>>>,
+    _lease: Lease,
+}
+
+impl Forwarded {
+    pub(crate) fn new(ch: russh::Channel<Msg>, lease: Lease) -> Self {
+        Self {
+            stream: Box::pin(ch.into_stream()),
+            _lease: lease,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Forwarded {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Forwarded {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.stream.as_mut().poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_shutdown(cx)
+    }
+}
+
 /// What one exec round trip produced.
 #[derive(Debug, Default)]
 pub(crate) struct ExecOutput {
@@ -548,6 +598,43 @@ impl HostPool {
         match ch {
             Ok(ch) => Ok((ch, lease)),
             Err(_) if lease.conn.closed() => Err(lease.conn.lost("opening a channel")),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A `direct-tcpip` channel (what `ssh -L` opens) to `port` on the host's loopback, and
+    /// its lease: the channel counts against the connection's and the host's limits like
+    /// a command's, until the stream is dropped. A port nothing listens on is refused by
+    /// the server at once.
+    pub(crate) async fn forward(
+        &self,
+        ctx: &CallCtx,
+        port: u16,
+    ) -> Result<(russh::Channel<Msg>, Lease)> {
+        let lease = self.lease(ctx).await?;
+        let ch = ctx
+            .run(async {
+                lease
+                    .conn
+                    .handle
+                    .channel_open_direct_tcpip("127.0.0.1", u32::from(port), "127.0.0.1", 0)
+                    .await
+                    .map_err(|e| match e {
+                        russh::Error::ChannelOpenFailure(why) => ProviderError::Unavailable {
+                            message: format!(
+                                "ssh: nothing answers on port {port} of host {} ({why:?})",
+                                self.name
+                            ),
+                            retry_after: None,
+                            source: None,
+                        },
+                        e => russh_error("opening a forwarded channel", e),
+                    })
+            })
+            .await;
+        match ch {
+            Ok(ch) => Ok((ch, lease)),
+            Err(_) if lease.conn.closed() => Err(lease.conn.lost("opening a forwarded channel")),
             Err(e) => Err(e),
         }
     }

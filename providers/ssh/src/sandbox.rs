@@ -24,13 +24,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
-    SandboxInfo, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
+    Sandbox, SandboxInfo, SandboxSpec,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::client::HostPool;
+use crate::client::{Forwarded, HostPool};
 use crate::config::SshConfig;
 use crate::fs::SshFs;
 use crate::process::{SshCommand, SshProcess};
@@ -414,6 +414,18 @@ impl Provider for SshProvider {
             .find(|s| s.id == id)
             .ok_or_else(not_found)?;
         Ok(Self::sandbox(self.core(i, &root, stamp)))
+    }
+
+    /// A port of the sandbox is a port of its host's loopback (sandboxes on one host share
+    /// its network), reached through a `direct-tcpip` channel as `ssh -L` reaches it. The
+    /// sandbox must exist.
+    async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
+        self.connect(ctx, id).await?;
+        let i = self
+            .host_of(id)
+            .ok_or_else(|| ProviderError::SandboxNotFound { id: id.to_owned() })?;
+        let (ch, lease) = self.hosts[i].forward(ctx, port).await?;
+        Ok(Box::new(Forwarded::new(ch, lease)))
     }
 
     async fn list(&self, ctx: &CallCtx) -> Result<Vec<SandboxInfo>> {
