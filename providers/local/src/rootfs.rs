@@ -39,6 +39,10 @@ pub const BASE_PACKAGES: &[&str] = &[
     "ca-certificates",
     "procps",
     "iproute2",
+    // As in E2B's base template: `python` is python3, and `setfattr`/`getfattr` set the
+    // `user.e2b.*` attributes that the files API reports as metadata.
+    "python-is-python3",
+    "attr",
 ];
 
 /// The Debian suite of the `base` template.
@@ -325,6 +329,21 @@ pub fn build_base(
 ) -> Result<PathBuf> {
     let dir = templates.join("base");
     if dir.join(COMPLETE).exists() {
+        // A template built with fewer packages keeps what it has (sandboxes may run on
+        // it): removing it and building again adds them.
+        let had = std::fs::read_to_string(dir.join(COMPLETE)).unwrap_or_default();
+        let missing: Vec<&str> = BASE_PACKAGES
+            .iter()
+            .copied()
+            .filter(|p| !had.split_whitespace().any(|h| h == *p))
+            .collect();
+        if !missing.is_empty() {
+            progress(BuildProgress::Step(format!(
+                "this template was built without {}: remove {} and build it again to add them",
+                missing.join(", "),
+                dir.display()
+            )));
+        }
         // A template built before the current tuning gets it now (this runs before
         // sandboxes are made from it, by `tether template build`).
         if !dir.join(BASE_TUNING).exists() {
@@ -367,7 +386,9 @@ pub fn build_base(
         shift_tree(&rootfs, uid_base)
             .map_err(|e| internal("cannot shift the template's ownership", e))?;
         std::fs::write(tmp.join(BASE_TUNING), b"").map_err(|e| internal("cannot finish", e))?;
-        std::fs::write(tmp.join(COMPLETE), b"").map_err(|e| internal("cannot finish", e))?;
+        // The marker names the packages the template was built with.
+        std::fs::write(tmp.join(COMPLETE), BASE_PACKAGES.join("\n"))
+            .map_err(|e| internal("cannot finish", e))?;
         Ok(())
     })();
     if let Err(e) = result {

@@ -144,21 +144,21 @@ async fn the_conformance_suite_passes_on_the_base_template() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn base_is_debian_with_user_sudo_python_git_curl() {
+async fn base_is_debian_with_user_sudo_python_git_curl_attr() {
     let Some((_dir, p, sb)) = base_sandbox().await else {
         return;
     };
     let ctx = CallCtx::new("base");
     let (out, err, code) = sh(
         sb.as_ref(),
-        "id -un; echo $HOME; cat /etc/debian_version >/dev/null && echo debian; python3 -c 'print(6*7)'; git --version | cut -d' ' -f1; curl --version | head -1 | cut -d' ' -f1; sudo -n id -u; cat /etc/shadow >/dev/null 2>&1 || echo no-shadow; sudo -n cat /etc/shadow >/dev/null && echo sudo-shadow",
+        "id -un; echo $HOME; cat /etc/debian_version >/dev/null && echo debian; python3 -c 'print(6*7)'; python -c 'print(7*7)'; git --version | cut -d' ' -f1; curl --version | head -1 | cut -d' ' -f1; sudo -n id -u; cat /etc/shadow >/dev/null 2>&1 || echo no-shadow; sudo -n cat /etc/shadow >/dev/null && echo sudo-shadow",
         None,
     )
     .await;
     assert_eq!(code, Some(0), "{out} {err}");
     assert!(!err.contains("unable to resolve host"), "{err}");
     assert_eq!(
-        out, "user\n/home/user\ndebian\n42\ngit\ncurl\n0\nno-shadow\nsudo-shadow\n",
+        out, "user\n/home/user\ndebian\n42\n49\ngit\ncurl\n0\nno-shadow\nsudo-shadow\n",
         "{err}"
     );
     // As root too, and root inside owns the system.
@@ -181,6 +181,20 @@ async fn base_is_debian_with_user_sudo_python_git_curl() {
         .unwrap();
     let (out, _, _) = sh(sb.as_ref(), "stat -c %U /home/user/note.txt", None).await;
     assert_eq!(out, "user\n");
+    // An attribute set inside with `setfattr` is what the files API reports as metadata.
+    let (_, err, code) = sh(
+        sb.as_ref(),
+        "setfattr -n user.e2b.owner -v alice note.txt",
+        None,
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    let attrs = sb.fs().xattrs(&ctx, "note.txt", "user.e2b.").await.unwrap();
+    assert_eq!(
+        attrs.get("owner").map(Vec::as_slice),
+        Some(&b"alice"[..]),
+        "{attrs:?}"
+    );
     // As `user`, the command's stdio can be reopened by name.
     let (out, err, code) = sh(
         sb.as_ref(),
