@@ -125,6 +125,8 @@ pub struct Capabilities {
     pub reattach: bool,
     /// `renew` (TTL extension).
     pub renew: bool,
+    /// Egress rules are enforced (`SandboxSpec::egress` at create, `set_egress` later).
+    pub egress: bool,
 }
 
 /// A signal to deliver to a command's process group.

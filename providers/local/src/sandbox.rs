@@ -1069,6 +1069,9 @@ impl Provider for LocalProvider {
             pty: true,
             reattach: true,
             renew: true,
+            egress: self
+                .egress_problem(self.cfg.isolation == Isolation::Machine)
+                .is_ok(),
         }
     }
 

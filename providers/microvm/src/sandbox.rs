@@ -1245,6 +1245,7 @@ impl Provider for MicrovmProvider {
             pty: true,
             reattach: true,
             renew: true,
+            egress: false,
         }
     }
 

@@ -362,6 +362,8 @@ impl Provider for SshProvider {
             pty: true,
             reattach: true,
             renew: true,
+            // A plain VM's network is its own: rules there would be the commands' to undo.
+            egress: false,
         }
     }
 
