@@ -565,6 +565,8 @@ impl Provider for E2bProvider {
             pty: true,
             reattach: true,
             renew: !i.debug(),
+            // Passed on to the backend, which enforces them.
+            egress: true,
         }
     }
 
@@ -602,7 +604,15 @@ impl Provider for E2bProvider {
         let marker = uuid::Uuid::new_v4().to_string();
         let mut metadata = spec.metadata.clone();
         metadata.insert(CREATE_MARKER.into(), marker.clone());
-        let network = spec.network || i.cfg.default_network;
+        let mut network = spec.network || i.cfg.default_network;
+        // Denying every address is E2B's `allow_internet_access: false` (`allowOut` still
+        // admits): said so, as the backend's own API says it.
+        let mut egress = spec.egress.clone();
+        let everything = tether_protocol::network::Cidr::everything();
+        if everything.iter().all(|c| egress.deny.contains(c)) {
+            egress.deny.retain(|c| !everything.contains(c));
+            network = false;
+        }
         let v2 = NewSandboxRequest {
             template_id: template.clone(),
             timeout: Some(ttl_s),
@@ -614,9 +624,9 @@ impl Provider for E2bProvider {
             secure: None,
             allow_internet_access: Some(network),
             // The backend enforces the rules (E2B's `allowOut` / `denyOut`).
-            network: (!spec.egress.is_empty()).then(|| SandboxNetwork {
-                allow_out: Some(spec.egress.allow.iter().map(ToString::to_string).collect()),
-                deny_out: Some(spec.egress.deny.iter().map(ToString::to_string).collect()),
+            network: (!egress.is_empty()).then(|| SandboxNetwork {
+                allow_out: Some(egress.allow.iter().map(ToString::to_string).collect()),
+                deny_out: Some(egress.deny.iter().map(ToString::to_string).collect()),
                 ..SandboxNetwork::default()
             }),
         };

@@ -515,6 +515,48 @@ async fn create_falls_back_to_v1_once_and_sends_what_v1_needs() {
     assert_eq!((fake.hits("create_v2"), fake.hits("create_v1")), (1, 2));
 }
 
+/// Rules that deny every address are E2B's `allow_internet_access: false`, with the
+/// admitted networks as `allowOut`; other rules go as they are.
+#[tokio::test]
+async fn denying_every_address_is_sent_as_no_internet_access() {
+    use tether_protocol::network::{Cidr, Egress};
+    let (addr, fake) = serve(Fake {
+        v2: true,
+        ..Fake::default()
+    })
+    .await;
+    let p = E2bProvider::new(config(addr)).unwrap();
+    let ok: Cidr = "192.0.2.7/32".parse().unwrap();
+    let mut deny = Cidr::everything().to_vec();
+    deny.push("198.51.100.0/24".parse().unwrap());
+    let spec = SandboxSpec {
+        network: true,
+        egress: Egress {
+            allow: vec![ok],
+            deny,
+        },
+        ..SandboxSpec::default()
+    };
+    p.create(&ctx(), spec).await.expect("create");
+    let (_, body) = fake.seen("create_v2");
+    assert_eq!(body["allow_internet_access"], json!(false), "{body}");
+    assert_eq!(body["network"]["allowOut"], json!(["192.0.2.7/32"]), "{body}");
+    assert_eq!(body["network"]["denyOut"], json!(["198.51.100.0/24"]), "{body}");
+    // Open network with a rule of its own: sent as it is.
+    let spec = SandboxSpec {
+        network: true,
+        egress: Egress {
+            allow: Vec::new(),
+            deny: vec!["198.51.100.0/24".parse().unwrap()],
+        },
+        ..SandboxSpec::default()
+    };
+    p.create(&ctx(), spec).await.expect("create");
+    let (_, body) = fake.seen("create_v2");
+    assert_eq!(body["allow_internet_access"], json!(true), "{body}");
+    assert_eq!(body["network"]["denyOut"], json!(["198.51.100.0/24"]), "{body}");
+}
+
 #[tokio::test]
 async fn a_rate_limited_create_is_retried_after_the_advised_delay_with_the_same_key() {
     let (addr, fake) = serve(Fake {
