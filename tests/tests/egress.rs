@@ -395,6 +395,35 @@ async fn egress_rules_change_on_a_running_sandbox_and_stay_changed() {
     // Another tenant's sandbox is not found.
     let (st, _) = put(&d, &path, json!({}), Some("e2b_someone_else")).await;
     assert_eq!(st, 404);
+    // Made with `allow_internet_access: false`, a sandbox reaches nothing but `allowOut`,
+    // and, as on E2B, a network update opens it later.
+    let shut = e2b_create(
+        &d,
+        key,
+        json!({"templateID": "base", "allow_internet_access": false, "network": {"allowOut": [ok.clone()]}}),
+    )
+    .await;
+    assert_eq!(reach(&d, &shut, &ok).await, "hello");
+    assert_eq!(reach(&d, &shut, &denied).await, "refused");
+    let r = d
+        .http
+        .get(d.url(&format!("/sandboxes/{shut}")))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let info = r.json::<Value>().await.unwrap();
+    assert_eq!(info["allowInternetAccess"], false, "{info}");
+    let (st, body) = put(
+        &d,
+        &format!("/sandboxes/{shut}/network"),
+        json!({}),
+        Some(key),
+    )
+    .await;
+    assert_eq!(st, 204, "{body}");
+    assert_eq!(reach(&d, &shut, &denied).await, "hello");
     d.stop().await;
     drop(host);
 }

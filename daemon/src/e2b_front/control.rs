@@ -206,6 +206,14 @@ fn network_update_of(n: SandboxNetworkUpdate) -> Result<Egress, RestError> {
     })
 }
 
+/// E2B's `allowInternetAccess` of a session: it has network, and its rules in force do
+/// not deny every address (a create with `allow_internet_access: false` or a network
+/// update that says so made such rules; `allowOut` may still admit some).
+fn internet_allowed(s: &Session) -> bool {
+    let deny = s.egress().deny;
+    s.params.network && !Cidr::everything().iter().all(|c| deny.contains(c))
+}
+
 /// The port proxy's admission and the egress rules of a create's `network`. A rule is
 /// enforced or refused, never dropped: one that names a domain (E2B also filters by
 /// host name) is refused, as is a provider that cannot enforce them (at create).
@@ -362,13 +370,24 @@ async fn do_create(
         resume_ttl_ms: u64::try_from(timeout.saturating_mul(1000)).ok(),
     };
     let allow_internet = req.allow_internet_access.unwrap_or(true);
-    let (ports, egress) = network_of(req.network.take().unwrap_or_default())?;
+    let (ports, mut egress) = network_of(req.network.take().unwrap_or_default())?;
+    // `allow_internet_access: false` is, as on E2B, a rule (everything but `allowOut` is
+    // denied) that a network update may lift later, where the provider enforces rules;
+    // elsewhere the sandbox gets no network at all.
+    let rules = state
+        .sessions
+        .providers()
+        .get(&provider_name)
+        .is_some_and(|p| p.capabilities().egress);
+    if !allow_internet && rules {
+        egress.deny.extend(Cidr::everything());
+    }
     let new = NewSession {
         provider,
         template: Some(req.template_id.clone()),
         env: req.env_vars.unwrap_or_default(),
         metadata: req.metadata.unwrap_or_default(),
-        network: allow_internet,
+        network: allow_internet || rules,
         owner: Some(tenant.0.clone()),
         expiry: Expiry::At {
             at_ms: ms_after(timeout),
@@ -380,7 +399,7 @@ async fn do_create(
         egress,
     };
     let Some(key) = idem else {
-        return make(state, ctx, new, &req.template_id, allow_internet, None).await;
+        return make(state, ctx, new, &req.template_id, None).await;
     };
     // A retry under the key joins the create in flight (a client whose answer was slow
     // retries while the first is still being made) or gets the sandbox it made.
@@ -413,10 +432,8 @@ async fn do_create(
                 return state
                     .tasks
                     .spawn(
-                        async move {
-                            make(&st, &cctx, new, &template, allow_internet, Some(tx)).await
-                        }
-                        .in_current_span(),
+                        async move { make(&st, &cctx, new, &template, Some(tx)).await }
+                            .in_current_span(),
                     )
                     .await
                     .map_err(|e| {
@@ -428,7 +445,7 @@ async fn do_create(
             Claim::Unkeyed => break,
         }
     }
-    make(state, ctx, new, &req.template_id, allow_internet, None).await
+    make(state, ctx, new, &req.template_id, None).await
 }
 
 /// How many times a create under a key looks again after the one it joined failed or its
@@ -441,7 +458,6 @@ async fn make(
     ctx: &CallCtx,
     new: NewSession,
     template: &str,
-    allow_internet: bool,
     announce: Option<watch::Sender<Keyed>>,
 ) -> Result<SandboxResponse, RestError> {
     prune(state);
@@ -456,10 +472,9 @@ async fn make(
             return Err(e.into());
         }
     };
-    let extra = state.e2b.insert_extra(
-        &session.id,
-        SandboxExtra::new(template, allow_internet, state.e2b.fs_op),
-    );
+    let extra = state
+        .e2b
+        .insert_extra(&session.id, SandboxExtra::new(template, state.e2b.fs_op));
     if let Some(tx) = announce {
         tx.send_replace(Keyed::Made(session.id.clone()));
     }
@@ -703,7 +718,7 @@ async fn get_one(
             state: state_of(&s),
             alias: Some(extra.template.clone()),
             envd_access_token: Some(state.e2b.access_token(&s.id)),
-            allow_internet_access: Some(extra.allow_internet),
+            allow_internet_access: Some(internet_allowed(&s)),
             domain: Some(state.e2b.cfg.domain.clone()),
             metadata: s.params.metadata.clone(),
             lifecycle: Some(SandboxLifecycle {

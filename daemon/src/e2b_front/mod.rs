@@ -184,20 +184,14 @@ impl FrontState {
         let mut m = match self.sandboxes.write() {
             Ok(m) => m,
             Err(_) => {
-                return Arc::new(SandboxExtra::new(
-                    template.unwrap_or("base"),
-                    true,
-                    self.fs_op,
-                ));
+                return Arc::new(SandboxExtra::new(template.unwrap_or("base"), self.fs_op));
             }
         };
-        Arc::clone(m.entry(id.to_owned()).or_insert_with(|| {
-            Arc::new(SandboxExtra::new(
-                template.unwrap_or("base"),
-                true,
-                self.fs_op,
-            ))
-        }))
+        Arc::clone(
+            m.entry(id.to_owned()).or_insert_with(|| {
+                Arc::new(SandboxExtra::new(template.unwrap_or("base"), self.fs_op))
+            }),
+        )
     }
 
     fn insert_extra(&self, id: &str, extra: SandboxExtra) -> Arc<SandboxExtra> {
@@ -279,7 +273,6 @@ enum Claim {
 struct SandboxExtra {
     /// Template id as the SDK gave it.
     template: String,
-    allow_internet: bool,
     /// The last metrics sample: its time (ms) and the CPU time used by then (µs), so the
     /// next one reports the CPU share in between.
     cpu_sample: RwLock<Option<(i64, u64)>>,
@@ -287,10 +280,9 @@ struct SandboxExtra {
 }
 
 impl SandboxExtra {
-    fn new(template: &str, allow_internet: bool, fs_op: std::time::Duration) -> Self {
+    fn new(template: &str, fs_op: std::time::Duration) -> Self {
         Self {
             template: template.to_owned(),
-            allow_internet,
             cpu_sample: RwLock::new(None),
             envd: Arc::new(EnvdState::new(fs_op)),
         }
@@ -343,10 +335,9 @@ pub async fn adopt_guest_sandbox(state: &Arc<AppState>) -> crate::error::Result<
             state.sessions.create_owned(&ctx, new).await?
         }
     };
-    state.e2b.insert_extra(
-        &session.id,
-        SandboxExtra::new("base", true, state.e2b.fs_op),
-    );
+    state
+        .e2b
+        .insert_extra(&session.id, SandboxExtra::new("base", state.e2b.fs_op));
     let _ = slot.id.set(session.id.clone());
     tracing::info!(session.id = %session.id, "Guest agent: serving envd for this machine");
     Ok(session.id.clone())

@@ -187,10 +187,9 @@ async fn fork(
             .into_iter()
             .map(|f| match f {
                 Ok(s) => {
-                    let extra = state.e2b.insert_extra(
-                        &s.id,
-                        SandboxExtra::new(&parent.template, parent.allow_internet, state.e2b.fs_op),
-                    );
+                    let extra = state
+                        .e2b
+                        .insert_extra(&s.id, SandboxExtra::new(&parent.template, state.e2b.fs_op));
                     ForkResult {
                         sandbox: Some(sandbox_response(&state, &s, &extra)),
                         error: None,
