@@ -549,17 +549,23 @@ async fn orphans_are_found_by_their_stamp_and_destroyed_with_their_processes() {
     p.destroy(&ctx(), &id).await.expect("destroy is idempotent");
 }
 
+/// A test daemon with the test host as provider `vm` (also the E2B front's, when `e2b`).
+async fn daemon_with_ssh(host: &SshHost, e2b: bool) -> tether_tests::TestDaemon {
+    let cfg = config(host);
+    tether_tests::TestDaemon::start_with(move |c| {
+        c.providers
+            .insert("vm".into(), tether_daemon::config::ProviderConfig::Ssh(cfg));
+        if e2b {
+            c.e2b_front.provider = Some("vm".into());
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_run_tools_on_an_ssh_host_through_tetherd() {
     let host = SshHost::start().await;
-    let cfg = config(&host);
-    let d = tether_tests::TestDaemon::start_with(move |c| {
-        c.providers.insert(
-            "vm".into(),
-            tether_daemon::config::ProviderConfig::Ssh(cfg.clone()),
-        );
-    })
-    .await;
+    let d = daemon_with_ssh(&host, false).await;
     let (st, body) = d
         .post("/v1/sessions", serde_json::json!({"provider": "vm"}))
         .await;
@@ -660,15 +666,7 @@ async fn environment_changes_reach_the_command_whatever_their_names() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_e2b_front_reaches_a_server_in_an_ssh_sandbox() {
     let host = SshHost::start().await;
-    let cfg = config(&host);
-    let d = tether_tests::TestDaemon::start_with(move |c| {
-        c.providers.insert(
-            "vm".into(),
-            tether_daemon::config::ProviderConfig::Ssh(cfg.clone()),
-        );
-        c.e2b_front.provider = Some("vm".into());
-    })
-    .await;
+    let d = daemon_with_ssh(&host, true).await;
     let key = "e2b_ssh_port_test_key";
     let r = d
         .http

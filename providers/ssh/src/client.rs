@@ -584,22 +584,13 @@ impl HostPool {
 
     /// A new session channel and its lease.
     pub(crate) async fn channel(&self, ctx: &CallCtx) -> Result<(russh::Channel<Msg>, Lease)> {
-        let lease = self.lease(ctx).await?;
-        let ch = ctx
-            .run(async {
-                lease
-                    .conn
-                    .handle
-                    .channel_open_session()
-                    .await
-                    .map_err(|e| russh_error("opening a channel", e))
-            })
-            .await;
-        match ch {
-            Ok(ch) => Ok((ch, lease)),
-            Err(_) if lease.conn.closed() => Err(lease.conn.lost("opening a channel")),
-            Err(e) => Err(e),
-        }
+        self.open_channel(ctx, "opening a channel", |conn| async move {
+            conn.handle
+                .channel_open_session()
+                .await
+                .map_err(|e| russh_error("opening a channel", e))
+        })
+        .await
     }
 
     /// A `direct-tcpip` channel (what `ssh -L` opens) to `port` on the host's loopback, and
@@ -611,30 +602,43 @@ impl HostPool {
         ctx: &CallCtx,
         port: u16,
     ) -> Result<(russh::Channel<Msg>, Lease)> {
+        let what = "opening a forwarded channel";
+        self.open_channel(ctx, what, |conn| async move {
+            conn.handle
+                .channel_open_direct_tcpip("127.0.0.1", u32::from(port), "127.0.0.1", 0)
+                .await
+                .map_err(|e| match e {
+                    russh::Error::ChannelOpenFailure(why) => ProviderError::Unavailable {
+                        message: format!(
+                            "ssh: nothing answers on port {port} of host {} ({why:?})",
+                            self.name
+                        ),
+                        retry_after: None,
+                        source: None,
+                    },
+                    e => russh_error(what, e),
+                })
+        })
+        .await
+    }
+
+    /// A channel `open` asks of a leased connection, within the call, and its lease; a
+    /// failure because the connection went is that connection's loss (`what` it was doing).
+    async fn open_channel<F, Fut>(
+        &self,
+        ctx: &CallCtx,
+        what: &str,
+        open: F,
+    ) -> Result<(russh::Channel<Msg>, Lease)>
+    where
+        F: FnOnce(Arc<Conn>) -> Fut,
+        Fut: std::future::Future<Output = Result<russh::Channel<Msg>>>,
+    {
         let lease = self.lease(ctx).await?;
-        let ch = ctx
-            .run(async {
-                lease
-                    .conn
-                    .handle
-                    .channel_open_direct_tcpip("127.0.0.1", u32::from(port), "127.0.0.1", 0)
-                    .await
-                    .map_err(|e| match e {
-                        russh::Error::ChannelOpenFailure(why) => ProviderError::Unavailable {
-                            message: format!(
-                                "ssh: nothing answers on port {port} of host {} ({why:?})",
-                                self.name
-                            ),
-                            retry_after: None,
-                            source: None,
-                        },
-                        e => russh_error("opening a forwarded channel", e),
-                    })
-            })
-            .await;
+        let ch = ctx.run(open(lease.conn.clone())).await;
         match ch {
             Ok(ch) => Ok((ch, lease)),
-            Err(_) if lease.conn.closed() => Err(lease.conn.lost("opening a forwarded channel")),
+            Err(_) if lease.conn.closed() => Err(lease.conn.lost(what)),
             Err(e) => Err(e),
         }
     }
