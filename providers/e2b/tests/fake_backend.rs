@@ -540,8 +540,16 @@ async fn denying_every_address_is_sent_as_no_internet_access() {
     p.create(&ctx(), spec).await.expect("create");
     let (_, body) = fake.seen("create_v2");
     assert_eq!(body["allow_internet_access"], json!(false), "{body}");
-    assert_eq!(body["network"]["allowOut"], json!(["192.0.2.7/32"]), "{body}");
-    assert_eq!(body["network"]["denyOut"], json!(["198.51.100.0/24"]), "{body}");
+    assert_eq!(
+        body["network"]["allowOut"],
+        json!(["192.0.2.7/32"]),
+        "{body}"
+    );
+    assert_eq!(
+        body["network"]["denyOut"],
+        json!(["198.51.100.0/24"]),
+        "{body}"
+    );
     // Open network with a rule of its own: sent as it is.
     let spec = SandboxSpec {
         network: true,
@@ -554,7 +562,11 @@ async fn denying_every_address_is_sent_as_no_internet_access() {
     p.create(&ctx(), spec).await.expect("create");
     let (_, body) = fake.seen("create_v2");
     assert_eq!(body["allow_internet_access"], json!(true), "{body}");
-    assert_eq!(body["network"]["denyOut"], json!(["198.51.100.0/24"]), "{body}");
+    assert_eq!(
+        body["network"]["denyOut"],
+        json!(["198.51.100.0/24"]),
+        "{body}"
+    );
 }
 
 #[tokio::test]
