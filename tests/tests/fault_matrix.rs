@@ -388,6 +388,13 @@ fn alternative(kind: Kind, op: Op, fault: Fault) -> Option<Want> {
         // The lost start's lookup by id may find the command still running in a guest
         // slowed by TCG (it then re-attaches and succeeds).
         (Kind::Microvm, Op::Exec, Fault::Stall | Fault::Drip) => Some(Want::Ok),
+        // The drip fires on the connection that carries the armed byte: another call's
+        // (the stream then runs on to success) or the stream's own, which then stays
+        // alive but slow, so no idle clock fires and the deadline ends the call with the
+        // output that came.
+        (Kind::Microvm, Op::Stream, Fault::Drip) => {
+            Some(err(ErrorCode::DeadlineExceeded, Clock::Total))
+        }
         (Kind::Microvm, op, fault) => alternative(Kind::E2b, op, fault),
         (Kind::Ssh, Op::Create | Op::Connect, Fault::Stall | Fault::Drip) => Some(Want::Ok),
         (Kind::Ssh, _, _) => None,
