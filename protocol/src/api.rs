@@ -153,6 +153,25 @@ pub struct ForkRequest {
     pub at_seq: Option<u64>,
 }
 
+/// `POST /v1/sessions/{id}/pause` (the body is optional).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PauseRequest {
+    /// What the pause keeps: `memory` (default) or `filesystem`.
+    #[serde(default)]
+    pub kind: crate::events::PauseKind,
+}
+
+/// `POST /v1/sessions/{id}/resume` (the body is optional).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRequest {
+    /// Boot the sandbox again instead of going on from where its pause kept it (its
+    /// processes end; its file system stays).
+    #[serde(default)]
+    pub reboot: bool,
+}
+
 /// `POST /v1/sessions/{id}/snapshots`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

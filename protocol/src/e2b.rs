@@ -57,8 +57,7 @@ pub struct NewSandboxRequest {
     /// Pause instead of kill at timeout.
     #[serde(rename = "autoPause", default, skip_serializing_if = "Option::is_none")]
     pub auto_pause: Option<bool>,
-    /// Whether the pause at timeout keeps memory (a local sandbox's always does: it is
-    /// frozen, not stopped).
+    /// Whether the pause at timeout keeps memory (default) or the file system only.
     #[serde(
         rename = "autoPauseMemory",
         default,
@@ -355,6 +354,20 @@ pub struct ConnectSandboxRequest {
     /// Time to live from now, seconds; extends only.
     #[serde(default)]
     pub timeout: Option<i64>,
+    /// `false`: a paused sandbox is resumed by a boot, without the memory its pause kept
+    /// (the SDKs' `onResume: "reboot"`); absent or `true`: as it was paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<bool>,
+}
+
+/// Body of `POST /sandboxes/{id}/pause` (optional; the SDKs send `{}` or
+/// `{"memory": false}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PauseSandboxRequest {
+    /// Keep the sandbox's memory (default): `false` keeps its file system only, and its
+    /// resume boots it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<bool>,
 }
 
 /// Body of `POST /sandboxes/{id}/snapshots`.

@@ -87,6 +87,46 @@ pub struct Lifecycle {
     /// Its time to live after such a resume, ms (the create's timeout).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_ttl_ms: Option<u64>,
+    /// What the pause at expiry keeps (E2B's `autoPauseMemory`).
+    #[serde(default, skip_serializing_if = "PauseKind::is_memory")]
+    pub pause_kind: PauseKind,
+}
+
+/// What a pause keeps of a sandbox (E2B's `keepMemory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseKind {
+    /// Memory and file system: its processes stop where they are and go on at resume.
+    /// What every pause was before the kind existed.
+    #[default]
+    Memory,
+    /// The file system only: its processes end, and resume boots it again from its
+    /// file system (a new boot, as a machine's cold start).
+    Filesystem,
+}
+
+impl PauseKind {
+    /// Whether the pause keeps memory.
+    pub fn is_memory(&self) -> bool {
+        *self == Self::Memory
+    }
+
+    /// The kind E2B's `keepMemory` / `memory` names (`None`: memory, its default).
+    pub fn keeping_memory(keep: Option<bool>) -> Self {
+        if keep == Some(false) {
+            Self::Filesystem
+        } else {
+            Self::Memory
+        }
+    }
+
+    /// `memory` or `filesystem`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Filesystem => "filesystem",
+        }
+    }
 }
 
 /// How the E2B front's port proxy admits requests for a sandbox's ports (E2B's
@@ -357,6 +397,10 @@ pub enum EventBody {
     SandboxPaused {
         /// Sandbox id.
         sandbox_id: String,
+        /// What the pause kept: with `filesystem` the sandbox's processes ended and its
+        /// resume boots it again. A log written before the field: `memory`.
+        #[serde(default, skip_serializing_if = "PauseKind::is_memory")]
+        kind: PauseKind,
     },
     /// The session's sandbox runs again after a `sandbox/paused`.
     #[serde(rename = "sandbox/resumed")]
