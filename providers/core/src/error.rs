@@ -68,6 +68,13 @@ pub enum ProviderError {
         /// Why.
         reason: CancelReason,
     },
+    /// The sandbox is stopped (paused without its memory): only resume and destroy
+    /// reach it (`CONFLICT`).
+    #[error("sandbox {id} is stopped (paused without its memory): resume it first")]
+    Stopped {
+        /// The sandbox id.
+        id: String,
+    },
     /// The provider does not support this operation.
     #[error("{op} is not supported by this provider")]
     Unsupported {
@@ -167,6 +174,7 @@ impl ProviderError {
             } => ErrorCode::ShuttingDown,
             Self::Cancelled { .. } => ErrorCode::Cancelled,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
+            Self::Stopped { .. } => ErrorCode::Conflict,
             Self::IsolationUnavailable { .. } => ErrorCode::IsolationUnavailable,
             Self::SpawnFailed { .. } => ErrorCode::SpawnFailed,
             Self::Unavailable { .. } => ErrorCode::ProviderUnavailable,
@@ -183,6 +191,7 @@ impl ProviderError {
         match self {
             Self::InvalidRequest { .. } | Self::Cancelled { .. } => Origin::Client,
             Self::SandboxNotFound { .. } | Self::CommandNotFound { .. } => Origin::Client,
+            Self::Stopped { .. } => Origin::Client,
             Self::Fs { code, .. } if *code == ErrorCode::FsIoError => Origin::Provider,
             Self::Fs { .. } => Origin::Client,
             Self::Internal { .. } => Origin::Daemon,

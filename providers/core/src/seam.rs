@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use serde::{Deserialize, Serialize};
+pub use tether_protocol::events::PauseKind;
 use tether_protocol::fs::{ByteRange, DirEntry, FileStat, FsEvent, WriteGuard, WriteOutcome};
 use tether_protocol::limits::{LimitKind, ResourceLimits};
 use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessInfo, ProcessSpec, PtySize};
@@ -127,6 +128,8 @@ pub struct Capabilities {
     pub renew: bool,
     /// Egress rules are enforced (`SandboxSpec::egress` at create, `set_egress` later).
     pub egress: bool,
+    /// `pause` with [`PauseKind::Filesystem`]: the processes end, resume boots again.
+    pub pause_filesystem: bool,
 }
 
 /// A signal to deliver to a command's process group.
@@ -249,13 +252,16 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         Err(ProviderError::Unsupported { op: "renew" })
     }
 
-    /// Pause a sandbox (keep its state, stop its processes' clock).
-    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
-        let _ = (ctx, id);
+    /// Pause a sandbox. [`PauseKind::Memory`] keeps its state and stops its processes'
+    /// clock; [`PauseKind::Filesystem`] ends its processes and keeps its file system
+    /// (`UNSUPPORTED` where [`Capabilities::pause_filesystem`] is false). Pausing a
+    /// paused sandbox succeeds.
+    async fn pause(&self, ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
+        let _ = (ctx, id, kind);
         Err(ProviderError::Unsupported { op: "pause" })
     }
 
-    /// Resume a paused sandbox.
+    /// Resume a paused sandbox: one paused with [`PauseKind::Filesystem`] boots again.
     async fn resume(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
         let _ = (ctx, id);
         Err(ProviderError::Unsupported { op: "resume" })

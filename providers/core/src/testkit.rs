@@ -779,9 +779,21 @@ async fn unsupported_ops_fail_fast(cx: Cx) -> Outcome {
     let id = sb.info().id;
     let mut lacking = Vec::new();
     if !caps.pause {
-        expect_unsupported("pause", cx.provider.pause(&ctx(), &id)).await;
+        expect_unsupported(
+            "pause",
+            cx.provider.pause(&ctx(), &id, crate::PauseKind::Memory),
+        )
+        .await;
         expect_unsupported("resume", cx.provider.resume(&ctx(), &id)).await;
         lacking.push("pause");
+    }
+    if !caps.pause_filesystem {
+        expect_unsupported(
+            "pause (file system only)",
+            cx.provider.pause(&ctx(), &id, crate::PauseKind::Filesystem),
+        )
+        .await;
+        lacking.push("pause_filesystem");
     }
     if !caps.renew {
         expect_unsupported(
