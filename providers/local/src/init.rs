@@ -592,6 +592,29 @@ fn bind_texts(texts: &std::collections::BTreeMap<PathBuf, String>) -> std::io::R
     bound
 }
 
+/// A file bound over a part of `/proc` (the boot id) makes that proc mount not fully
+/// visible, and the kernel lets a user namespace made inside the sandbox mount a proc of
+/// its own only where one is (`mnt_already_visible`): `unshare --mount-proc`, container
+/// runtimes and build sandboxes inside would fail. So one proc is mounted with nothing
+/// over its files, under an empty read-only tmpfs that covers it (as LXC keeps
+/// `/dev/.lxc/proc`).
+fn keep_proc_visible() -> std::io::Result<()> {
+    let dir = Path::new("dev/.tether");
+    std::fs::create_dir_all(dir.join("proc"))?;
+    mount_fs(
+        "proc",
+        "dev/.tether/proc",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        "",
+    )?;
+    mount_fs(
+        "tmpfs",
+        "dev/.tether",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC | MountFlags::RDONLY,
+        "mode=0555,size=4k",
+    )
+}
+
 /// Make `rel` (relative to the sandbox root) a mount point of the same kind as `src`.
 fn mount_point(rel: &Path, src: &Path) -> std::io::Result<()> {
     if src.is_dir() {
@@ -648,6 +671,9 @@ fn build_root(spec: &InitSpec) -> Result<(), (String, std::io::Error)> {
         "mode=0755,size=1m",
     )
     .map_err(step("mount /dev"))?;
+    if spec.bind_texts.keys().any(|p| p.starts_with("/proc")) {
+        keep_proc_visible().map_err(step("mount a covered /proc"))?;
+    }
     bind_texts(&spec.bind_texts).map_err(step("bind the supplied files"))?;
     for d in &spec.devices {
         if !d.exists() {

@@ -31,8 +31,8 @@ use serde::{Deserialize, Serialize};
 use tether_protocol::limits::ResourceLimits;
 use tether_protocol::network::Egress;
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
-    Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PauseKind, PortStream, Process, Provider,
+    ProviderError, Result, Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -55,6 +55,9 @@ const DROP_WAIT_ROUNDS: u32 = 100;
 
 /// Name of the per-sandbox record.
 const RECORD: &str = "sandbox.json";
+
+/// Where a sandbox reads its boot id.
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -95,6 +98,10 @@ struct SandboxRecord {
     /// field): exactly when it was made with rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     outer_netns: Option<bool>,
+    /// Paused without its memory: no init runs, only its file system is kept, and
+    /// resume boots it again (a record written before the field: it is not).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    stopped: bool,
 }
 
 impl SandboxRecord {
@@ -526,6 +533,13 @@ impl LocalProvider {
             ((0, 0), (uid_base, uid_base))
         };
         let hostname = format!("tether-{}", &record.id[..record.id.len().min(12)]);
+        // Each boot is a machine's boot: a boot id of its own, new at every boot (after
+        // a pause without memory, say), never the host's.
+        let mut bind_texts = template.bind_texts.clone();
+        bind_texts.insert(
+            PathBuf::from(BOOT_ID),
+            format!("{}\n", uuid::Uuid::new_v4().hyphenated()),
+        );
         let spec = InitSpec {
             isolate: true,
             root: root.clone(),
@@ -537,7 +551,7 @@ impl LocalProvider {
             losetup: self.losetup.clone(),
             hosts_entry: template.name == "base",
             binds: template.binds.clone(),
-            bind_texts: template.bind_texts.clone(),
+            bind_texts,
             devices: self.cfg.device_paths.clone(),
             shm_bytes: self.cfg.shm_bytes,
             hostname,
@@ -727,10 +741,25 @@ impl LocalProvider {
         }
         let dir = self.cfg.root.join(id);
         let record = read_record(&dir).await.ok_or_else(not_found)?;
+        if record.stopped {
+            return Err(ProviderError::Stopped { id: id.to_owned() });
+        }
+        self.start_local(&mut live, record, &dir).await
+    }
+
+    /// Bring up sandbox `record.id` that is not live here: take over its init if one
+    /// outlived its daemon, boot it over its store otherwise.
+    async fn start_local(
+        &self,
+        live: &mut HashMap<String, Arc<LocalSandbox>>,
+        record: SandboxRecord,
+        dir: &Path,
+    ) -> Result<Arc<LocalSandbox>> {
+        let (id, dir) = (record.id.clone(), dir.to_owned());
         // An init that outlived its daemon (a crash): take it over, commands and all.
         match self.take_over(&record, &dir).await {
             Ok(Some(sandbox)) => {
-                live.insert(id.to_owned(), sandbox.clone());
+                live.insert(id, sandbox.clone());
                 return Ok(sandbox);
             }
             Ok(None) => {}
@@ -741,7 +770,7 @@ impl LocalProvider {
         }
         if let Some(t) = &self.cgroups {
             // What the previous init left, if anything, goes first.
-            let old = t.existing(id);
+            let old = t.existing(&id);
             // A frozen process cannot die: thaw first.
             old.freeze(false);
             for pid in old.pids() {
@@ -752,7 +781,7 @@ impl LocalProvider {
             }
         }
         let sandbox = self.boot(&record, &dir).await?;
-        live.insert(id.to_owned(), sandbox.clone());
+        live.insert(id, sandbox.clone());
         Ok(sandbox)
     }
 
@@ -928,6 +957,7 @@ impl LocalProvider {
             // A machine's network namespace is made outside it whenever its `ip` can
             // bring the loopback up there: its rules can then change while it runs.
             outer_netns: Some(network && machine && self.ip.is_some()),
+            stopped: false,
         };
         self.boot(&record, dir).await
     }
@@ -956,6 +986,43 @@ impl LocalProvider {
                 Err(e)
             }
         }
+    }
+
+    /// Pause `sandbox` without its memory: end everything in it (its init, and with it
+    /// its namespaces and mounts), keep its store, and mark its record stopped. Only
+    /// then, so a crash midway leaves a record that boots again as running.
+    async fn stop(&self, sandbox: &Arc<LocalSandbox>) -> Result<()> {
+        let id = sandbox.core.id.clone();
+        let mut live = self.live.lock().await;
+        live.remove(&id);
+        sandbox.shutdown().await;
+        let record = SandboxRecord {
+            stopped: true,
+            ..sandbox.current_record()
+        };
+        write_json(&sandbox.core.dir, RECORD, &record).await?;
+        drop(live);
+        tracing::info!(sandbox.id = %id, "Stopped a local sandbox (paused without memory)");
+        Ok(())
+    }
+
+    /// Resume a stopped sandbox: boot it again over its store, as a machine boots.
+    async fn start_stopped(&self, id: &str) -> Result<Arc<LocalSandbox>> {
+        let mut live = self.live.lock().await;
+        if let Some(s) = live.get(id) {
+            return Ok(s.clone());
+        }
+        let dir = self.cfg.root.join(id);
+        let record = read_record(&dir)
+            .await
+            .ok_or_else(|| ProviderError::SandboxNotFound { id: id.to_owned() })?;
+        let record = SandboxRecord {
+            stopped: false,
+            ..record
+        };
+        let sandbox = self.start_local(&mut live, record, &dir).await?;
+        tracing::info!(sandbox.id = %id, "Booted a stopped local sandbox again");
+        Ok(sandbox)
     }
 
     fn snapshot_dir(&self, snap: &str) -> Option<PathBuf> {
@@ -1072,6 +1139,7 @@ impl Provider for LocalProvider {
             egress: self
                 .egress_problem(self.cfg.isolation == Isolation::Machine)
                 .is_ok(),
+            pause_filesystem: self.cgroups.is_some(),
         }
     }
 
@@ -1190,25 +1258,44 @@ impl Provider for LocalProvider {
         write_json(&self.cfg.root.join(id), RECORD, &sandbox.current_record()).await
     }
 
-    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+    async fn pause(&self, ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
         ctx.check()?;
-        let sandbox = self.connect_local(id).await?;
-        let Some(cg) = sandbox.core.cgroup.clone() else {
+        if self.cgroups.is_none() {
             return Err(ProviderError::Unsupported { op: "pause" });
+        }
+        let sandbox = match self.connect_local(id).await {
+            Ok(s) => s,
+            // Stopped is paused, and more.
+            Err(ProviderError::Stopped { .. }) => return Ok(()),
+            Err(e) => return Err(e),
         };
-        if blocking(move || Ok(cg.freeze(true))).await? {
-            Ok(())
-        } else {
-            Err(ProviderError::Unsupported { op: "pause" })
+        match kind {
+            PauseKind::Memory => {
+                let Some(cg) = sandbox.core.cgroup.clone() else {
+                    return Err(ProviderError::Unsupported { op: "pause" });
+                };
+                if blocking(move || Ok(cg.freeze(true))).await? {
+                    Ok(())
+                } else {
+                    Err(ProviderError::Unsupported { op: "pause" })
+                }
+            }
+            PauseKind::Filesystem => self.stop(&sandbox).await,
         }
     }
 
     async fn resume(&self, ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
         ctx.check()?;
-        let sandbox = self.connect_local(id).await?;
-        match &sandbox.core.cgroup {
-            Some(cg) if cg.freeze(false) => Ok(sandbox),
-            _ => Err(ProviderError::Unsupported { op: "resume" }),
+        if self.cgroups.is_none() {
+            return Err(ProviderError::Unsupported { op: "resume" });
+        }
+        match self.connect_local(id).await {
+            Ok(sandbox) => match &sandbox.core.cgroup {
+                Some(cg) if cg.freeze(false) => Ok(sandbox),
+                _ => Err(ProviderError::Unsupported { op: "resume" }),
+            },
+            Err(ProviderError::Stopped { .. }) => Ok(self.start_stopped(id).await?),
+            Err(e) => Err(e),
         }
     }
 
