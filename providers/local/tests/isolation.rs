@@ -15,7 +15,7 @@ use tether_protocol::fs::{ByteRange, WriteGuard};
 use tether_protocol::limits::{LimitKind, ResourceLimits};
 use tether_protocol::process::{ExitStatus, ProcessEvent, ProcessSpec};
 use tether_provider::{
-    CallCtx, Enforcement, ProcessHandle, Provider, Sandbox, SandboxSpec, StreamOffsets,
+    CallCtx, Enforcement, PauseKind, ProcessHandle, Provider, Sandbox, SandboxSpec, StreamOffsets,
 };
 use tether_provider_local::{DEFAULT_UID_BASE, LocalConfig, LocalProvider};
 
@@ -666,7 +666,10 @@ async fn pause_freezes_and_resume_thaws() {
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    e.provider.pause(&ctx(), &id).await.unwrap();
+    e.provider
+        .pause(&ctx(), &id, PauseKind::Memory)
+        .await
+        .unwrap();
     let local = e.provider.local(&id).await.unwrap();
     assert!(local.paused());
     let a = read_all(sb.as_ref(), "/tmp/count").await.unwrap();
@@ -679,6 +682,137 @@ async fn pause_freezes_and_resume_thaws() {
     assert_ne!(b, c, "a resumed sandbox runs again");
     h.terminate(&ctx()).await.unwrap();
     destroy(&e, &sb).await;
+}
+
+/// A pause without memory ends everything in the sandbox and keeps its file system; its
+/// resume is a boot (a new boot id), also by a provider started after it (a restart).
+/// The boot id is the sandbox's, never the host's, and bound over `/proc` it still lets
+/// a user namespace inside mount a proc of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_without_memory_stops_the_machine_and_resume_boots_it() {
+    let e = env();
+    let sb = sandbox(&e, false).await;
+    let id = sb.info().id;
+    let host_boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let boot = |sb: Arc<dyn Sandbox>| async move {
+        let out = sh(sb.as_ref(), "cat /proc/sys/kernel/random/boot_id").await;
+        assert!(out.ok(), "{}", out.stderr);
+        out.stdout
+    };
+    let first = boot(sb.clone()).await;
+    assert_eq!(first.trim().len(), 36, "{first:?}");
+    assert_ne!(first, host_boot, "the sandbox has a boot id of its own");
+    let nested = sh(sb.as_ref(), "unshare -Urpf --mount-proc sh -c 'echo $$'").await;
+    assert!(nested.ok(), "a nested proc mounts: {}", nested.stderr);
+    assert!(nested.stdout.starts_with("1\n"), "{}", nested.stdout);
+    assert!(
+        sh(sb.as_ref(), "echo kept > /home/user/f && echo tmp > /tmp/t")
+            .await
+            .ok()
+    );
+    let sleeper = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("sleep 600"))
+        .await
+        .unwrap();
+    let init = e.provider.local(&id).await.unwrap().init_pid();
+    assert!(e.provider.capabilities().pause_filesystem);
+    e.provider
+        .pause(&ctx(), &id, PauseKind::Filesystem)
+        .await
+        .expect("pause without memory");
+    // Its init ends with the pause (a zombie its reaper collects may stay a moment).
+    let running = |pid: &i32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit(") ")
+            .next()
+            .is_some_and(|s| !s.starts_with('Z'))
+    };
+    let left: Vec<i32> = pid_ns_members(init).into_iter().filter(running).collect();
+    assert!(
+        left.is_empty(),
+        "nothing runs in a stopped sandbox: {left:?} (init {init})"
+    );
+    assert_eq!(mounted_under(e.dir.path()), 0, "its store is not mounted");
+    // Its end is seen (as a kill, or the sandbox going), never a hang.
+    let _ = tokio::time::timeout(Duration::from_secs(10), sleeper.wait(&ctx()))
+        .await
+        .expect("the sleeper's end is seen");
+    for (what, code) in [
+        (
+            "connect",
+            e.provider
+                .connect(&ctx(), &id)
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .code(),
+        ),
+        (
+            "metrics",
+            e.provider
+                .metrics(&ctx(), &id)
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .code(),
+        ),
+        (
+            "snapshot",
+            e.provider
+                .snapshot(&ctx(), &id)
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .code(),
+        ),
+    ] {
+        assert_eq!(code, ErrorCode::Conflict, "{what} of a stopped sandbox");
+    }
+    e.provider
+        .pause(&ctx(), &id, PauseKind::Memory)
+        .await
+        .expect("pausing a stopped sandbox succeeds");
+    assert!(
+        e.provider
+            .list(&ctx())
+            .await
+            .unwrap()
+            .iter()
+            .any(|i| i.id == id),
+        "a stopped sandbox is listed"
+    );
+    drop(sb);
+    // A provider started after it (the daemon after a restart) boots it at resume.
+    let again = LocalProvider::new(e.provider.config().clone()).unwrap();
+    assert_eq!(
+        again
+            .connect(&ctx(), &id)
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .code(),
+        ErrorCode::Conflict
+    );
+    let sb = again.resume(&ctx(), &id).await.expect("resume boots it");
+    let out = sh(
+        sb.as_ref(),
+        "cat /home/user/f /tmp/t; pgrep -x sleep || echo none",
+    )
+    .await;
+    assert_eq!(out.stdout, "kept\ntmp\nnone\n", "{}", out.stderr);
+    let second = boot(sb.clone()).await;
+    assert_ne!(second, first, "a new boot, a new boot id");
+    assert_ne!(second, host_boot);
+    assert!(
+        sh(sb.as_ref(), "unshare -Urpf --mount-proc true")
+            .await
+            .ok()
+    );
+    assert!(again.connect(&ctx(), &id).await.is_ok(), "it runs again");
+    drop(sb);
+    again.destroy(&ctx(), &id).await.unwrap();
+    assert_eq!(mounted_under(e.dir.path()), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -742,7 +876,10 @@ async fn a_paused_sandbox_ends_with_its_provider() {
     let sb = sandbox(&e, false).await;
     let id = sb.info().id;
     let init = e.provider.local(&id).await.unwrap().init_pid();
-    e.provider.pause(&ctx(), &id).await.unwrap();
+    e.provider
+        .pause(&ctx(), &id, PauseKind::Memory)
+        .await
+        .unwrap();
     drop(sb);
     let Env { dir, provider } = e;
     drop(provider);
