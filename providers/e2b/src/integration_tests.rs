@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tether_provider::testkit::{ConformanceOptions, Outcome, run_conformance};
-use tether_provider::{CallCtx, Provider, SandboxSpec};
+use tether_provider::{CallCtx, PauseKind, Provider, SandboxSpec};
 
 use crate::{E2bConfig, E2bProvider};
 
@@ -87,7 +87,7 @@ async fn pause_resume_and_leases_against_e2b() {
     p.renew(&ctx, &id, Duration::from_secs(300))
         .await
         .expect("renew");
-    match p.pause(&ctx, &id).await {
+    match p.pause(&ctx, &id, PauseKind::Memory).await {
         Ok(()) => {
             let again = p.resume(&ctx, &id).await.expect("resume");
             assert_eq!(again.info().id, id);

@@ -10,7 +10,7 @@
 //! lacks fails with `UNSUPPORTED` at once instead of being tried again. A sandbox's file
 //! system and processes are `tether-envd-client`'s, over its envd.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -20,13 +20,13 @@ use reqwest::Method;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, ENVD_PORT, ListedSandbox, NewSandboxRequest, SandboxDetail,
-    SandboxNetwork, SandboxNetworkUpdate, SandboxResponse, TimeoutRequest,
+    ConnectSandboxRequest, ENVD_PORT, ListedSandbox, NewSandboxRequest, PauseSandboxRequest,
+    SandboxDetail, SandboxNetwork, SandboxNetworkUpdate, SandboxResponse, TimeoutRequest,
 };
 use tether_protocol::network::Egress;
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, Process, Provider, ProviderError, Result, Sandbox,
-    SandboxInfo, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PauseKind, Process, Provider, ProviderError, Result,
+    Sandbox, SandboxInfo, SandboxSpec,
 };
 use tokio_util::task::TaskTracker;
 
@@ -112,6 +112,10 @@ struct ProviderInner {
     /// Live sandbox handles by id, so that `connect` to a sandbox this provider already
     /// holds shares its command table, and `destroy` stops its streams.
     live: RwLock<HashMap<String, Weak<Shared>>>,
+    /// Sandboxes paused without memory here: their resume asks E2B for a boot
+    /// (`memory: false`), also where E2B had kept their memory (a pause with memory came
+    /// first, and the pause without was answered "already paused").
+    reboot: RwLock<HashSet<String>>,
     tasks: TaskTracker,
 }
 
@@ -137,6 +141,7 @@ impl E2bProvider {
                 http,
                 probe: Probe::default(),
                 live: RwLock::new(HashMap::new()),
+                reboot: RwLock::new(HashSet::new()),
                 tasks: TaskTracker::new(),
             }),
         })
@@ -488,6 +493,10 @@ impl ProviderInner {
     }
 
     async fn kill(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        self.reboot
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         let op = Op::Sandbox { op: "destroy", id };
         let path = format!("/sandboxes/{id}");
         let r = retry(ctx, self.http.retry, "destroy", || {
@@ -513,8 +522,14 @@ impl ProviderInner {
         ttl_s: i64,
     ) -> Result<Option<SandboxResponse>> {
         let op = Op::Sandbox { op: "connect", id };
+        let reboot = self
+            .reboot
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(id);
         let body = ConnectSandboxRequest {
             timeout: Some(ttl_s),
+            memory: reboot.then_some(false),
         };
         for (v2, path) in [
             (true, format!("/v2/sandboxes/{id}/connect")),
@@ -532,6 +547,12 @@ impl ProviderInner {
                 200 | 201 => {
                     if v2 {
                         Probe::set(&self.probe.connect_v2, YES);
+                    }
+                    if reboot {
+                        self.reboot
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(id);
                     }
                     return decode(&b, "connect").map(Some);
                 }
@@ -567,6 +588,8 @@ impl Provider for E2bProvider {
             renew: !i.debug(),
             // Passed on to the backend, which enforces them.
             egress: true,
+            // Passed on as E2B's `memory: false`.
+            pause_filesystem: !i.debug() && Probe::get(&i.probe.pause) != NO,
         }
     }
 
@@ -850,7 +873,7 @@ impl Provider for E2bProvider {
     }
 
     #[tracing::instrument(name = "sandbox.pause", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
-    async fn pause(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+    async fn pause(&self, ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
         ctx.check()?;
         let i = &self.inner;
         if i.debug() || Probe::get(&i.probe.pause) == NO {
@@ -863,19 +886,33 @@ impl Provider for E2bProvider {
                 ctx,
                 Method::POST,
                 &path,
-                &serde_json::json!({}),
+                &PauseSandboxRequest {
+                    memory: (!kind.is_memory()).then_some(false),
+                },
                 "pause",
                 op,
             )
             .await?;
+        let stopped = || {
+            if !kind.is_memory() {
+                i.reboot
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.to_owned());
+            }
+        };
         match status.as_u16() {
             200..=299 => {
                 Probe::set(&i.probe.pause, YES);
-                tracing::debug!(sandbox.id = %id, "Paused an E2B sandbox");
+                stopped();
+                tracing::debug!(sandbox.id = %id, kind = kind.as_str(), "Paused an E2B sandbox");
                 Ok(())
             }
             // Already paused.
-            409 => Ok(()),
+            409 => {
+                stopped();
+                Ok(())
+            }
             405 | 501 => {
                 Probe::set(&i.probe.pause, NO);
                 Err(ProviderError::Unsupported { op: "pause" })

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 use tether_protocol::ErrorCode;
 use tether_protocol::connect::FLAG_END_STREAM;
 use tether_protocol::process::{ProcessEvent, ProcessSpec};
-use tether_provider::{CallCtx, Provider, SandboxSpec, StreamOffsets};
+use tether_provider::{CallCtx, PauseKind, Provider, SandboxSpec, StreamOffsets};
 use tether_provider_e2b::{E2bConfig, E2bProvider, RetryConfig, WRAPPER};
 use tokio::time::Instant;
 
@@ -214,14 +214,33 @@ async fn get_detail(
     }
 }
 
-async fn no_route(State(f): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    f.hit("connect", &headers, json!(id));
+async fn no_route(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    f.hit(
+        "connect",
+        &headers,
+        json!({"id": id, "body": body_json(&body)}),
+    );
     StatusCode::NOT_FOUND.into_response()
 }
 
-async fn pause(State(f): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    f.hit("pause", &headers, json!(id));
+async fn pause(
+    State(f): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    f.hit(
+        "pause",
+        &headers,
+        json!({"id": id, "body": body_json(&body)}),
+    );
     match f.pause_status {
+        204 => StatusCode::NO_CONTENT.into_response(),
         404 => StatusCode::NOT_FOUND.into_response(),
         s => api_error(s, "pause is not supported"),
     }
@@ -702,6 +721,38 @@ async fn list_pages_destroy_of_a_gone_sandbox_and_connect_without_a_connect_rout
     assert_eq!(e.code(), ErrorCode::SandboxNotFound);
 }
 
+/// A pause without memory is E2B's `{"memory": false}`; a pause with it sends E2B's
+/// default (no field).
+#[tokio::test]
+async fn a_pause_without_memory_is_sent_as_e2b_names_it() {
+    let (addr, fake) = serve(Fake {
+        pause_status: 204,
+        ..Fake::default()
+    })
+    .await;
+    let p = E2bProvider::new(config(addr)).unwrap();
+    assert!(p.capabilities().pause_filesystem);
+    p.pause(&ctx(), "ia", PauseKind::Filesystem)
+        .await
+        .expect("pause without memory");
+    assert_eq!(
+        fake.seen("pause").1,
+        json!({"id": "ia", "body": {"memory": false}})
+    );
+    // Its resume asks for a boot; this fake has no connect route, so it ends there.
+    let _ = p.resume(&ctx(), "ia").await;
+    assert_eq!(
+        fake.seen("connect").1["body"],
+        json!({"timeout": 300, "memory": false})
+    );
+    p.pause(&ctx(), "ib", PauseKind::Memory)
+        .await
+        .expect("pause");
+    assert_eq!(fake.seen("pause").1, json!({"id": "ib", "body": {}}));
+    let _ = p.resume(&ctx(), "ib").await;
+    assert_eq!(fake.seen("connect").1["body"], json!({"timeout": 300}));
+}
+
 #[tokio::test]
 async fn pause_is_probed_once() {
     for (status, expect) in [
@@ -715,13 +766,20 @@ async fn pause_is_probed_once() {
         .await;
         let p = E2bProvider::new(config(addr)).unwrap();
         assert_eq!(
-            p.pause(&ctx(), "ia").await.expect_err("pause").code(),
+            p.pause(&ctx(), "ia", PauseKind::Memory)
+                .await
+                .expect_err("pause")
+                .code(),
             expect,
             "status {status}"
         );
         assert!(!p.capabilities().pause);
+        assert!(!p.capabilities().pause_filesystem);
         assert_eq!(
-            p.pause(&ctx(), "ia").await.expect_err("pause").code(),
+            p.pause(&ctx(), "ia", PauseKind::Memory)
+                .await
+                .expect_err("pause")
+                .code(),
             ErrorCode::Unsupported
         );
         assert_eq!(fake.hits("pause"), 1, "the second pause made no request");
@@ -734,7 +792,10 @@ async fn pause_is_probed_once() {
     .await;
     let p = E2bProvider::new(config(addr)).unwrap();
     assert_eq!(
-        p.pause(&ctx(), "igone").await.expect_err("pause").code(),
+        p.pause(&ctx(), "igone", PauseKind::Memory)
+            .await
+            .expect_err("pause")
+            .code(),
         ErrorCode::SandboxNotFound
     );
     assert!(
