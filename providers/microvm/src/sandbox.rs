@@ -30,8 +30,8 @@ use backon::{ConstantBuilder, Retryable};
 use serde::{Deserialize, Serialize};
 use tether_envd_client::{EnvdClientConfig, EnvdSandboxClient};
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, PortStream, Process, Provider, ProviderError, Result,
-    Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PauseKind, PortStream, Process, Provider,
+    ProviderError, Result, Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 
 use crate::client::{
@@ -1246,6 +1246,9 @@ impl Provider for MicrovmProvider {
             reattach: true,
             renew: true,
             egress: false,
+            // A cold boot of a VM's own disk is not built: its guests start from the
+            // template's saved state.
+            pause_filesystem: false,
         }
     }
 
@@ -1340,8 +1343,13 @@ impl Provider for MicrovmProvider {
         core.update(|s| s.expires_ms = Some(now_ms() + ttl.as_millis() as i64))
     }
 
-    async fn pause(&self, _ctx: &CallCtx, id: &str) -> Result<()> {
+    async fn pause(&self, _ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        if kind == PauseKind::Filesystem {
+            return Err(ProviderError::Unsupported {
+                op: "pause without memory",
+            });
+        }
         let _op = core.op.lock().await;
         if core.stamp().suspended {
             return Ok(());

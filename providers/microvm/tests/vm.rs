@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_provider::{CallCtx, Provider, SandboxSpec};
+use tether_provider::{CallCtx, PauseKind, Provider, SandboxSpec};
 use tether_provider_microvm::{MicrovmConfig, MicrovmProvider};
 
 mod common;
@@ -172,7 +172,7 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
     let id = sb.info().id.clone();
     let port = p.vm(&id).unwrap().port();
-    p.pause(&ctx(), &id).await.unwrap();
+    p.pause(&ctx(), &id, PauseKind::Memory).await.unwrap();
     // A stopped guest does not answer (slirp accepts, the guest never replies).
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     assert!(
@@ -403,7 +403,7 @@ async fn pause_and_resume_keep_a_running_process_and_its_files() {
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
-    p.pause(&ctx(), &id).await.unwrap();
+    p.pause(&ctx(), &id, PauseKind::Memory).await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(h.try_status().is_none(), "the command ended while paused");
     let sb = p.resume(&ctx(), &id).await.unwrap();
@@ -435,7 +435,7 @@ async fn a_long_pause_saves_the_vm_to_disk_and_resume_restores_its_processes_and
     assert_eq!(first_qemu.len(), 1);
 
     // A short pause stays in memory: the resume cancels the save it armed.
-    p.pause(&ctx(), &id).await.unwrap();
+    p.pause(&ctx(), &id, PauseKind::Memory).await.unwrap();
     p.resume(&ctx(), &id).await.unwrap();
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(qemus_of(&dir), first_qemu);
@@ -452,7 +452,7 @@ async fn a_long_pause_saves_the_vm_to_disk_and_resume_restores_its_processes_and
     let pid = out.trim().to_owned();
 
     // A long pause: saved to disk, qemu gone, its memory given back.
-    p.pause(&ctx(), &id).await.unwrap();
+    p.pause(&ctx(), &id, PauseKind::Memory).await.unwrap();
     let end = tokio::time::Instant::now() + Duration::from_secs(90);
     while !(qemus_of(&dir).is_empty() && dir.join("suspend.state").exists()) {
         assert!(
@@ -539,7 +539,7 @@ async fn a_guest_that_stops_answering_ends_calls_within_their_limit() {
     let p = provider(&cfg);
     let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
     let id = sb.info().id.clone();
-    p.pause(&ctx(), &id).await.unwrap();
+    p.pause(&ctx(), &id, PauseKind::Memory).await.unwrap();
     let started = tokio::time::Instant::now();
     let err = sb.fs().stat(&ctx(), "/home/user").await.unwrap_err();
     let took = started.elapsed();

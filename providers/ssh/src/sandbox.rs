@@ -364,6 +364,7 @@ impl Provider for SshProvider {
             renew: true,
             // A plain VM's network is its own: rules there would be the commands' to undo.
             egress: false,
+            pause_filesystem: false,
         }
     }
 
