@@ -180,29 +180,35 @@ async fn delete_session(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Pause the session's sandbox (frozen, or its VM stopped); logged, so it stays paused
-/// across a restart. `CONFLICT` when already paused, `UNSUPPORTED` when its provider
-/// cannot pause.
+/// Pause the session's sandbox (frozen, or its VM stopped; with `{"kind": "filesystem"}`
+/// its processes end and resume boots it again); logged, so it stays paused across a
+/// restart. `CONFLICT` when already paused, `UNSUPPORTED` when its provider cannot pause
+/// so.
 async fn pause_session(
     State(state): St,
     who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
+    body: Bytes,
 ) -> Result<ApiJson<SessionInfo>> {
+    let req: PauseRequest = optional_json(&body)?;
     let s = session(&state, &id, &who).await?;
-    s.pause(&ctx).await?;
+    s.pause(&ctx, req.kind).await?;
     Ok(ApiJson(s.info()))
 }
 
-/// Resume a paused session's sandbox. `CONFLICT` when it is not paused.
+/// Resume a paused session's sandbox (`{"reboot": true}`: by booting it again).
+/// `CONFLICT` when it is not paused.
 async fn resume_session(
     State(state): St,
     who: Principal,
     Path(id): Path<String>,
     RequestCtx(ctx): RequestCtx,
+    body: Bytes,
 ) -> Result<ApiJson<SessionInfo>> {
+    let req: ResumeRequest = optional_json(&body)?;
     let s = session(&state, &id, &who).await?;
-    s.resume(&ctx).await?;
+    s.resume(&ctx, req.reboot).await?;
     Ok(ApiJson(s.info()))
 }
 

@@ -18,9 +18,10 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use tether_protocol::ErrorCode;
 use tether_protocol::api::SessionInfo;
 use tether_protocol::events::{
-    EventBody, Expiry, Lifecycle, PortAccess, SessionHeader, SessionParams,
+    EventBody, Expiry, Lifecycle, PauseKind, PortAccess, SessionHeader, SessionParams,
 };
 use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
@@ -128,6 +129,9 @@ pub struct Session {
     closed: AtomicBool,
     /// The sandbox is paused (`sandbox/paused` logged, no `sandbox/resumed` since).
     paused: AtomicBool,
+    /// It was paused without its memory: its processes ended, resume boots it again, and
+    /// after a restart there is no handle to it until then.
+    stopped: AtomicBool,
     /// One pause, resume or egress change at a time.
     pause_lock: tokio::sync::Mutex<()>,
     /// The egress rules in force: the header's, or the latest `sandbox/network`.
@@ -188,7 +192,9 @@ impl Session {
     pub fn state(&self) -> SessionState {
         if self.closed.load(Ordering::Acquire) {
             SessionState::Closed
-        } else if self.sandbox.read().map(|g| g.is_some()).unwrap_or(false) {
+        } else if self.sandbox.read().map(|g| g.is_some()).unwrap_or(false)
+            || self.stopped.load(Ordering::Acquire)
+        {
             SessionState::Active
         } else {
             SessionState::Detached
@@ -271,13 +277,25 @@ impl Session {
         Ok(())
     }
 
-    /// Pause the sandbox through its provider. Durable on return: `sandbox/paused` is in
-    /// the log, so a restarted daemon knows it is paused (its processes are frozen).
-    /// Pausing a paused sandbox is `CONFLICT`; a provider that cannot pause answers
-    /// `UNSUPPORTED`.
-    pub async fn pause(self: &Arc<Self>, ctx: &CallCtx) -> Result<()> {
+    /// Pause the sandbox through its provider, keeping what `kind` says. Durable on
+    /// return: `sandbox/paused` is in the log, so a restarted daemon knows it is paused
+    /// (its processes frozen, or ended for [`PauseKind::Filesystem`]). Pausing a paused
+    /// sandbox is `CONFLICT`; a provider that cannot pause so answers `UNSUPPORTED`.
+    pub async fn pause(self: &Arc<Self>, ctx: &CallCtx, kind: PauseKind) -> Result<()> {
         let (me, ctx) = (Arc::clone(self), ctx.clone());
-        self.detached(async move { me.pause_now(&ctx).await }).await
+        self.detached(async move { me.pause_now(&ctx, kind).await })
+            .await
+    }
+
+    /// What the pause in force kept (`None`: not paused).
+    pub fn pause_kind(&self) -> Option<PauseKind> {
+        if !self.is_paused() {
+            None
+        } else if self.stopped.load(Ordering::Acquire) {
+            Some(PauseKind::Filesystem)
+        } else {
+            Some(PauseKind::Memory)
+        }
     }
 
     /// Run a lifecycle change on a tracked task, detached from its caller: a client that
@@ -292,7 +310,7 @@ impl Session {
             .map_err(|e| DaemonError::internal(format!("a lifecycle task failed: {e}")))?
     }
 
-    async fn pause_now(&self, ctx: &CallCtx) -> Result<()> {
+    async fn pause_now(&self, ctx: &CallCtx, kind: PauseKind) -> Result<()> {
         let _one = self.pause_lock.lock().await;
         if self.is_paused() {
             return Err(DaemonError::Conflict {
@@ -303,25 +321,28 @@ impl Session {
         let provider = &self.provider;
         crate::ops::sandbox(self, ctx, SandboxOp::Pause, &sandbox_id, |c| {
             let id = sandbox_id.clone();
-            async move { provider.pause(&c, &id).await }
+            async move { provider.pause(&c, &id, kind).await }
         })
         .await?;
+        self.stopped
+            .store(kind == PauseKind::Filesystem, Ordering::Release);
         self.paused.store(true, Ordering::Release);
         self.log
-            .append(EventBody::SandboxPaused { sandbox_id })
+            .append(EventBody::SandboxPaused { sandbox_id, kind })
             .await?;
         Ok(())
     }
 
-    /// Resume a paused sandbox; durable on return (`sandbox/resumed`). Resuming a running
-    /// sandbox is `CONFLICT`.
-    pub async fn resume(self: &Arc<Self>, ctx: &CallCtx) -> Result<()> {
+    /// Resume a paused sandbox; durable on return (`sandbox/resumed`). With `reboot`, a
+    /// sandbox paused with its memory is stopped first (logged as such), so it boots
+    /// again. Resuming a running sandbox is `CONFLICT`.
+    pub async fn resume(self: &Arc<Self>, ctx: &CallCtx, reboot: bool) -> Result<()> {
         let (me, ctx) = (Arc::clone(self), ctx.clone());
-        self.detached(async move { me.resume_now(&ctx).await })
+        self.detached(async move { me.resume_now(&ctx, reboot).await })
             .await
     }
 
-    async fn resume_now(&self, ctx: &CallCtx) -> Result<()> {
+    async fn resume_now(&self, ctx: &CallCtx, reboot: bool) -> Result<()> {
         let _one = self.pause_lock.lock().await;
         if !self.is_paused() {
             return Err(DaemonError::Conflict {
@@ -329,16 +350,36 @@ impl Session {
             });
         }
         let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
-        // The provider may hand out a new handle; the sandbox id stays.
         let provider = &self.provider;
+        if reboot && !self.stopped.load(Ordering::Acquire) {
+            let kind = PauseKind::Filesystem;
+            crate::ops::sandbox(self, ctx, SandboxOp::Pause, &sandbox_id, |c| {
+                let id = sandbox_id.clone();
+                async move { provider.pause(&c, &id, kind).await }
+            })
+            .await?;
+            self.stopped.store(true, Ordering::Release);
+            self.log
+                .append(EventBody::SandboxPaused {
+                    sandbox_id: sandbox_id.clone(),
+                    kind,
+                })
+                .await?;
+        }
+        // The provider may hand out a new handle; the sandbox id stays.
         let sandbox = crate::ops::sandbox(self, ctx, SandboxOp::Resume, &sandbox_id, |c| {
             let id = sandbox_id.clone();
             async move { provider.resume(&c, &id).await }
         })
         .await?;
+        let stopped = self.stopped.swap(false, Ordering::AcqRel);
         if let Ok(mut g) = self.sandbox.write()
-            && g.is_some()
+            && (g.is_some() || stopped)
         {
+            if g.is_none() {
+                // Recovered stopped: no handle was counted live.
+                self.metrics.sandboxes_live(1, &self.provider_kind);
+            }
             *g = Some(sandbox);
         }
         self.paused.store(false, Ordering::Release);
@@ -788,6 +829,7 @@ impl SessionManager {
             idle_ttl_ms: AtomicI64::new(0),
             closed: AtomicBool::new(false),
             paused: AtomicBool::new(paused),
+            stopped: AtomicBool::new(paused && facts.pause_kind == PauseKind::Filesystem),
             pause_lock: tokio::sync::Mutex::new(()),
             egress: RwLock::new(egress),
             batch_lock: tokio::sync::Mutex::new(()),
@@ -1096,10 +1138,18 @@ impl SessionManager {
             let _ = tokio::time::timeout(self.deadlines.command_drain, cmd.wait()).await;
         }
         let sandbox = s.sandbox.write().ok().and_then(|mut g| g.take());
-        if let (Some(sandbox), true) = (sandbox, destroy) {
-            let sid = sandbox.info().id;
+        let live = sandbox.is_some();
+        // A stopped sandbox recovered after a restart has no handle, only its id.
+        let sid = match sandbox {
+            Some(sb) => Some(sb.info().id),
+            None if s.stopped.load(Ordering::Acquire) => s.sandbox_id(),
+            None => None,
+        };
+        if let (Some(sid), true) = (sid, destroy) {
             let destroyed = self.destroy_sandbox(s, &sid).await;
-            self.metrics.sandboxes_live(-1, &s.provider_kind);
+            if live {
+                self.metrics.sandboxes_live(-1, &s.provider_kind);
+            }
             if destroyed {
                 let _ = s
                     .log
@@ -1256,10 +1306,26 @@ impl SessionManager {
                 last_time(&log),
             );
             match facts.leased.clone() {
+                // Stopped: nothing runs to connect to; its resume boots it.
+                Some(sid) if facts.paused && facts.pause_kind == PauseKind::Filesystem => {
+                    set(&session.sandbox_id, Some(sid));
+                    set(&session.detached_why, None);
+                    report.reconnected.push(id.clone());
+                }
                 Some(sid) => {
                     let ctx = CallCtx::new(format!("recover-{id}"))
                         .with_timeout(self.deadlines.sandbox_op, Clock::Total);
-                    match session.provider.connect(&ctx, &sid).await {
+                    let mut connected = session.provider.connect(&ctx, &sid).await;
+                    if let Err(e) = &connected
+                        && e.code() == ErrorCode::Conflict
+                        && !facts.paused
+                    {
+                        // Stopped by a pause that a crash kept out of the log: the log
+                        // says it runs, so it runs.
+                        tracing::warn!(session.id = %id, sandbox.id = %sid, "A sandbox stopped by an unlogged pause; booting it again");
+                        connected = session.provider.resume(&ctx, &sid).await;
+                    }
+                    match connected {
                         Ok(sb) => {
                             set(&session.sandbox, Some(sb));
                             set(&session.sandbox_id, Some(sid));
@@ -1425,7 +1491,7 @@ impl SessionManager {
         for s in expired {
             if s.params.lifecycle.pause_on_expiry && s.state() == SessionState::Active {
                 let ctx = CallCtx::new(format!("expire-{}", s.id));
-                match s.pause(&ctx).await {
+                match s.pause(&ctx, s.params.lifecycle.pause_kind).await {
                     Ok(()) | Err(DaemonError::Conflict { .. }) => {
                         tracing::info!(session.id = %s.id, "Paused at its expiry");
                         continue;
@@ -1475,6 +1541,8 @@ struct LogFacts {
     egress: Option<tether_protocol::network::Egress>,
     /// Whether the last pause was not followed by a resume or a new lease.
     paused: bool,
+    /// What that pause kept.
+    pause_kind: PauseKind,
     /// Output bytes journaled by finished commands.
     journaled: u64,
     /// Commands started and never logged as ended: spec, deadline and idle limit.
@@ -1508,7 +1576,10 @@ impl LogFacts {
             EventBody::SandboxReleased { .. } => self.leased = None,
             EventBody::ExpirySet { expiry } => self.expiry = Some(*expiry),
             EventBody::SandboxNetwork { egress, .. } => self.egress = Some(egress.clone()),
-            EventBody::SandboxPaused { .. } => self.paused = true,
+            EventBody::SandboxPaused { kind, .. } => {
+                self.paused = true;
+                self.pause_kind = *kind;
+            }
             EventBody::SandboxResumed { .. } => self.paused = false,
             EventBody::ProcessStarted {
                 command_id,

@@ -19,9 +19,9 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, RefreshRequest,
-    SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork, SandboxNetworkUpdate,
-    SandboxResponse, SandboxState, SandboxesMetrics, TimeoutRequest,
+    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, PauseSandboxRequest,
+    RefreshRequest, SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork,
+    SandboxNetworkUpdate, SandboxResponse, SandboxState, SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
 use tokio::sync::watch;
@@ -35,7 +35,7 @@ use super::{
 use crate::http::RequestCtx;
 use crate::session_manager::{NewSession, Scope, Session, SessionState};
 use crate::state::AppState;
-use tether_protocol::events::{Expiry, Lifecycle, PortAccess};
+use tether_protocol::events::{Expiry, Lifecycle, PauseKind, PortAccess};
 use tether_protocol::network::{Cidr, Egress};
 
 mod snapshots;
@@ -345,15 +345,28 @@ async fn do_create(
     let provider_name = provider
         .clone()
         .unwrap_or_else(|| state.sessions.providers().default_name().to_owned());
+    let pause_kind = PauseKind::keeping_memory(req.auto_pause_memory);
+    if pause_kind == PauseKind::Filesystem && req.auto_pause != Some(true) {
+        // As E2B answers it.
+        return Err(RestError::bad_request(
+            "autoPauseMemory=false only applies when autoPause is true.",
+        ));
+    }
     if req.auto_pause == Some(true) {
-        let can_pause = state
+        let caps = state
             .sessions
             .providers()
             .get(&provider_name)
-            .is_some_and(|p| p.capabilities().pause);
-        if !can_pause {
+            .map(|p| p.capabilities());
+        if !caps.is_some_and(|c| c.pause) {
             return Err(RestError::bad_request(format!(
                 "autoPause: the {provider_name} provider cannot pause sandboxes"
+            )));
+        }
+        if pause_kind == PauseKind::Filesystem && !caps.is_some_and(|c| c.pause_filesystem) {
+            return Err(RestError::bad_request(format!(
+                "autoPauseMemory=false: the {provider_name} provider cannot pause a sandbox \
+                 without its memory"
             )));
         }
     }
@@ -364,10 +377,17 @@ async fn do_create(
             "autoResume can only be enabled when autoPause is",
         ));
     }
+    if auto_resume && pause_kind == PauseKind::Filesystem {
+        return Err(RestError::bad_request(
+            "autoPauseMemory=false: a filesystem-only snapshot cannot be auto-resumed by \
+             traffic and must be resumed explicitly.",
+        ));
+    }
     let lifecycle = Lifecycle {
         pause_on_expiry: req.auto_pause == Some(true),
         auto_resume,
         resume_ttl_ms: u64::try_from(timeout.saturating_mul(1000)).ok(),
+        pause_kind,
     };
     let allow_internet = req.allow_internet_access.unwrap_or(true);
     let (ports, mut egress) = network_of(req.network.take().unwrap_or_default())?;
@@ -848,16 +868,18 @@ async fn connect(
         let req: ConnectSandboxRequest = json_body(&body, v1)?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
         let secs = check_timeout(&state, req.timeout.unwrap_or(default), 1)?;
-        let resumed = if s.is_paused() {
-            resume_sandbox(&ctx, &s).await?;
-            true
-        } else {
-            false
-        };
+        // The new expiry first: a sandbox resumed past its old one would be ended (or
+        // paused again) by the expiry sweep before it could be set.
         let at = ms_after(secs);
         if at > s.expires_ms() {
             s.set_expiry(at).await?;
         }
+        let resumed = if s.is_paused() {
+            resume_sandbox(&ctx, &s, req.memory == Some(false)).await?;
+            true
+        } else {
+            false
+        };
         let status = if resumed {
             StatusCode::CREATED
         } else {
@@ -1000,18 +1022,22 @@ async fn sample(
     })
 }
 
-/// Pause through the provider; a provider without pause (the local one) answers 501.
+/// Pause through the provider (`{"memory": false}`: the file system only, and resume
+/// boots it again); a provider that cannot pause so answers 501.
 async fn pause(
     State(state): State<Arc<AppState>>,
     RequestCtx(ctx): RequestCtx,
     headers: HeaderMap,
     Path(id): Path<String>,
+    body: Bytes,
 ) -> Response {
     let span = tracing::info_span!("e2b.sandbox.pause", sandbox.id = %id, session.id = %id);
     let r = async {
         let tenant = tenant(&state, &headers)?;
         let (s, _) = owned(&state, &tenant, &id)?;
-        match s.pause(&ctx).await {
+        let req: PauseSandboxRequest = json_body(&body, false)?;
+        let kind = PauseKind::keeping_memory(req.memory);
+        match s.pause(&ctx, kind).await {
             Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
             Err(crate::error::DaemonError::Conflict { .. }) => Err(RestError::new(
                 StatusCode::CONFLICT,
@@ -1020,7 +1046,12 @@ async fn pause(
             Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
                 StatusCode::NOT_IMPLEMENTED,
                 format!(
-                    "pause is not supported by the {} provider this sandbox runs on",
+                    "pause{} is not supported by the {} provider this sandbox runs on",
+                    if kind.is_memory() {
+                        ""
+                    } else {
+                        " without memory"
+                    },
                     s.provider_kind
                 ),
             )),
@@ -1062,8 +1093,9 @@ async fn update_network(
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn resume_sandbox(ctx: &CallCtx, s: &Arc<Session>) -> Result<(), RestError> {
-    match s.resume(ctx).await {
+/// Resume `s` (`reboot`: by a boot, its memory dropped); 501 where its provider cannot.
+async fn resume_sandbox(ctx: &CallCtx, s: &Arc<Session>, reboot: bool) -> Result<(), RestError> {
+    match s.resume(ctx, reboot).await {
         Ok(()) => Ok(()),
         Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
@@ -1096,14 +1128,15 @@ async fn resume(
                 format!("sandbox {id} is already running"),
             ));
         }
-        resume_sandbox(&ctx, &s).await?;
         let default = i64::try_from(state.e2b.cfg.default_timeout_s).unwrap_or(300);
+        // The new expiry first (see `connect`).
         s.set_expiry(ms_after(check_timeout(
             &state,
             req.timeout.unwrap_or(default),
             1,
         )?))
         .await?;
+        resume_sandbox(&ctx, &s, req.memory == Some(false)).await?;
         Ok((
             StatusCode::CREATED,
             axum::Json(sandbox_response(&state, &s, &extra)),

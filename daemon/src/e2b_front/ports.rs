@@ -54,24 +54,32 @@ async fn auto_resume(state: &AppState, id: &str) {
         return;
     };
     let life = s.params.lifecycle;
-    if s.owner.is_none() || !life.auto_resume || !s.is_paused() {
+    // A sandbox paused without its memory is resumed only when asked (as on E2B: its
+    // resume is a boot, not the continuation a request expects).
+    if s.owner.is_none()
+        || !life.auto_resume
+        || s.pause_kind() != Some(tether_protocol::events::PauseKind::Memory)
+    {
         return;
     }
-    let ctx = CallCtx::new(format!("auto-resume-{id}"));
-    match s.resume(&ctx).await {
-        // Another request resumed it meanwhile.
-        Ok(()) | Err(crate::error::DaemonError::Conflict { .. }) => {}
-        Err(e) => {
-            tracing::warn!(session.id = %id, code = %e.code(), error = %e, "Could not resume a sandbox on traffic");
-            return;
-        }
-    }
+    // The new expiry first: resumed past its old one, the expiry sweep would pause it
+    // again before it could be set.
     let ttl_ms = life
         .resume_ttl_ms
         .unwrap_or(state.e2b.cfg.default_timeout_s.saturating_mul(1000));
     let at = super::now_ms().saturating_add(i64::try_from(ttl_ms).unwrap_or(i64::MAX));
     if let Err(e) = s.set_expiry(at).await {
         tracing::warn!(session.id = %id, error = %e, "Could not record the expiry of a resumed sandbox");
+        return;
+    }
+    let ctx = CallCtx::new(format!("auto-resume-{id}"));
+    match s.resume(&ctx, false).await {
+        // Another request resumed it meanwhile.
+        Ok(()) | Err(crate::error::DaemonError::Conflict { .. }) => {}
+        Err(e) => {
+            tracing::warn!(session.id = %id, code = %e.code(), error = %e, "Could not resume a sandbox on traffic");
+            return;
+        }
     }
     tracing::info!(session.id = %id, "Resumed on traffic");
 }
