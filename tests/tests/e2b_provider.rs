@@ -22,8 +22,8 @@ use tether_protocol::fs::{ByteRange, WriteGuard};
 use tether_protocol::process::{ProcessEvent, ProcessSpec, StreamKind};
 use tether_provider::testkit::{ConformanceOptions, Fixture};
 use tether_provider::{
-    CallCtx, EventStream, ProcessSelector, Provider, ProviderError, Sandbox, SandboxSpec,
-    StreamOffsets,
+    CallCtx, EventStream, PauseKind, ProcessSelector, Provider, ProviderError, Sandbox,
+    SandboxSpec, StreamOffsets,
 };
 use tether_provider_e2b::{E2bConfig, E2bProvider, RetryConfig};
 use tether_tests::TestDaemon;
@@ -560,7 +560,9 @@ async fn pause_and_resume_through_the_e2b_provider_keep_the_sandbox() {
     // tetherd's local provider pauses by freezer: pause and resume go through, and the
     // sandbox's files and commands are there after. (A backend that refuses pause is
     // remembered after one probe, without a second request: providers/e2b's fake backend.)
-    p.pause(&ctx(), &id).await.expect("pause");
+    p.pause(&ctx(), &id, PauseKind::Memory)
+        .await
+        .expect("pause");
     let again = p.resume(&ctx(), &id).await.expect("resume");
     let h = again
         .process()
@@ -573,7 +575,7 @@ async fn pause_and_resume_through_the_e2b_provider_keep_the_sandbox() {
     // A sandbox that does not exist is still told apart from a missing route.
     let p2 = E2bProvider::new(client_config(&d.base)).expect("provider");
     assert_eq!(
-        p2.pause(&ctx(), "inosuchsandbox")
+        p2.pause(&ctx(), "inosuchsandbox", PauseKind::Memory)
             .await
             .expect_err("pause")
             .code(),

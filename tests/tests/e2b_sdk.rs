@@ -88,6 +88,8 @@ async fn run_suite(which: &str) {
         .env("TETHER_SUITE_SNAPSHOTS", "1")
         // ... and enforces egress rules (nftables in the sandbox's namespace).
         .env("TETHER_SUITE_EGRESS", "1")
+        // ... and pauses without memory (its resume boots the sandbox again).
+        .env("TETHER_SUITE_PAUSE_FILESYSTEM", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .stdin(Stdio::null())

@@ -895,6 +895,114 @@ async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
     d.stop().await;
 }
 
+/// A pause without memory ends the sandbox's processes and keeps its files; a restart
+/// knows from the log that it is stopped (it connects nothing), its resume boots it (a
+/// new boot id), and a stopped sandbox's session closes and destroys it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_paused_without_memory_stays_stopped_across_a_restart_and_boots_at_resume() {
+    let d = TestDaemon::start().await;
+    let (st, body) = d.post("/v1/sessions", json!({})).await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["id"].as_str().unwrap().to_owned();
+    let sandbox = body["sandbox_id"].as_str().unwrap().to_owned();
+    let boot_id = |r: &Value| {
+        let text = r["content"].as_str().unwrap_or_default().to_owned();
+        text.lines()
+            .find(|l| l.len() == 36 && l.matches('-').count() == 4)
+            .unwrap_or_else(|| panic!("no boot id in {r}"))
+            .to_owned()
+    };
+    let r = bash(
+        &d,
+        &sid,
+        "echo kept > /home/user/p.txt; cat /proc/sys/kernel/random/boot_id",
+    )
+    .await;
+    assert_eq!(r["is_error"], json!(false), "{r}");
+    let before = boot_id(&r);
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/pause"),
+            json!({"kind": "filesystem"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body["paused"], json!(true));
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/pause"),
+            json!({"kind": "sideways"}),
+        )
+        .await;
+    assert_eq!(
+        (st, body["error"]["code"].clone()),
+        (400, json!("INVALID_REQUEST")),
+        "{body}"
+    );
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    let info: Value = d
+        .http
+        .get(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["paused"], json!(true), "{info}");
+    assert_eq!(info["state"], "active", "{info}");
+    let (st, _) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "c2", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
+    assert_eq!(st, 409);
+    let (st, body) = d
+        .post(&format!("/v1/sessions/{sid}/resume"), json!({}))
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body["paused"], json!(false));
+    let r = bash(
+        &d,
+        &sid,
+        "cat /home/user/p.txt /proc/sys/kernel/random/boot_id",
+    )
+    .await;
+    assert_eq!(r["is_error"], json!(false), "{r}");
+    assert!(r["content"].to_string().contains("kept"), "{r}");
+    assert_ne!(boot_id(&r), before, "resume booted the sandbox again");
+    let (_, events) = read_log(d.dir.path(), &sid);
+    let paused: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "sandbox/paused")
+        .collect();
+    assert_eq!(paused.len(), 1);
+    assert_eq!(paused[0]["data"]["kind"], "filesystem", "{}", paused[0]);
+    // Stopped again and restarted, the session closes and takes the sandbox with it.
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/pause"),
+            json!({"kind": "filesystem"}),
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    let dir = d.stop().await;
+    let d = TestDaemon::start_in(dir, |_| {}).await;
+    let sandbox_dir = d.dir.path().join("sandboxes").join("local").join(&sandbox);
+    assert!(sandbox_dir.exists(), "a stopped sandbox is kept");
+    let r = d
+        .http
+        .delete(d.url(&format!("/v1/sessions/{sid}")))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    assert!(!sandbox_dir.exists(), "closing its session destroyed it");
+    d.stop().await;
+}
+
 /// Creates under one idempotency key make one sandbox, also when the retry arrives while
 /// the first is still being made (a client whose answer was slow, retrying): it waits for
 /// that sandbox instead of making a second. A key whose sandbox is gone makes a new one.
@@ -1110,5 +1218,123 @@ async fn an_e2b_sandbox_pauses_at_its_timeout_stays_paused_across_a_restart_and_
         let (st, _) = e2b(&d, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
         assert_eq!(st, 204);
     }
+    d.stop().await;
+}
+
+/// E2B's rules for a pause without memory, as its API answers them: `autoPauseMemory:
+/// false` only with `autoPause`, never with `autoResume`; `POST /pause {"memory": false}`
+/// stops the sandbox, traffic does not resume it, connect boots it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_pauses_without_memory_follow_e2b_rules() {
+    use reqwest::Method;
+    let d = TestDaemon::start().await;
+    for (body, why) in [
+        (
+            json!({"templateID": "base", "autoPauseMemory": false}),
+            "autoPauseMemory=false only applies when autoPause is true",
+        ),
+        (
+            json!({"templateID": "base", "autoPause": true, "autoPauseMemory": false,
+                   "autoResume": {"enabled": true}}),
+            "cannot be auto-resumed by traffic",
+        ),
+    ] {
+        let (st, answer) = e2b(&d, Method::POST, "/v2/sandboxes", Some(body)).await;
+        assert_eq!(st, 400, "{answer}");
+        assert!(
+            answer["message"].as_str().unwrap().contains(why),
+            "{answer}"
+        );
+    }
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/v2/sandboxes",
+        Some(json!({"templateID": "base", "timeout": 60})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["sandboxID"].as_str().unwrap().to_owned();
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        &format!("/sandboxes/{sid}/pause"),
+        Some(json!({"memory": "no"})),
+    )
+    .await;
+    assert_eq!(st, 400, "a bad body is refused: {body}");
+    assert_eq!(e2b_state(&d, &sid).await, "running");
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        &format!("/sandboxes/{sid}/pause"),
+        Some(json!({"memory": false})),
+    )
+    .await;
+    assert_eq!(st, 204, "{body}");
+    assert_eq!(e2b_state(&d, &sid).await, "paused");
+    let (st, _) = e2b(
+        &d,
+        Method::POST,
+        &format!("/sandboxes/{sid}/pause"),
+        Some(json!({"memory": false})),
+    )
+    .await;
+    assert_eq!(st, 409);
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        &format!("/v2/sandboxes/{sid}/connect"),
+        Some(json!({"timeout": 60})),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    assert_eq!(e2b_state(&d, &sid).await, "running");
+    let (_, events) = read_log(d.dir.path(), &sid);
+    let paused: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "sandbox/paused")
+        .collect();
+    assert_eq!(paused.len(), 1, "{paused:?}");
+    assert_eq!(paused[0]["data"]["kind"], "filesystem");
+    let (st, _) = e2b(&d, Method::DELETE, &format!("/sandboxes/{sid}"), None).await;
+    assert_eq!(st, 204);
+    // Paused at its timeout, connected: it gets its new expiry before it runs, so the
+    // expiry sweep (every second) never pauses it again at once.
+    let (st, body) = e2b(
+        &d,
+        Method::POST,
+        "/v2/sandboxes",
+        Some(
+            json!({"templateID": "base", "timeout": 1, "autoPause": true,
+                    "autoPauseMemory": false}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 201, "{body}");
+    let sid = body["sandboxID"].as_str().unwrap().to_owned();
+    for _ in 0..3 {
+        wait_e2b_state(&d, &sid, "paused", Duration::from_secs(10)).await;
+        let (st, body) = e2b(
+            &d,
+            Method::POST,
+            &format!("/v2/sandboxes/{sid}/connect"),
+            Some(json!({"timeout": 60})),
+        )
+        .await;
+        assert_eq!(st, 201, "{body}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(e2b_state(&d, &sid).await, "running");
+        let (st, _) = e2b(
+            &d,
+            Method::POST,
+            &format!("/sandboxes/{sid}/timeout"),
+            Some(json!({"timeout": 1})),
+        )
+        .await;
+        assert_eq!(st, 204);
+    }
+    let (st, _) = e2b(&d, Method::DELETE, &format!("/sandboxes/{sid}"), None).await;
+    assert_eq!(st, 204);
     d.stop().await;
 }

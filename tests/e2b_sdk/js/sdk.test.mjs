@@ -1279,3 +1279,56 @@ sdkTest("Sandbox.updateNetwork: a running sandbox's egress rules replaced whole,
   );
   assert.ok(err instanceof SandboxNotFoundError || err.statusCode === 404, `${err.name}: ${err.message}`);
 });
+
+// === pause without memory (providers that can: TETHER_SUITE_PAUSE_FILESYSTEM) ===
+
+const PAUSE_FILESYSTEM = Boolean(process.env.TETHER_SUITE_PAUSE_FILESYSTEM);
+
+async function bootId(sbx) {
+  const id = (await sbx.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout.trim();
+  assert.match(id, /^[0-9a-f-]{36}$/);
+  return id;
+}
+
+if (PAUSE_FILESYSTEM) {
+  sdkTest("Sandbox.pause({ keepMemory: false }) / connect({ onResume: 'reboot' }): a boot that keeps the files", async (ctx) => {
+    const sbx = await ctx.create();
+    await sbx.files.write(`${HOME}/fs-only.txt`, 'kept across the boot');
+    await sbx.commands.run('sleep 600', { background: true });
+    const before = await bootId(sbx);
+    assert.equal(await sbx.pause({ keepMemory: false }), true);
+    assert.equal(await sbx.isRunning(), false);
+    assert.equal((await sbx.getInfo()).state, 'paused');
+    assert.equal(await sbx.pause({ keepMemory: false }), false, 'paused already');
+    const resumed = await sbx.connect({ timeoutMs: 60_000 });
+    assert.equal(resumed.sandboxId, sbx.sandboxId);
+    assert.equal(await resumed.files.read(`${HOME}/fs-only.txt`), 'kept across the boot');
+    assert.equal((await resumed.commands.run('pgrep -x sleep || echo none')).stdout, 'none\n');
+    const after = await bootId(resumed);
+    assert.notEqual(after, before);
+    // A pause with memory keeps processes at a plain connect; a reboot drops them.
+    await resumed.commands.run('sleep 600', { background: true });
+    assert.equal(await resumed.pause(), true);
+    const again = await resumed.connect({ timeoutMs: 60_000 });
+    assert.equal(await bootId(again), after);
+    assert.equal(await again.pause(), true);
+    const rebooted = await again.connect({ timeoutMs: 60_000, onResume: 'reboot' });
+    const third = await bootId(rebooted);
+    assert.ok(third !== before && third !== after, 'a reboot is a new boot');
+    assert.equal((await rebooted.commands.run('pgrep -x sleep || echo none')).stdout, 'none\n');
+  }, { timeoutMs: 180_000 });
+
+  sdkTest("Sandbox.create({ lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }): resumed only by connect", async (ctx) => {
+    const sbx = await ctx.create({ timeoutMs: 3_000, lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } });
+    await sbx.files.write(`${HOME}/marker.txt`, 'auto-pause-fs-only');
+    const before = await bootId(sbx);
+    assert.ok(await waitUntil(async () => (await sbx.getInfo()).state === 'paused', 30_000), 'paused at its timeout');
+    await rejectsWith(sbx.files.read(`${HOME}/marker.txt`, { requestTimeoutMs: REQUEST_TIMEOUT_MS }), SandboxError, 'traffic to a stopped sandbox');
+    assert.equal((await sbx.getInfo()).state, 'paused', 'traffic does not resume it');
+    const resumed = await sbx.connect({ timeoutMs: 60_000 });
+    assert.equal(await resumed.files.read(`${HOME}/marker.txt`), 'auto-pause-fs-only');
+    assert.notEqual(await bootId(resumed), before);
+  }, { timeoutMs: 120_000 });
+} else {
+  test('Sandbox.pause({ keepMemory: false })', { skip: 'the provider of this run cannot pause without memory' }, () => {});
+}

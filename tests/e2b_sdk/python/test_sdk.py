@@ -1318,3 +1318,72 @@ def test_lifecycle_pauses_at_timeout_and_resumes(env, make_sandbox):
     resumed = manual.connect(timeout=60)
     assert state(manual) == SandboxState.RUNNING
     assert resumed.files.read(f"{HOME}/life.txt") == "alive"
+
+
+def _boot_id(sbx: Sandbox) -> str:
+    boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f-]{36}", boot), boot
+    return boot
+
+
+@sdk("Sandbox.pause(mode='filesystem') / connect / connect(on_resume='reboot'): a boot that keeps the files")
+@bound(180)
+def test_a_pause_without_memory_reboots_at_connect_and_keeps_the_files(env, make_sandbox):
+    if not os.environ.get("TETHER_SUITE_PAUSE_FILESYSTEM"):
+        pytest.skip("the provider of this run cannot pause without memory")
+    sbx = make_sandbox()
+    sbx.files.write(f"{HOME}/fs-only.txt", "kept across the boot")
+    sbx.commands.run("sleep 600", background=True)
+    before = _boot_id(sbx)
+    assert sbx.pause(mode="filesystem") is True
+    assert sbx.is_running() is False
+    assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+    # Paused already: the SDK's False, not an error.
+    assert sbx.pause(mode="filesystem") is False
+    resumed = sbx.connect(timeout=60)
+    assert resumed.sandbox_id == sbx.sandbox_id and resumed.is_running()
+    assert resumed.files.read(f"{HOME}/fs-only.txt") == "kept across the boot"
+    assert resumed.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
+    after = _boot_id(resumed)
+    assert after != before
+    # A pause that kept memory keeps processes at a plain connect, and a reboot drops
+    # them at connect(on_resume="reboot").
+    resumed.commands.run("sleep 600", background=True)
+    assert resumed.pause() is True
+    again = resumed.connect(timeout=60)
+    assert _boot_id(again) == after
+    assert again.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
+    assert again.pause() is True
+    rebooted = again.connect(timeout=60, on_resume="reboot")
+    assert _boot_id(rebooted) not in (before, after)
+    assert rebooted.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
+    assert rebooted.files.read(f"{HOME}/fs-only.txt") == "kept across the boot"
+
+
+@sdk("Sandbox.create(lifecycle={'on_timeout': {'action': 'pause', 'mode': 'filesystem'}})")
+@bound(120)
+def test_a_timeout_pause_without_memory_is_resumed_only_by_connect(env, make_sandbox):
+    if not os.environ.get("TETHER_SUITE_PAUSE_FILESYSTEM"):
+        pytest.skip("the provider of this run cannot pause without memory")
+    # As E2B answers: a pause without memory cannot resume on traffic.
+    with pytest.raises(InvalidArgumentException):
+        Sandbox.create(
+            timeout=3,
+            lifecycle={
+                "on_timeout": {"action": "pause", "mode": "filesystem"},
+                "auto_resume": True,
+            },
+        )
+    sbx = make_sandbox(
+        timeout=3, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}
+    )
+    sbx.files.write(f"{HOME}/marker.txt", "auto-pause-fs-only")
+    before = _boot_id(sbx)
+    assert wait_until(
+        lambda: Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, 30
+    )
+    with pytest.raises(SandboxException):
+        sbx.files.read(f"{HOME}/marker.txt", request_timeout=REQUEST_TIMEOUT_S)
+    resumed = sbx.connect(timeout=60)
+    assert resumed.files.read(f"{HOME}/marker.txt") == "auto-pause-fs-only"
+    assert _boot_id(resumed) != before
