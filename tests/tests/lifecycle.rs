@@ -863,15 +863,7 @@ async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
     // A restart knows from the log that the sandbox is paused.
     let dir = d.stop().await;
     let d = TestDaemon::start_in(dir, |_| {}).await;
-    let info: Value = d
-        .http
-        .get(d.url(&format!("/v1/sessions/{sid}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!(info["paused"], json!(true), "{info}");
     assert_eq!(info["state"], "active");
     let (st, _) = d
@@ -941,15 +933,7 @@ async fn a_session_paused_without_memory_stays_stopped_across_a_restart_and_boot
     );
     let dir = d.stop().await;
     let d = TestDaemon::start_in(dir, |_| {}).await;
-    let info: Value = d
-        .http
-        .get(d.url(&format!("/v1/sessions/{sid}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
     assert_eq!(info["paused"], json!(true), "{info}");
     assert_eq!(info["state"], "active", "{info}");
     let (st, _) = d
