@@ -18,14 +18,13 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tether_protocol::ErrorCode;
 use tether_protocol::api::SessionInfo;
 use tether_protocol::events::{
     EventBody, Expiry, Lifecycle, PauseKind, PortAccess, SessionHeader, SessionParams,
 };
 use tether_protocol::process::{ExitStatus, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
-use tether_provider::{CallCtx, ProcessSelector, Provider, Sandbox, SandboxSpec};
+use tether_provider::{CallCtx, ProcessSelector, Provider, ProviderError, Sandbox, SandboxSpec};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -127,11 +126,10 @@ pub struct Session {
     expires_ms: AtomicI64,
     idle_ttl_ms: AtomicI64,
     closed: AtomicBool,
-    /// The sandbox is paused (`sandbox/paused` logged, no `sandbox/resumed` since).
-    paused: AtomicBool,
-    /// It was paused without its memory: its processes ended, resume boots it again, and
-    /// after a restart there is no handle to it until then.
-    stopped: AtomicBool,
+    /// What the pause in force kept (`sandbox/paused` logged, no `sandbox/resumed`
+    /// since), `None` while it runs. Paused without its memory, its processes ended,
+    /// resume boots it again, and after a restart there is no handle to it until then.
+    pause: RwLock<Option<PauseKind>>,
     /// One pause, resume or egress change at a time.
     pause_lock: tokio::sync::Mutex<()>,
     /// The egress rules in force: the header's, or the latest `sandbox/network`.
@@ -192,9 +190,7 @@ impl Session {
     pub fn state(&self) -> SessionState {
         if self.closed.load(Ordering::Acquire) {
             SessionState::Closed
-        } else if self.sandbox.read().map(|g| g.is_some()).unwrap_or(false)
-            || self.stopped.load(Ordering::Acquire)
-        {
+        } else if self.sandbox.read().map(|g| g.is_some()).unwrap_or(false) || self.is_stopped() {
             SessionState::Active
         } else {
             SessionState::Detached
@@ -213,7 +209,12 @@ impl Session {
 
     /// Whether the sandbox is paused.
     pub fn is_paused(&self) -> bool {
-        self.paused.load(Ordering::Acquire)
+        self.pause_kind().is_some()
+    }
+
+    /// Whether it is paused without its memory (stopped).
+    fn is_stopped(&self) -> bool {
+        self.pause_kind() == Some(PauseKind::Filesystem)
     }
 
     /// The egress rules in force.
@@ -289,13 +290,7 @@ impl Session {
 
     /// What the pause in force kept (`None`: not paused).
     pub fn pause_kind(&self) -> Option<PauseKind> {
-        if !self.is_paused() {
-            None
-        } else if self.stopped.load(Ordering::Acquire) {
-            Some(PauseKind::Filesystem)
-        } else {
-            Some(PauseKind::Memory)
-        }
+        self.pause.read().ok().and_then(|g| *g)
     }
 
     /// Run a lifecycle change on a tracked task, detached from its caller: a client that
@@ -324,9 +319,7 @@ impl Session {
             async move { provider.pause(&c, &id, kind).await }
         })
         .await?;
-        self.stopped
-            .store(kind == PauseKind::Filesystem, Ordering::Release);
-        self.paused.store(true, Ordering::Release);
+        set(&self.pause, Some(kind));
         self.log
             .append(EventBody::SandboxPaused { sandbox_id, kind })
             .await?;
@@ -351,14 +344,14 @@ impl Session {
         }
         let sandbox_id = self.sandbox_id().unwrap_or_else(|| self.id.clone());
         let provider = &self.provider;
-        if reboot && !self.stopped.load(Ordering::Acquire) {
+        if reboot && !self.is_stopped() {
             let kind = PauseKind::Filesystem;
             crate::ops::sandbox(self, ctx, SandboxOp::Pause, &sandbox_id, |c| {
                 let id = sandbox_id.clone();
                 async move { provider.pause(&c, &id, kind).await }
             })
             .await?;
-            self.stopped.store(true, Ordering::Release);
+            set(&self.pause, Some(kind));
             self.log
                 .append(EventBody::SandboxPaused {
                     sandbox_id: sandbox_id.clone(),
@@ -372,7 +365,7 @@ impl Session {
             async move { provider.resume(&c, &id).await }
         })
         .await?;
-        let stopped = self.stopped.swap(false, Ordering::AcqRel);
+        let stopped = self.is_stopped();
         if let Ok(mut g) = self.sandbox.write()
             && (g.is_some() || stopped)
         {
@@ -382,7 +375,7 @@ impl Session {
             }
             *g = Some(sandbox);
         }
-        self.paused.store(false, Ordering::Release);
+        set(&self.pause, None);
         self.log
             .append(EventBody::SandboxResumed { sandbox_id })
             .await?;
@@ -805,7 +798,6 @@ impl SessionManager {
             .egress
             .clone()
             .unwrap_or_else(|| params.egress.clone());
-        let paused = facts.paused;
         let s = Session {
             id,
             provider_kind: provider.kind().to_owned(),
@@ -828,8 +820,7 @@ impl SessionManager {
             expires_ms: AtomicI64::new(0),
             idle_ttl_ms: AtomicI64::new(0),
             closed: AtomicBool::new(false),
-            paused: AtomicBool::new(paused),
-            stopped: AtomicBool::new(paused && facts.pause_kind == PauseKind::Filesystem),
+            pause: RwLock::new(facts.paused),
             pause_lock: tokio::sync::Mutex::new(()),
             egress: RwLock::new(egress),
             batch_lock: tokio::sync::Mutex::new(()),
@@ -1142,7 +1133,7 @@ impl SessionManager {
         // A stopped sandbox recovered after a restart has no handle, only its id.
         let sid = match sandbox {
             Some(sb) => Some(sb.info().id),
-            None if s.stopped.load(Ordering::Acquire) => s.sandbox_id(),
+            None if s.is_stopped() => s.sandbox_id(),
             None => None,
         };
         if let (Some(sid), true) = (sid, destroy) {
@@ -1307,7 +1298,7 @@ impl SessionManager {
             );
             match facts.leased.clone() {
                 // Stopped: nothing runs to connect to; its resume boots it.
-                Some(sid) if facts.paused && facts.pause_kind == PauseKind::Filesystem => {
+                Some(sid) if facts.paused == Some(PauseKind::Filesystem) => {
                     set(&session.sandbox_id, Some(sid));
                     set(&session.detached_why, None);
                     report.reconnected.push(id.clone());
@@ -1316,9 +1307,8 @@ impl SessionManager {
                     let ctx = CallCtx::new(format!("recover-{id}"))
                         .with_timeout(self.deadlines.sandbox_op, Clock::Total);
                     let mut connected = session.provider.connect(&ctx, &sid).await;
-                    if let Err(e) = &connected
-                        && e.code() == ErrorCode::Conflict
-                        && !facts.paused
+                    if matches!(connected, Err(ProviderError::Stopped { .. }))
+                        && facts.paused.is_none()
                     {
                         // Stopped by a pause that a crash kept out of the log: the log
                         // says it runs, so it runs.
@@ -1539,10 +1529,8 @@ struct LogFacts {
     expiry: Option<Expiry>,
     /// The latest `sandbox/network`.
     egress: Option<tether_protocol::network::Egress>,
-    /// Whether the last pause was not followed by a resume or a new lease.
-    paused: bool,
-    /// What that pause kept.
-    pause_kind: PauseKind,
+    /// What the last pause kept, when it was not followed by a resume or a new lease.
+    paused: Option<PauseKind>,
     /// Output bytes journaled by finished commands.
     journaled: u64,
     /// Commands started and never logged as ended: spec, deadline and idle limit.
@@ -1571,16 +1559,13 @@ impl LogFacts {
         match body {
             EventBody::SandboxLeased { sandbox_id, .. } => {
                 self.leased = Some(sandbox_id.clone());
-                self.paused = false;
+                self.paused = None;
             }
             EventBody::SandboxReleased { .. } => self.leased = None,
             EventBody::ExpirySet { expiry } => self.expiry = Some(*expiry),
             EventBody::SandboxNetwork { egress, .. } => self.egress = Some(egress.clone()),
-            EventBody::SandboxPaused { kind, .. } => {
-                self.paused = true;
-                self.pause_kind = *kind;
-            }
-            EventBody::SandboxResumed { .. } => self.paused = false,
+            EventBody::SandboxPaused { kind, .. } => self.paused = Some(*kind),
+            EventBody::SandboxResumed { .. } => self.paused = None,
             EventBody::ProcessStarted {
                 command_id,
                 spec,

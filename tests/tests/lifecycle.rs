@@ -831,6 +831,20 @@ async fn a_session_output_cap_ends_the_command_that_passes_it() {
     d.stop().await;
 }
 
+/// Session `sid` is active and paused, and a tool call is refused at once (`409`).
+async fn paused_and_refusing_calls(d: &TestDaemon, sid: &str) {
+    let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
+    assert_eq!(info["paused"], json!(true), "{info}");
+    assert_eq!(info["state"], "active", "{info}");
+    let (st, _) = d
+        .post(
+            &format!("/v1/sessions/{sid}/tool-calls"),
+            json!({"calls": [{"id": "c2", "name": "bash", "arguments": {"command": "true"}}]}),
+        )
+        .await;
+    assert_eq!(st, 409);
+}
+
 #[tokio::test]
 async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
     let d = TestDaemon::start().await;
@@ -863,16 +877,7 @@ async fn a_paused_session_stays_paused_across_a_restart_and_resumes_intact() {
     // A restart knows from the log that the sandbox is paused.
     let dir = d.stop().await;
     let d = TestDaemon::start_in(dir, |_| {}).await;
-    let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
-    assert_eq!(info["paused"], json!(true), "{info}");
-    assert_eq!(info["state"], "active");
-    let (st, _) = d
-        .post(
-            &format!("/v1/sessions/{sid}/tool-calls"),
-            json!({"calls": [{"id": "c2", "name": "bash", "arguments": {"command": "true"}}]}),
-        )
-        .await;
-    assert_eq!(st, 409);
+    paused_and_refusing_calls(&d, &sid).await;
     let (st, body) = d
         .post(&format!("/v1/sessions/{sid}/resume"), json!({}))
         .await;
@@ -933,16 +938,7 @@ async fn a_session_paused_without_memory_stays_stopped_across_a_restart_and_boot
     );
     let dir = d.stop().await;
     let d = TestDaemon::start_in(dir, |_| {}).await;
-    let (_, info) = d.get(&format!("/v1/sessions/{sid}")).await;
-    assert_eq!(info["paused"], json!(true), "{info}");
-    assert_eq!(info["state"], "active", "{info}");
-    let (st, _) = d
-        .post(
-            &format!("/v1/sessions/{sid}/tool-calls"),
-            json!({"calls": [{"id": "c2", "name": "bash", "arguments": {"command": "true"}}]}),
-        )
-        .await;
-    assert_eq!(st, 409);
+    paused_and_refusing_calls(&d, &sid).await;
     let (st, body) = d
         .post(&format!("/v1/sessions/{sid}/resume"), json!({}))
         .await;

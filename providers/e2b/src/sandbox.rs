@@ -492,11 +492,26 @@ impl ProviderInner {
         decode(&body, "get")
     }
 
-    async fn kill(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+    /// Whether the next resume of `id` asks for a boot ([`Self::reboot`]).
+    fn reboots(&self, id: &str) -> bool {
         self.reboot
-            .write()
+            .read()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
+            .contains(id)
+    }
+
+    /// Mark (`on`) or clear whether the next resume of `id` asks for a boot.
+    fn set_reboot(&self, id: &str, on: bool) {
+        let mut set = self.reboot.write().unwrap_or_else(|e| e.into_inner());
+        if on {
+            set.insert(id.to_owned());
+        } else {
+            set.remove(id);
+        }
+    }
+
+    async fn kill(&self, ctx: &CallCtx, id: &str) -> Result<()> {
+        self.set_reboot(id, false);
         let op = Op::Sandbox { op: "destroy", id };
         let path = format!("/sandboxes/{id}");
         let r = retry(ctx, self.http.retry, "destroy", || {
@@ -522,11 +537,7 @@ impl ProviderInner {
         ttl_s: i64,
     ) -> Result<Option<SandboxResponse>> {
         let op = Op::Sandbox { op: "connect", id };
-        let reboot = self
-            .reboot
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(id);
+        let reboot = self.reboots(id);
         let body = ConnectSandboxRequest {
             timeout: Some(ttl_s),
             memory: reboot.then_some(false),
@@ -549,10 +560,7 @@ impl ProviderInner {
                         Probe::set(&self.probe.connect_v2, YES);
                     }
                     if reboot {
-                        self.reboot
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(id);
+                        self.set_reboot(id, false);
                     }
                     return decode(&b, "connect").map(Some);
                 }
@@ -895,10 +903,7 @@ impl Provider for E2bProvider {
             .await?;
         let stopped = || {
             if !kind.is_memory() {
-                i.reboot
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id.to_owned());
+                i.set_reboot(id, true);
             }
         };
         match status.as_u16() {
