@@ -283,45 +283,11 @@ pub async fn read_until_error(
 
 /// The microVM provider's config for tests on this host (the cache of the provider's own
 /// tests: image and saved template reused; 256 MiB guests), or `None` with the reason
-/// printed: qemu, the guest agent (`TETHER_GUEST_BIN`, default
-/// `target/x86_64-unknown-linux-gnu/release/tether-guest`) or the base template
-/// (`TETHER_TEMPLATE_DIR`, default `target/tether-templates`) missing.
+/// printed (see [`tether_provider_microvm::testkit::test_config`]).
 pub fn microvm_config() -> Option<tether_provider_microvm::MicrovmConfig> {
-    let ws = workspace_root();
-    let agent = std::env::var_os("TETHER_GUEST_BIN").map_or_else(
-        || ws.join("target/x86_64-unknown-linux-gnu/release/tether-guest"),
-        PathBuf::from,
-    );
-    let base = std::env::var_os("TETHER_TEMPLATE_DIR")
-        .map_or_else(|| ws.join("target/tether-templates"), PathBuf::from)
-        .join("base");
-    let have = |p: &str| {
-        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-            .any(|d| d.join(p).is_file())
-    };
-    let skip = |why: String| {
-        eprintln!("SKIPPED: {why}");
-        None
-    };
-    if !have("qemu-system-x86_64") || !have("qemu-img") {
-        return skip("qemu is not installed".into());
-    }
-    if !agent.is_file() {
-        return skip(format!("no guest agent at {}", agent.display()));
-    }
-    if !base.join(".tether-template-complete").exists() {
-        return skip(format!("no base template at {}", base.display()));
-    }
-    // The provider tests' cache: the image and the saved template are reused.
-    let root = ws.join("target/microvm-test");
-    std::fs::create_dir_all(&root).expect("the microVM test root");
-    let mut cfg = tether_provider_microvm::MicrovmConfig::with_root(
-        root.canonicalize().expect("the microVM test root"),
-    );
-    cfg.agent_binary = Some(agent);
-    cfg.base_template = Some(base);
-    cfg.memory_mib = 256;
-    Some(cfg)
+    tether_provider_microvm::testkit::test_config(&workspace_root())
+        .map_err(|why| eprintln!("SKIPPED: {why}"))
+        .ok()
 }
 
 /// Run a suite's process to its end within `limit`, streaming its stdout and stderr as

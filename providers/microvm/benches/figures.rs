@@ -143,29 +143,14 @@ fn pss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The tests' configuration with its image cache, at the provider's default VM size.
 fn config() -> Option<MicrovmConfig> {
     let ws = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let agent = std::env::var_os("TETHER_GUEST_BIN").map_or_else(
-        || ws.join("target/x86_64-unknown-linux-gnu/release/tether-guest"),
-        PathBuf::from,
-    );
-    let base = std::env::var_os("TETHER_TEMPLATE_DIR")
-        .map_or_else(|| ws.join("target/tether-templates"), PathBuf::from)
-        .join("base");
-    if !agent.is_file() || !base.join(".tether-template-complete").exists() {
-        println!(
-            "SKIPPED: no guest agent at {} or no base template at {}",
-            agent.display(),
-            base.display()
-        );
-        return None;
-    }
-    let image = ws.join("target/microvm-test/image");
-    std::fs::create_dir_all(&image).unwrap();
-    let mut cfg = MicrovmConfig::with_root("/");
-    cfg.image_dir = Some(image.canonicalize().unwrap());
-    cfg.agent_binary = Some(agent);
-    cfg.base_template = Some(base);
+    let mut cfg = tether_provider_microvm::testkit::test_config(&ws)
+        .map_err(|why| println!("SKIPPED: {why}"))
+        .ok()?;
+    cfg.image_dir = Some(cfg.root.join("image"));
+    cfg.memory_mib = MicrovmConfig::default().memory_mib;
     Some(cfg)
 }
 

@@ -18,6 +18,8 @@ pub mod fs;
 pub mod image;
 pub mod process;
 pub mod sandbox;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 #[cfg(test)]
 mod tests;
