@@ -21,6 +21,8 @@ const RESTART_EVERY: Duration = Duration::from_secs(1);
 const MOUNTS: &[(&str, &str, &str, u64, &str)] = &[
     ("proc", "/proc", "proc", 0, ""),
     ("sysfs", "/sys", "sysfs", 0, ""),
+    // One unified hierarchy with every controller, as a systemd distribution mounts it.
+    ("cgroup2", "/sys/fs/cgroup", "cgroup2", 0, "nsdelegate"),
     ("devtmpfs", "/dev", "devtmpfs", 0, "mode=0755"),
     ("devpts", "/dev/pts", "devpts", 0, "mode=0620,ptmxmode=0666"),
     ("tmpfs", "/dev/shm", "tmpfs", 0, "mode=1777"),

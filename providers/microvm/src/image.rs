@@ -28,6 +28,8 @@ use crate::error::internal;
 pub const KERNEL_METAPACKAGE: &str = "linux-image-cloud-amd64";
 /// Kernel modules the initramfs loads, in dependency order (`virtio` needs
 /// `virtio_ring`, `virtio_net` needs `net_failover`, ...; the .deb has no `modules.dep`).
+/// `loop` and `overlay` make the guest a machine that can mount images and run container
+/// tools (and tether's own local provider, whose sandboxes stand on both).
 pub const MODULES: &[&str] = &[
     "virtio_ring",
     "virtio",
@@ -36,6 +38,8 @@ pub const MODULES: &[&str] = &[
     "net_failover",
     "virtio_net",
     "virtio_blk",
+    "loop",
+    "overlay",
 ];
 /// Where the agent lives in the guest.
 pub const GUEST_AGENT_PATH: &str = "usr/local/bin/tether-guest";
@@ -385,13 +389,17 @@ fn kernel_package(out_dir: &Path) -> Result<KernelPackage> {
     }
 }
 
-/// `<out>/kernel/<pkg>_<ver>/{vmlinuz, modules/*.ko}`, fetched unless there.
+/// `<out>/kernel/<pkg>_<ver>-<modules>/{vmlinuz, modules/*.ko}`, fetched unless there
+/// (the directory is named by the module list too: a list that grows fetches again).
 fn fetch_kernel(
     out_dir: &Path,
     k: &KernelPackage,
     progress: &mut dyn FnMut(GuestProgress),
 ) -> Result<PathBuf> {
-    let dir = out_dir.join("kernel").join(k.id());
+    let modules = hex::encode(Sha256::digest(MODULES.join(" ")));
+    let dir = out_dir
+        .join("kernel")
+        .join(format!("{}-{}", k.id(), &modules[..8]));
     if dir.join("vmlinuz").exists() {
         return Ok(dir);
     }
