@@ -109,13 +109,12 @@ async fn collect(h: &dyn ProcessHandle) -> Out {
     out
 }
 
+async fn spawn(sb: &dyn Sandbox, spec: ProcessSpec) -> Arc<dyn ProcessHandle> {
+    sb.process().spawn(&ctx(), spec).await.expect("spawn")
+}
+
 async fn sh(sb: &dyn Sandbox, cmd: &str) -> Out {
-    let h = sb
-        .process()
-        .spawn(&ctx(), ProcessSpec::shell(cmd))
-        .await
-        .expect("spawn");
-    collect(h.as_ref()).await
+    collect(spawn(sb, ProcessSpec::shell(cmd)).await.as_ref()).await
 }
 
 async fn read_all(sb: &dyn Sandbox, path: &str) -> tether_provider::Result<Vec<u8>> {
@@ -242,14 +241,11 @@ async fn another_sandboxs_argv_is_invisible() {
     let a = sandbox(&e, false).await;
     let b = sandbox(&e, false).await;
     let token = format!("tether-token-{}", uuid::Uuid::new_v4().simple());
-    let h = a
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::argv(["bash", "-c", &format!("sleep 300; : {token}")]),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        a.as_ref(),
+        ProcessSpec::argv(["bash", "-c", &format!("sleep 300; : {token}")]),
+    )
+    .await;
     // The pattern comes from a file: the grep's own argv must not contain the token.
     for s in [&a, &b] {
         assert!(
@@ -465,18 +461,15 @@ async fn a_fork_bomb_hits_the_process_limit_while_another_sandbox_keeps_working(
     let e = env();
     let bomb = sandbox(&e, false).await;
     let other = sandbox(&e, false).await;
-    let h = bomb
-        .process()
-        .spawn(
-            &ctx(),
+    let h = spawn(
+        bomb.as_ref(),
             ProcessSpec::argv([
-                "python3",
-                "-c",
-                "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused after', n, e.errno)\n    raise SystemExit(11)\n",
-            ]),
-        )
-        .await
-        .unwrap();
+            "python3",
+            "-c",
+            "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused after', n, e.errno)\n    raise SystemExit(11)\n",
+        ]),
+    )
+    .await;
     let out = tokio::time::timeout(Duration::from_secs(60), collect(h.as_ref()))
         .await
         .expect("the bomb is stopped by the limit");
@@ -501,27 +494,21 @@ async fn a_3_gib_allocation_is_killed_as_out_of_memory() {
     let e = env();
     let hog = sandbox(&e, false).await;
     let other = sandbox(&e, false).await;
-    let h = hog
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::argv(["python3", "-c", "b = bytearray(3 << 30); print('survived')"]),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        hog.as_ref(),
+        ProcessSpec::argv(["python3", "-c", "b = bytearray(3 << 30); print('survived')"]),
+    )
+    .await;
     let out = collect(h.as_ref()).await;
     assert_eq!(out.status.signal, Some(9), "{} {}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("survived"));
     assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
     // A child killed for memory, its parent reporting failure: classified the same.
-    let h = hog
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::shell("python3 -c 'b = bytearray(3 << 30)' || exit 3"),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        hog.as_ref(),
+        ProcessSpec::shell("python3 -c 'b = bytearray(3 << 30)' || exit 3"),
+    )
+    .await;
     let out = collect(h.as_ref()).await;
     assert_eq!(out.status.code, Some(3), "{}", out.stderr);
     assert_eq!(h.limit_hit(), Some(LimitKind::Memory));
@@ -541,18 +528,15 @@ async fn an_allocation_past_a_set_memory_limit_is_killed_as_out_of_memory() {
     let sb = sandbox_with(&e, limits(128 << 20, 1024, 1 << 30)).await;
     let id = sb.info().id;
     assert!(!sandbox_cgroups(&id).is_empty(), "no cgroup for {id}");
-    let h = sb
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::argv([
-                "python3",
-                "-c",
-                "b = bytearray(512 << 20); print('survived')",
-            ]),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        sb.as_ref(),
+        ProcessSpec::argv([
+            "python3",
+            "-c",
+            "b = bytearray(512 << 20); print('survived')",
+        ]),
+    )
+    .await;
     let out = collect(h.as_ref()).await;
     assert_eq!(out.status.signal, Some(9), "{} {}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("survived"));
@@ -601,14 +585,11 @@ async fn a_5_gib_file_hits_the_disk_limit_and_the_host_state_dir_stays_writable(
     // Writing one until the disk is full (a smaller disk: the image is sparse, and what
     // the sandbox writes lands on the host's disk up to the limit).
     let filler = sandbox_with(&e, limits(2 << 30, 1024, 256 << 20)).await;
-    let h = filler
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::shell("head -c 5G /dev/zero > /tmp/big"),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        filler.as_ref(),
+        ProcessSpec::shell("head -c 5G /dev/zero > /tmp/big"),
+    )
+    .await;
     let out = collect(h.as_ref()).await;
     assert_eq!(out.status.code, Some(1), "{}", out.stderr);
     assert!(
@@ -716,16 +697,13 @@ async fn pause_freezes_and_resume_thaws() {
     let e = env();
     let sb = sandbox(&e, false).await;
     let id = sb.info().id;
-    let h = sb
-        .process()
-        .spawn(
-            &ctx(),
-            ProcessSpec::shell(
-                "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done",
-            ),
-        )
-        .await
-        .unwrap();
+    let h = spawn(
+        sb.as_ref(),
+        ProcessSpec::shell(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done",
+        ),
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     e.provider
         .pause(&ctx(), &id, PauseKind::Memory)
@@ -1120,24 +1098,26 @@ async fn the_isolation_tests_pass_on_a_pure_cgroup_v2_host() {
     );
 }
 
-async fn run_in_guest(guest: &dyn Sandbox) -> Result<Out, String> {
-    let as_root = |cmd: &str| ProcessSpec {
+/// Run `cmd` as root in the guest to its end.
+async fn as_root(guest: &dyn Sandbox, cmd: &str) -> Result<Out, String> {
+    let spec = ProcessSpec {
         user: Some("root".into()),
         ..ProcessSpec::shell(cmd)
     };
+    let h = guest
+        .process()
+        .spawn(&ctx(), spec)
+        .await
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    Ok(collect(h.as_ref()).await)
+}
+
+async fn run_in_guest(guest: &dyn Sandbox) -> Result<Out, String> {
     // Uploads are the default user's: make their directories theirs first.
     let dirs = [GUEST_BINARY, HELPER]
         .map(|p| Path::new(p).parent().unwrap().display().to_string())
         .join(" ");
-    let h = guest
-        .process()
-        .spawn(
-            &ctx(),
-            as_root(&format!("mkdir -p {dirs} && chown user: {dirs}")),
-        )
-        .await
-        .map_err(|e| format!("mkdir: {e}"))?;
-    let made = collect(h.as_ref()).await;
+    let made = as_root(guest, &format!("mkdir -p {dirs} && chown user: {dirs}")).await?;
     assert!(made.ok(), "{}", made.stderr);
     for (from, to) in [
         (std::env::current_exe().unwrap(), GUEST_BINARY),
@@ -1157,18 +1137,12 @@ async fn run_in_guest(guest: &dyn Sandbox) -> Result<Out, String> {
     }
     // The guest is a pure v2 host: one unified hierarchy, with the controllers, and no
     // v1 hierarchy mounted.
-    let probe = guest
-        .process()
-        .spawn(
-            &ctx(),
-            as_root(
-                "cat /proc/self/cgroup; cat /sys/fs/cgroup/cgroup.controllers; \
-                 grep -c ' - cgroup ' /proc/self/mountinfo; ls /dev/loop-control",
-            ),
-        )
-        .await
-        .map_err(|e| format!("probe: {e}"))?;
-    let probe = collect(probe.as_ref()).await;
+    let probe = as_root(
+        guest,
+        "cat /proc/self/cgroup; cat /sys/fs/cgroup/cgroup.controllers; \
+         grep -c ' - cgroup ' /proc/self/mountinfo; ls /dev/loop-control",
+    )
+    .await?;
     let lines: Vec<&str> = probe.stdout.lines().collect();
     assert_eq!(lines.first(), Some(&"0::/"), "{}", probe.stdout);
     for c in ["memory", "pids", "cpu"] {
@@ -1185,12 +1159,7 @@ async fn run_in_guest(guest: &dyn Sandbox) -> Result<Out, String> {
          --exact --test-threads 1 {}",
         IN_GUEST_TESTS.join(" ")
     );
-    let h = guest
-        .process()
-        .spawn(&ctx(), as_root(&run))
+    tokio::time::timeout(Duration::from_secs(900), as_root(guest, &run))
         .await
-        .map_err(|e| format!("run: {e}"))?;
-    tokio::time::timeout(Duration::from_secs(900), collect(h.as_ref()))
-        .await
-        .map_err(|_| "the guest's run outlived 15 minutes".to_owned())
+        .map_err(|_| "the guest's run outlived 15 minutes".to_owned())?
 }
