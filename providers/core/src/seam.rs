@@ -352,6 +352,16 @@ pub trait Sandbox: Send + Sync + std::fmt::Debug {
     fn fs(&self) -> &dyn Fs;
     /// Its processes.
     fn process(&self) -> &dyn Process;
+
+    /// Its file system as E2B's file API serves it to `user` (a user of the sandbox,
+    /// `user` or `root`): operations act with the sandbox root's rights, inside the
+    /// sandbox only, and what they create (files, missing parent directories) belongs
+    /// to `user`, as envd does. `Ok(None)`: the provider has no such view, and
+    /// [`Sandbox::fs`] serves instead. An unknown user is `INVALID_REQUEST`.
+    fn fs_for(&self, user: &str) -> Result<Option<Arc<dyn Fs>>> {
+        let _ = user;
+        Ok(None)
+    }
 }
 
 /// A file operation of the [`Fs`] seam, named: what the daemon's operation layer and

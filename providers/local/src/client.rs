@@ -65,6 +65,11 @@ impl Launcher {
         }
         Ok(Self { program: exe })
     }
+
+    /// The helper binary.
+    pub(crate) fn program(&self) -> &Path {
+        &self.program
+    }
 }
 
 // === impl Init ===

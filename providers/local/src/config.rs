@@ -124,6 +124,10 @@ pub const DEFAULT_INIT_TIMEOUT_MS: u64 = 20_000;
 /// Default time the network helper has to configure a sandbox's interface.
 pub const DEFAULT_NETWORK_TIMEOUT_MS: u64 = 5_000;
 
+/// Default time a file operation with the sandbox root's rights has when its call sets
+/// no deadline.
+pub const DEFAULT_FS_HELPER_TIMEOUT_MS: u64 = 600_000;
+
 /// How a sandbox is set apart from the machine it runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -212,6 +216,10 @@ pub struct LocalConfig {
     /// Time the network helper has to configure a sandbox's interface, in ms.
     #[serde(default = "default_network_timeout_ms")]
     pub network_timeout_ms: u64,
+    /// Time a file operation with the sandbox root's rights (E2B's file API, run by a
+    /// helper in the sandbox's user namespace) has when its call sets no deadline, in ms.
+    #[serde(default = "default_fs_helper_timeout_ms")]
+    pub fs_helper_timeout_ms: u64,
     /// Capture cap per output stream when a command's spec sets none, in bytes.
     #[serde(default = "default_max_output_bytes")]
     pub max_output_bytes: u64,
@@ -257,6 +265,7 @@ impl Default for LocalConfig {
             network_helper: None,
             init_timeout_ms: DEFAULT_INIT_TIMEOUT_MS,
             network_timeout_ms: DEFAULT_NETWORK_TIMEOUT_MS,
+            fs_helper_timeout_ms: DEFAULT_FS_HELPER_TIMEOUT_MS,
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
             drain_after_exit_ms: DEFAULT_DRAIN_AFTER_EXIT_MS,
             max_grace_ms: DEFAULT_MAX_GRACE_MS,
@@ -434,6 +443,10 @@ fn default_init_timeout_ms() -> u64 {
 
 fn default_network_timeout_ms() -> u64 {
     DEFAULT_NETWORK_TIMEOUT_MS
+}
+
+fn default_fs_helper_timeout_ms() -> u64 {
+    DEFAULT_FS_HELPER_TIMEOUT_MS
 }
 
 fn default_max_output_bytes() -> u64 {

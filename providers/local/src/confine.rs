@@ -3,7 +3,8 @@
 //! Verbs, all internal to the local provider:
 //! - `holder`: the process that creates a sandbox's namespaces ([`crate::init`]);
 //! - `pid1`: the sandbox's init, first process of its pid namespace;
-//! - `ptyexec <argv...>`: run a command as the session leader of its pty.
+//! - `ptyexec <argv...>`: run a command as the session leader of its pty;
+//! - `fsop`: one file operation with the sandbox root's rights ([`crate::elevated`]).
 //!
 //! A process that calls [`main`] must be single-threaded (creating a user namespace
 //! demands it): `tetherd` dispatches `__confine` before it starts its runtime.
@@ -25,8 +26,9 @@ pub fn main() -> ExitCode {
         (Some("holder"), 1) => crate::init::holder(),
         (Some("pid1"), 1) => crate::init::pid1(),
         (Some("ptyexec"), n) if n >= 2 => crate::init::ptyexec(&args[1..]),
+        (Some("fsop"), 1) => crate::elevated::helper(),
         _ => {
-            eprintln!("usage: tether-confine [__confine] holder|pid1|ptyexec <argv...>");
+            eprintln!("usage: tether-confine [__confine] holder|pid1|ptyexec <argv...>|fsop");
             ExitCode::from(2)
         }
     }

@@ -76,6 +76,10 @@ pub(crate) struct Workspace {
     /// Host uid and gid file operations run as (the sandbox's default user), or `None`
     /// to keep the provider's own.
     pub(crate) creds: Option<(u32, u32)>,
+    /// uid and gid what a file operation creates is given to, or `None` to leave it to
+    /// whoever runs the operation (E2B's file API acts with root's rights and gives what
+    /// it creates to the user it was asked for).
+    pub(crate) owner: Option<(u32, u32)>,
 }
 
 impl Workspace {
@@ -98,7 +102,47 @@ impl Workspace {
             prefix: Vec::new(),
             display: home.to_owned(),
             creds,
+            owner: None,
         })
+    }
+
+    /// The same sandbox root, with relative paths starting at `home` (components
+    /// `home_comps`), operations running as `creds` and what they create given to `owner`.
+    pub(crate) fn view(
+        root: OwnedFd,
+        home: &str,
+        home_comps: &[String],
+        creds: Option<(u32, u32)>,
+        owner: Option<(u32, u32)>,
+    ) -> Self {
+        Self {
+            root,
+            home: home_comps.iter().map(OsString::from).collect(),
+            prefix: Vec::new(),
+            display: home.to_owned(),
+            creds,
+            owner,
+        }
+    }
+
+    /// A descriptor of the sandbox root (for a view of it with other rights).
+    pub(crate) fn root_fd(&self) -> std::io::Result<OwnedFd> {
+        self.root.try_clone()
+    }
+
+    /// Give what an operation created to the owner, if one is set.
+    fn give(&self, fd: BorrowedFd<'_>, name: Option<&OsStr>) -> rustix::io::Result<()> {
+        let Some((uid, gid)) = self.owner else {
+            return Ok(());
+        };
+        let (uid, gid) = (
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        );
+        match name {
+            None => rustix::fs::fchown(fd, uid, gid),
+            Some(name) => rustix::fs::chownat(fd, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
+        }
     }
 
     /// A view confined to `host`, seen inside as `sandbox_path` (components `prefix`).
@@ -120,7 +164,30 @@ impl Workspace {
             prefix,
             display: sandbox_path.to_owned(),
             creds: None,
+            owner: None,
         })
+    }
+
+    /// Open the regular file at `path` for reading.
+    pub(crate) fn open_regular(&self, path: &str) -> Result<OwnedFd> {
+        let comps = self.resolve(path, true)?;
+        let fd = self
+            .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
+            .map_err(|e| fs_errno(path, e))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| fs_errno(path, e))?;
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::RegularFile => Ok(fd),
+            FileType::Directory => Err(ProviderError::fs(
+                ErrorCode::FsIsDirectory,
+                path,
+                "is a directory",
+            )),
+            _ => Err(ProviderError::fs(
+                ErrorCode::FsNotRegularFile,
+                path,
+                "not a regular file",
+            )),
+        }
     }
 
     /// The home directory as sandbox paths see it (`/home/user`).
@@ -448,6 +515,36 @@ fn write_all_vectored(file: &mut std::fs::File, chunks: &[Bytes]) -> std::io::Re
     Ok(())
 }
 
+/// Stream `range` of an open regular file. Each chunk is one `pread` on the blocking
+/// pool, and the next one is started before a chunk is handed on, so the disk and the
+/// consumer overlap. No thread waits on a consumer that stops reading: a stalled
+/// download holds at most one finished chunk.
+pub(crate) fn read_stream(fd: OwnedFd, range: ByteRange, path: &str) -> ByteStream {
+    let file = Arc::new(fd);
+    let want = |left: Option<u64>| left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
+    let first =
+        (range.length != Some(0)).then(|| read_at(file.clone(), range.offset, want(range.length)));
+    let state = (file, first, range.offset, range.length, path.to_owned());
+    let stream =
+        futures_util::stream::unfold(state, move |(file, next, at, left, path)| async move {
+            let buf = match next?.await {
+                Ok(Ok(buf)) => buf,
+                Ok(Err(e)) => {
+                    return Some((Err(fs_io(&path, e)), (file, None, at, left, path)));
+                }
+                Err(e) => return Some((Err(join(e)), (file, None, at, left, path))),
+            };
+            if buf.is_empty() {
+                return None;
+            }
+            let n = buf.len() as u64;
+            let (at, left) = (at + n, left.map(|l| l - n));
+            let next = (left != Some(0)).then(|| read_at(file.clone(), at, want(left)));
+            Some((Ok(Bytes::from(buf)), (file, next, at, left, path)))
+        });
+    stream.boxed()
+}
+
 /// Run a blocking file-system closure on the blocking pool, unless the call is already
 /// over. Once started, the closure is waited for even if the call is cancelled: these are
 /// short local system calls, and returning early would report a cancel for an operation
@@ -534,55 +631,8 @@ impl Fs for LocalFs {
     async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
         let ws = self.ws.clone();
         let p = path.to_owned();
-        let fd = blocking(ctx, self.ws.creds, move || {
-            let comps = ws.resolve(&p, true)?;
-            let fd = ws
-                .open_beneath(&comps, OFlags::RDONLY | OFlags::NONBLOCK)
-                .map_err(|e| fs_errno(&p, e))?;
-            let st = rustix::fs::fstat(&fd).map_err(|e| fs_errno(&p, e))?;
-            match FileType::from_raw_mode(st.st_mode) {
-                FileType::RegularFile => Ok(fd),
-                FileType::Directory => Err(ProviderError::fs(
-                    ErrorCode::FsIsDirectory,
-                    &p,
-                    "is a directory",
-                )),
-                _ => Err(ProviderError::fs(
-                    ErrorCode::FsNotRegularFile,
-                    &p,
-                    "not a regular file",
-                )),
-            }
-        })
-        .await?;
-        // Each chunk is one `pread` on the blocking pool, and the next one is started
-        // before a chunk is handed on, so the disk and the consumer overlap. No thread
-        // waits on a consumer that stops reading: a stalled download holds at most one
-        // finished chunk.
-        let file = Arc::new(fd);
-        let want =
-            |left: Option<u64>| left.map_or(READ_CHUNK, |l| l.min(READ_CHUNK as u64) as usize);
-        let first = (range.length != Some(0))
-            .then(|| read_at(file.clone(), range.offset, want(range.length)));
-        let state = (file, first, range.offset, range.length, path.to_owned());
-        let stream =
-            futures_util::stream::unfold(state, move |(file, next, at, left, path)| async move {
-                let buf = match next?.await {
-                    Ok(Ok(buf)) => buf,
-                    Ok(Err(e)) => {
-                        return Some((Err(fs_io(&path, e)), (file, None, at, left, path)));
-                    }
-                    Err(e) => return Some((Err(join(e)), (file, None, at, left, path))),
-                };
-                if buf.is_empty() {
-                    return None;
-                }
-                let n = buf.len() as u64;
-                let (at, left) = (at + n, left.map(|l| l - n));
-                let next = (left != Some(0)).then(|| read_at(file.clone(), at, want(left)));
-                Some((Ok(Bytes::from(buf)), (file, next, at, left, path)))
-            });
-        Ok(stream.boxed())
+        let fd = blocking(ctx, self.ws.creds, move || ws.open_regular(&p)).await?;
+        Ok(read_stream(fd, range, path))
     }
 
     async fn write(
@@ -611,6 +661,10 @@ impl Fs for LocalFs {
                 Mode::from_raw_mode(0o644),
             )
             .map_err(|e| fs_errno(&p, e))?;
+            if let Err(e) = ws.give(fd.as_fd(), None) {
+                let _ = rustix::fs::unlinkat(&parent, tmp.as_os_str(), AtFlags::empty());
+                return Err(fs_errno(&p, e));
+            }
             Ok((comps, parent, fd))
         })
         .await?;
@@ -881,6 +935,8 @@ impl Fs for LocalFs {
             let (dir, name) = ws.parent(&p, &comps)?;
             rustix::fs::mkdirat(&dir, name.as_os_str(), Mode::from_raw_mode(0o755))
                 .map_err(|e| fs_errno(&p, e))?;
+            ws.give(dir.as_fd(), Some(&name))
+                .map_err(|e| fs_errno(&p, e))?;
             ws.stat_at(dir.as_fd(), &name, &comps)
                 .map_err(|e| fs_errno(&p, e))
         })
@@ -1050,7 +1106,10 @@ fn mkdir_all(ws: &Workspace, path: &str, comps: &[OsString]) -> Result<()> {
     for i in 0..comps.len() {
         let dir = ws.open_dir(&comps[..i]).map_err(|e| fs_errno(path, e))?;
         match rustix::fs::mkdirat(&dir, comps[i].as_os_str(), Mode::from_raw_mode(0o755)) {
-            Ok(()) | Err(Errno::EXIST) => {}
+            Ok(()) => ws
+                .give(dir.as_fd(), Some(&comps[i]))
+                .map_err(|e| fs_errno(path, e))?,
+            Err(Errno::EXIST) => {}
             Err(e) => return Err(fs_errno(path, e)),
         }
     }

@@ -23,6 +23,7 @@ mod cgroup;
 mod client;
 mod config;
 pub mod confine;
+mod elevated;
 mod error;
 mod fs;
 pub mod init;

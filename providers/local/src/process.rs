@@ -215,7 +215,7 @@ impl LocalProcess {
 const DISK_FULL_BYTES: u64 = 1 << 20;
 
 /// uid and gid inside of user `name`, from the sandbox's `/etc/passwd`.
-fn lookup_user(core: &SandboxCore, name: &str) -> Result<(u32, u32)> {
+pub(crate) fn lookup_user(core: &SandboxCore, name: &str) -> Result<(u32, u32)> {
     if name == "root" {
         return Ok((0, 0));
     }

@@ -21,6 +21,7 @@
 //! stops cleanly ends its sandboxes' processes.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -140,6 +141,12 @@ pub(crate) struct SandboxCore {
     pub(crate) env: BTreeMap<String, String>,
     /// uid and gid inside of commands that name no user.
     pub(crate) user: (u32, u32),
+    /// The sandbox's user namespace, where it has one of its own.
+    pub(crate) userns: Option<OwnedFd>,
+    /// The helper binary.
+    pub(crate) launcher: Launcher,
+    /// Components of the workspace path.
+    pub(crate) home: Vec<String>,
     pub(crate) tasks: TaskTracker,
     pub(crate) closed: CancellationToken,
 }
@@ -281,6 +288,10 @@ impl Sandbox for LocalSandbox {
 
     fn process(&self) -> &dyn Process {
         &self.process
+    }
+
+    fn fs_for(&self, user: &str) -> Result<Option<Arc<dyn Fs>>> {
+        crate::elevated::view_for(&self.core, user).map(Some)
     }
 }
 
@@ -804,6 +815,13 @@ impl LocalProvider {
             Some(creds),
         )
         .map_err(|e| internal("cannot open the sandbox's root", e))?;
+        let userns = if self.cfg.isolation == Isolation::None {
+            None
+        } else {
+            let ns = std::fs::File::open(format!("/proc/{}/ns/user", init.pid1))
+                .map_err(|e| internal("cannot open the sandbox's user namespace", e))?;
+            Some(OwnedFd::from(ns))
+        };
         Ok(SandboxCore {
             id: record.id.clone(),
             cfg: self.cfg.clone(),
@@ -815,6 +833,9 @@ impl LocalProvider {
             network: Mutex::new(network),
             env: record.env.clone(),
             user,
+            userns,
+            launcher: self.launcher.clone(),
+            home: self.home.clone(),
             tasks: TaskTracker::new(),
             closed: CancellationToken::new(),
         })

@@ -254,3 +254,214 @@ async fn a_login_shell_runs_no_program_to_learn_its_uid() {
     assert_eq!(calls, "-u\n-u\n", "a login shell ran `id`");
     p.destroy(&ctx, &sb.info().id).await.unwrap();
 }
+
+/// Read a whole file through `fs`.
+async fn read_all(fs: &dyn tether_provider::Fs, path: &str) -> Result<Vec<u8>, ErrorCode> {
+    let ctx = CallCtx::new("base");
+    let mut s = fs
+        .read(&ctx, path, tether_protocol::fs::ByteRange::default())
+        .await
+        .map_err(|e| e.code())?;
+    let mut out = Vec::new();
+    while let Some(c) = s.next().await {
+        out.extend_from_slice(&c.map_err(|e| e.code())?);
+    }
+    Ok(out)
+}
+
+async fn write(
+    fs: &dyn tether_provider::Fs,
+    path: &str,
+    data: &'static [u8],
+) -> Result<(), ErrorCode> {
+    fs.write(
+        &CallCtx::new("base"),
+        path,
+        tether_provider::util::once_bytes(bytes::Bytes::from_static(data)),
+        tether_protocol::fs::WriteGuard::None,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.code())
+}
+
+/// E2B's file API (envd) acts with root's rights and gives what it creates to the user
+/// asked for: `Sandbox::fs_for`. The kernel grants those rights: the operations run in
+/// a helper that joined the sandbox's user namespace as its root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_file_rights_are_the_sandbox_roots_and_what_they_create_is_the_users() {
+    let Some((_dir, p, sb)) = base_sandbox().await else {
+        return;
+    };
+    let ctx = CallCtx::new("base");
+    let as_user = sb.fs_for("user").unwrap().expect("a view for user");
+    let as_root = sb.fs_for("root").unwrap().expect("a view for root");
+    assert_eq!(
+        sb.fs_for("mallory").err().map(|e| e.code()),
+        Some(ErrorCode::InvalidRequest)
+    );
+
+    // As `user`: a file in root's /etc, and a new tree at the top, both the user's.
+    write(as_user.as_ref(), "/etc/app.conf", b"conf")
+        .await
+        .unwrap();
+    write(as_user.as_ref(), "/0/a/b.txt", b"deep")
+        .await
+        .unwrap();
+    let (out, err, _) = sh(
+        sb.as_ref(),
+        "stat -c '%U:%G %a' /etc/app.conf /0 /0/a /0/a/b.txt; cat /0/a/b.txt",
+        None,
+    )
+    .await;
+    assert_eq!(
+        out, "user:user 644\nuser:user 755\nuser:user 755\nuser:user 644\ndeep",
+        "{err}"
+    );
+    // The default view keeps the user's own rights.
+    assert_eq!(
+        write(sb.fs(), "/etc/other.conf", b"x").await,
+        Err(ErrorCode::FsPermissionDenied)
+    );
+
+    // As root: /root, private to root, and relative paths start there.
+    write(as_root.as_ref(), "/root/secret.txt", b"s3cret")
+        .await
+        .unwrap();
+    write(as_root.as_ref(), "rel.txt", b"r").await.unwrap();
+    assert_eq!(
+        read_all(as_root.as_ref(), "/root/secret.txt")
+            .await
+            .unwrap(),
+        b"s3cret"
+    );
+    assert_eq!(
+        read_all(sb.fs(), "/root/secret.txt").await,
+        Err(ErrorCode::FsPermissionDenied)
+    );
+    let (out, _, _) = sh(
+        sb.as_ref(),
+        "stat -c '%U:%G' /root/secret.txt /root/rel.txt; cat /root/secret.txt 2>&1 >/dev/null | grep -c denied",
+        Some("root"),
+    )
+    .await;
+    assert_eq!(out, "root:root\nroot:root\n0\n");
+    let (out, _, _) = sh(
+        sb.as_ref(),
+        "cat /root/secret.txt 2>&1 | grep -c denied",
+        None,
+    )
+    .await;
+    assert_eq!(out, "1\n", "the user still cannot read root's file");
+    // Every operation of the seam.
+    let st = as_root.mkdir(&ctx, "/root/d/e", true).await.unwrap();
+    assert_eq!(st.path, "/root/d/e");
+    let names: Vec<String> = as_root
+        .list(&ctx, "/root", 1)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.stat.name)
+        .collect();
+    assert!(names.contains(&"secret.txt".to_owned()), "{names:?}");
+    as_root
+        .rename(&ctx, "/root/secret.txt", "/root/d/moved.txt")
+        .await
+        .unwrap();
+    assert_eq!(
+        as_root
+            .stat(&ctx, "/root/secret.txt")
+            .await
+            .map_err(|e| e.code())
+            .err(),
+        Some(ErrorCode::FsNotFound)
+    );
+    let mut attrs = std::collections::BTreeMap::new();
+    attrs.insert("owner".to_owned(), b"root".to_vec());
+    as_root
+        .set_xattrs(&ctx, "/root/d/moved.txt", "user.e2b.", attrs.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        as_root
+            .xattrs(&ctx, "/root/d/moved.txt", "user.e2b.")
+            .await
+            .unwrap(),
+        attrs
+    );
+    as_root.remove(&ctx, "/root/d", true).await.unwrap();
+    assert_eq!(
+        as_root
+            .stat(&ctx, "/root/d")
+            .await
+            .map_err(|e| e.code())
+            .err(),
+        Some(ErrorCode::FsNotFound)
+    );
+
+    // A body that breaks publishes nothing and leaves no temporary file.
+    let broken = futures_util::stream::iter(vec![
+        Ok(bytes::Bytes::from_static(b"half")),
+        Err(tether_provider::ProviderError::Internal {
+            message: "the body broke".into(),
+            source: None,
+        }),
+    ])
+    .boxed();
+    let r = as_root
+        .write(
+            &ctx,
+            "/root/rel.txt",
+            broken,
+            tether_protocol::fs::WriteGuard::None,
+        )
+        .await;
+    assert_eq!(r.map_err(|e| e.code()).err(), Some(ErrorCode::Internal));
+    assert_eq!(
+        read_all(as_root.as_ref(), "/root/rel.txt").await.unwrap(),
+        b"r"
+    );
+    let (out, _, _) = sh(
+        sb.as_ref(),
+        "ls -A /root | grep -c tether-write",
+        Some("root"),
+    )
+    .await;
+    assert_eq!(out, "0\n", "no temporary file is left");
+
+    // Root's rights end at the sandbox: the host's kernel settings stay the host's, and
+    // no link leads out.
+    let panic_before = std::fs::read_to_string("/proc/sys/kernel/panic").unwrap();
+    assert!(
+        write(as_root.as_ref(), "/proc/sys/kernel/panic", b"7")
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/kernel/panic").unwrap(),
+        panic_before
+    );
+    let (_, err, code) = sh(
+        sb.as_ref(),
+        "ln -s /proc/1/root/etc/shadow /tmp/out",
+        Some("root"),
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    // What root inside may read, root's view reads: the sandbox's own shadow file,
+    // which the user's view may not.
+    let own_shadow = read_all(as_root.as_ref(), "/etc/shadow").await.unwrap();
+    assert_eq!(
+        read_all(sb.fs(), "/etc/shadow").await,
+        Err(ErrorCode::FsPermissionDenied)
+    );
+    // A link through /proc to "another" root lands in the sandbox's own, or nowhere:
+    // never on the host's file.
+    let host_shadow = std::fs::read("/etc/shadow").unwrap();
+    assert_ne!(own_shadow, host_shadow);
+    match read_all(as_root.as_ref(), "/tmp/out").await {
+        Ok(b) => assert_eq!(b, own_shadow),
+        Err(code) => assert_eq!(code, ErrorCode::FsPermissionDenied),
+    }
+    p.destroy(&ctx, &sb.info().id).await.unwrap();
+}
