@@ -982,4 +982,8 @@ impl Sandbox for E2bSandbox {
     fn process(&self) -> &dyn Process {
         &self.shared.process
     }
+
+    fn fs_for(&self, user: &str) -> Result<Option<Arc<dyn Fs>>> {
+        Ok(Some(Arc::new(self.shared.fs.for_user(user))))
+    }
 }

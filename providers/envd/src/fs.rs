@@ -161,11 +161,22 @@ fn fs_err(code: ErrorCode, path: &str, message: impl Into<String>) -> ProviderEr
 #[derive(Debug)]
 pub struct EnvdFs {
     core: Arc<SandboxCore>,
+    /// The envd user of its operations, where not the configured one.
+    user: Option<String>,
 }
 
 impl EnvdFs {
     pub(crate) fn new(core: Arc<SandboxCore>) -> Self {
-        Self { core }
+        Self { core, user: None }
+    }
+
+    /// The same sandbox's file system as envd serves it to `user` (envd acts with
+    /// root's rights and gives what it creates to `user`).
+    pub fn for_user(&self, user: &str) -> Self {
+        Self {
+            core: self.core.clone(),
+            user: Some(user.to_owned()),
+        }
     }
 
     fn resolve(&self, path: &str) -> String {
@@ -173,7 +184,7 @@ impl EnvdFs {
     }
 
     fn user(&self) -> Option<&str> {
-        self.core.user()
+        self.user.as_deref().or(self.core.user())
     }
 
     /// `Stat` of an absolute path (retried: it is idempotent).
@@ -266,6 +277,7 @@ impl EnvdFs {
     fn remove_quiet(&self, path: &str) {
         let core = self.core.clone();
         let path = path.to_owned();
+        let user = self.user().map(str::to_owned);
         self.core.tasks.spawn(async move {
             let ctx = CallCtx::with_cancel("cleanup", core.closed.clone())
                 .with_timeout(core.cfg.request_timeout(), Clock::Total);
@@ -276,7 +288,7 @@ impl EnvdFs {
                     &ctx,
                     "filesystem.Filesystem/Remove",
                     &req,
-                    core.user(),
+                    user.as_deref(),
                     Op::Fs {
                         op: "remove",
                         path: &path,
@@ -710,6 +722,7 @@ async fn open_range(
 /// delivered twice.
 pub(crate) async fn open_read(
     core: &SandboxCore,
+    user: Option<&str>,
     ctx: &CallCtx,
     parent: &CancelToken,
     path: &str,
@@ -717,7 +730,7 @@ pub(crate) async fn open_read(
     to: Option<u64>,
 ) -> Result<ByteStream> {
     let envd = core.envd.clone();
-    let user = core.user().map(str::to_owned);
+    let user = user.map(str::to_owned);
     let Some((resp, skip)) = open_range(&envd, user.as_deref(), ctx, path, from, to).await? else {
         return Ok(futures_util::stream::empty().boxed());
     };
@@ -825,7 +838,17 @@ impl Fs for EnvdFs {
             return Ok(futures_util::stream::empty().boxed());
         }
         let to = range.length.map(|l| range.offset.saturating_add(l));
-        match open_read(&self.core, ctx, &ctx.cancel, &path, range.offset, to).await {
+        match open_read(
+            &self.core,
+            self.user(),
+            ctx,
+            &ctx.cancel,
+            &path,
+            range.offset,
+            to,
+        )
+        .await
+        {
             Ok(s) => Ok(s),
             Err(e) => Err(self.classify(ctx, &path, e).await),
         }

@@ -803,8 +803,16 @@ impl EnvdCommand {
             if total < cap {
                 let path = format!("{dir}/{name}");
                 let to = sizes[s].min(cap);
-                let mut body =
-                    open_read(&self.sandbox, &cctx, &self.stop, &path, total, Some(to)).await?;
+                let mut body = open_read(
+                    &self.sandbox,
+                    self.sandbox.user(),
+                    &cctx,
+                    &self.stop,
+                    &path,
+                    total,
+                    Some(to),
+                )
+                .await?;
                 while let Some(chunk) = body.next().await {
                     self.append(s, chunk?);
                 }
@@ -873,8 +881,16 @@ impl EnvdCommand {
             let ctx = self.call_ctx();
             let mut buf = Vec::new();
             let read = async {
-                let mut body =
-                    open_read(&self.sandbox, &ctx, &ctx.cancel, &path, pos, Some(end)).await?;
+                let mut body = open_read(
+                    &self.sandbox,
+                    self.sandbox.user(),
+                    &ctx,
+                    &ctx.cancel,
+                    &path,
+                    pos,
+                    Some(end),
+                )
+                .await?;
                 while let Some(chunk) = body.next().await {
                     buf.extend_from_slice(&chunk?);
                 }

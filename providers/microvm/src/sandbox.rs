@@ -349,6 +349,10 @@ impl Sandbox for MicrovmSandbox {
     fn process(&self) -> &dyn Process {
         &self.core.process
     }
+    fn fs_for(&self, user: &str) -> Result<Option<Arc<dyn Fs>>> {
+        // The guest agent is envd: it acts with the guest root's rights.
+        Ok(Some(Arc::new(self.core.fs.for_user(user))))
+    }
 }
 
 // === MicrovmProvider ===
