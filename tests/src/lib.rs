@@ -28,6 +28,46 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// The directory of the built `base` template (`TETHER_TEMPLATE_DIR`, default
+/// `target/tether-templates`), built there first if it is not (quick when it is:
+/// `tests/run-all.sh` builds it before the tests); `None`, with the reason printed, when
+/// Debian's packages cannot be fetched.
+pub fn base_templates() -> Option<PathBuf> {
+    let dir = std::env::var_os("TETHER_TEMPLATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target").join("tether-templates"));
+    let mut progress = |p: tether_provider_local::BuildProgress| {
+        eprintln!("base template: {p:?}");
+    };
+    match tether_provider_local::build_base(
+        &dir,
+        None,
+        tether_provider_local::DEFAULT_UID_BASE,
+        &mut progress,
+    ) {
+        Ok(_) => Some(dir),
+        Err(e) => {
+            eprintln!("SKIPPED: the base template cannot be built here: {e}");
+            None
+        }
+    }
+}
+
+/// Make the daemon's local provider start sandboxes of the `base` template in
+/// `templates` (Debian, user `user` with sudo: what E2B's own `base` is).
+pub fn use_base_template(cfg: &mut Config, templates: PathBuf) {
+    let mut local = match cfg.providers.remove("local") {
+        Some(tether_daemon::config::ProviderConfig::Local(l)) => l,
+        _ => tether_provider_local::LocalConfig::default(),
+    };
+    local.templates_dir = Some(templates);
+    local.default_template = "base".into();
+    cfg.providers.insert(
+        "local".into(),
+        tether_daemon::config::ProviderConfig::Local(local),
+    );
+}
+
 /// A daemon running in this process, with a temporary state dir.
 #[derive(Debug)]
 pub struct TestDaemon {

@@ -7,6 +7,9 @@
 //! auth tests). Their output is streamed; each suite must exit 0. Afterwards the session
 //! logs must show what the SDKs did: every sandbox a suite created is a session of its
 //! tenant, with a leased sandbox, commands and file operations logged, and closed.
+//!
+//! Sandboxes are of the local provider's `base` template, as E2B's are of its `base`:
+//! Debian, commands as user `user` (with sudo) unless `root` is asked for.
 
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::expect_used)]
@@ -17,7 +20,7 @@ use std::time::Duration;
 
 use tether_daemon::config::ApiKey;
 use tether_protocol::events::EventBody;
-use tether_tests::{TestDaemon, workspace_root};
+use tether_tests::{TestDaemon, base_templates, use_base_template, workspace_root};
 
 const MAIN_TENANT: &str = "main";
 const OTHER_TENANT: &str = "other";
@@ -68,8 +71,13 @@ async fn run_suite(which: &str) {
             tenant: Some(OTHER_TENANT.into()),
         },
     ];
+    let templates = tokio::task::spawn_blocking(base_templates)
+        .await
+        .expect("the template build panicked")
+        .expect("the base template (built by tests/run-all.sh)");
     let d = TestDaemon::start_with(|cfg| {
         cfg.default_provider = "local".into();
+        use_base_template(cfg, templates);
         cfg.e2b_front.api_keys = keys;
     })
     .await;

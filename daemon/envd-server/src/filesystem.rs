@@ -149,7 +149,8 @@ async fn unary<S: HostedSandbox>(
     body: &[u8],
 ) -> Result<Response, RpcError> {
     let sandbox = t.sandbox.sandbox()?;
-    let fs = sandbox.fs();
+    let user_fs = crate::UserFs::of(sandbox.clone(), user)?;
+    let fs = user_fs.get();
     match m {
         Method::Stat => {
             let req: PathRequest = connect::decode_unary(body)?;

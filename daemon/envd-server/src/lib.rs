@@ -38,7 +38,7 @@ use http::HeaderMap;
 use tether_protocol::e2b::InitRequest;
 use tether_protocol::process::{ProcessEvent, ProcessSpec, StreamKind};
 use tether_provider::clock::{CancelReason, CancelToken};
-use tether_provider::{CallCtx, FsOp, ProcessHandle, ProviderError, Sandbox, StreamOffsets};
+use tether_provider::{CallCtx, Fs, FsOp, ProcessHandle, ProviderError, Sandbox, StreamOffsets};
 
 pub use error::{Failure, RestError, connect_code};
 pub use rest::{Reject, addressed, init_token_check, proxy_error};
@@ -273,6 +273,28 @@ pub fn router<H: Host>() -> Router<Arc<H>> {
 /// The sandbox of an envd request, with its access token checked.
 pub fn authorize<H: Host>(host: &H, headers: &HeaderMap) -> Result<Target<H::Sandbox>, Reject> {
     rest::authorize(host, headers)
+}
+
+/// The file system envd serves to `user`: with the sandbox root's rights, what it creates
+/// given to `user` ([`Sandbox::fs_for`]), where the provider has that view; else the
+/// provider's own.
+pub(crate) struct UserFs {
+    sandbox: Arc<dyn Sandbox>,
+    view: Option<Arc<dyn Fs>>,
+}
+
+impl UserFs {
+    pub(crate) fn of(sandbox: Arc<dyn Sandbox>, user: &str) -> Result<Self, ProviderError> {
+        let view = sandbox.fs_for(user)?;
+        Ok(Self { sandbox, view })
+    }
+
+    pub(crate) fn get(&self) -> &dyn Fs {
+        match &self.view {
+            Some(v) => v.as_ref(),
+            None => self.sandbox.fs(),
+        }
+    }
 }
 
 /// One of the server's file operations on `t`, through its host, under the sandbox's

@@ -485,7 +485,11 @@ async fn serve_download<H: Host>(
         Err(_) => return Reject::NotFound(target.id.clone()).into_response(),
     };
     let limit = host.limits().fs_op;
-    let fs = sandbox.fs();
+    let user_fs = match crate::UserFs::of(sandbox, &user) {
+        Ok(f) => f,
+        Err(e) => return RestError::from_envd(&e.into()).into_response(),
+    };
+    let fs = user_fs.get();
     let stat = crate::fs_op(target, ctx, FsOp::Stat, &path, |c, p| async move {
         fs.stat(&c, p).await
     })
@@ -900,7 +904,7 @@ async fn serve_upload<H: Host>(
                     }
                 };
                 let data: ByteStream = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
-                let (res, ()) = tokio::join!(write_one(ctx, target, &path, data), feed);
+                let (res, ()) = tokio::join!(write_one(ctx, target, &user, &path, data), feed);
                 match res {
                     Ok(()) => written.push(entry(&path, metadata.clone())),
                     Err(e) => return Err(RestError::from_envd(&e).into_response()),
@@ -975,7 +979,7 @@ async fn serve_upload<H: Host>(
                 Err(e) => Err(ProviderError::InvalidRequest { message: e }),
             })
             .boxed();
-        if let Err(e) = write_one(ctx, target, &path, data).await {
+        if let Err(e) = write_one(ctx, target, &user, &path, data).await {
             return RestError::from_envd(&e).into_response();
         }
         written.push(entry(&path, metadata.clone()));
@@ -985,7 +989,7 @@ async fn serve_upload<H: Host>(
         ))
         .into_response();
     }
-    if let Err(e) = store_metadata(ctx, target, &written, metadata.as_ref()).await {
+    if let Err(e) = store_metadata(ctx, target, &user, &written, metadata.as_ref()).await {
         return RestError::from_envd(&e).into_response();
     }
     (StatusCode::OK, axum::Json(written)).into_response()
@@ -997,10 +1001,12 @@ async fn serve_upload<H: Host>(
 async fn store_metadata<S: HostedSandbox>(
     ctx: &CallCtx,
     target: &Target<S>,
+    user: &str,
     written: &[WrittenEntry],
     metadata: Option<&BTreeMap<String, String>>,
 ) -> Result<(), Failure> {
     let sandbox = target.sandbox.sandbox()?;
+    let user_fs = crate::UserFs::of(sandbox, user)?;
     let mctx = ctx.with_timeout(target.state.fs_op, Clock::Total);
     let values: BTreeMap<String, Vec<u8>> = metadata
         .map(|m| {
@@ -1010,8 +1016,8 @@ async fn store_metadata<S: HostedSandbox>(
         })
         .unwrap_or_default();
     for w in written {
-        let r = sandbox
-            .fs()
+        let r = user_fs
+            .get()
             .set_xattrs(
                 &mctx,
                 &w.path,
@@ -1043,13 +1049,15 @@ fn entry(path: &str, metadata: Option<BTreeMap<String, String>>) -> WrittenEntry
 async fn write_one<S: HostedSandbox>(
     ctx: &CallCtx,
     target: &Target<S>,
+    user: &str,
     path: &str,
     data: ByteStream,
 ) -> Result<(), Failure> {
     let sandbox = target.sandbox.sandbox()?;
+    let user_fs = crate::UserFs::of(sandbox.clone(), user)?;
     target.sandbox.touch();
     target.state.upload_started(path);
-    let (sb, state) = (&sandbox, &target.state);
+    let (sb, state, fs) = (&sandbox, &target.state, user_fs.get());
     let r = target
         .sandbox
         .fs(
@@ -1059,7 +1067,7 @@ async fn write_one<S: HostedSandbox>(
             target.state.fs_op,
             |o: &WriteOutcome| Some(o.size),
             |c| async move {
-                let o = sb.fs().write(&c, path, data, WriteGuard::None).await?;
+                let o = fs.write(&c, path, data, WriteGuard::None).await?;
                 crate::filesystem::announce_upload(&c, sb, state, path, o.created).await;
                 Ok(o)
             },

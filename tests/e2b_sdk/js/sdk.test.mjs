@@ -979,6 +979,45 @@ sdkTest('sandbox isolation (host file out of reach)', async (ctx) => {
 
 // === envd fidelity (what envd itself answers, where a guess would differ) ===
 
+sdkTest("files.* with user 'root', and envd's rights for every user", async (ctx) => {
+  const sbx = await ctx.create();
+  // As root: /root, private to root; relative paths start there.
+  const info = await sbx.files.write('/root/secret.txt', 's3cret', { user: 'root' });
+  assert.equal(info.path, '/root/secret.txt');
+  assert.equal(await sbx.files.read('/root/secret.txt', { user: 'root' }), 's3cret');
+  assert.equal((await sbx.files.write('rel.txt', 'r', { user: 'root' })).path, '/root/rel.txt');
+  let r = await sbx.commands.run('stat -c %U:%G:%a /root/secret.txt /root/rel.txt', {
+    user: 'root',
+  });
+  assert.equal(r.stdout, 'root:root:644\nroot:root:644\n');
+  // The user's own commands still cannot enter /root.
+  await assert.rejects(sbx.commands.run('cat /root/secret.txt'), CommandExitError);
+  // envd acts with root's rights for every user and gives what it creates to that user.
+  await sbx.files.write('/etc/app.conf', 'conf');
+  await sbx.files.write('/0/a/b.txt', 'deep');
+  r = await sbx.commands.run('stat -c %U:%G /etc/app.conf /0 /0/a /0/a/b.txt');
+  assert.equal(r.stdout, 'user:user\n'.repeat(4));
+  assert.equal(await sbx.files.read('/0/a/b.txt'), 'deep');
+  // The rest of the files API, as root.
+  assert.equal(await sbx.files.makeDir('/root/d/e', { user: 'root' }), true);
+  assert.equal(await sbx.files.exists('/root/d/e', { user: 'root' }), true);
+  const names = (await sbx.files.list('/root', { user: 'root' })).map((e) => e.name);
+  assert.ok(names.includes('d'), names.join(','));
+  const moved = await sbx.files.rename('/root/secret.txt', '/root/d/moved.txt', { user: 'root' });
+  assert.equal(moved.path, '/root/d/moved.txt');
+  assert.equal((await sbx.files.getInfo('/root/d/moved.txt', { user: 'root' })).size, 6);
+  await sbx.files.remove('/root/d', { user: 'root' });
+  assert.equal(await sbx.files.exists('/root/d', { user: 'root' }), false);
+  // A signed upload URL for root lands in root's home.
+  const url = await sbx.uploadUrl('hello.txt', { user: 'root' });
+  const form = new FormData();
+  form.append('file', new Blob(['signed hello']), 'hello.txt');
+  const resp = await fetch(url, { method: 'POST', body: form });
+  assert.equal(resp.status, 200, await resp.text());
+  assert.equal(await sbx.files.read('/root/hello.txt', { user: 'root' }), 'signed hello');
+  assert.equal(await sbx.files.exists(`${HOME}/hello.txt`), false);
+});
+
 sdkTest('files.remove (missing path: success, as os.RemoveAll)', async (ctx) => {
   const sbx = await ctx.create();
   await sbx.files.remove(`${HOME}/${unique('never-there')}`);

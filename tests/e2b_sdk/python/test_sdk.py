@@ -817,6 +817,50 @@ def test_sandbox_isolation_host_file(sandbox):
 # === envd fidelity (what envd itself answers, where a guess would differ) ===
 
 
+@sdk("files.* with user='root', and envd's rights for every user")
+def test_files_as_root_and_envds_rights(sandbox):
+    # As root: /root, private to root; relative paths start there.
+    info = sandbox.files.write("/root/secret.txt", "s3cret", user="root")
+    assert info.path == "/root/secret.txt"
+    assert sandbox.files.read("/root/secret.txt", user="root") == "s3cret"
+    assert sandbox.files.write("rel.txt", "r", user="root").path == "/root/rel.txt"
+    r = sandbox.commands.run("stat -c %U:%G:%a /root/secret.txt /root/rel.txt", user="root")
+    assert r.stdout == "root:root:644\nroot:root:644\n"
+    # The user's own commands still cannot enter /root.
+    with pytest.raises(CommandExitException):
+        sandbox.commands.run("cat /root/secret.txt")
+    # envd acts with root's rights for every user and gives what it creates to that user: a
+    # file in root's /etc, a new tree at the top of the file system.
+    sandbox.files.write("/etc/app.conf", "conf")
+    sandbox.files.write("/0/a/b.txt", "deep")
+    r = sandbox.commands.run("stat -c %U:%G /etc/app.conf /0 /0/a /0/a/b.txt")
+    assert r.stdout == "user:user\n" * 4
+    assert sandbox.files.read("/0/a/b.txt") == "deep"
+    # The rest of the files API, as root.
+    assert sandbox.files.make_dir("/root/d/e", user="root")
+    assert sandbox.files.exists("/root/d/e", user="root")
+    assert "d" in [e.name for e in sandbox.files.list("/root", user="root")]
+    moved = sandbox.files.rename("/root/secret.txt", "/root/d/moved.txt", user="root")
+    assert moved.path == "/root/d/moved.txt"
+    assert sandbox.files.get_info("/root/d/moved.txt", user="root").size == 6
+    sandbox.files.remove("/root/d", user="root")
+    assert not sandbox.files.exists("/root/d", user="root")
+    # A signed upload URL for root lands in root's home.
+    url = sandbox.upload_url("hello.txt", user="root")
+    boundary = "tether" + secrets.token_hex(8)
+    body = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"hello.txt\"\r\n"
+        f"Content-Type: application/octet-stream\r\n\r\nsigned hello\r\n--{boundary}--\r\n"
+    ).encode()
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("Content-Type", f"multipart/form-data; boundary={boundary}")
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status == 200
+    assert sandbox.files.read("/root/hello.txt", user="root") == "signed hello"
+    assert not sandbox.files.exists(f"{HOME}/hello.txt")
+
+
+
 @sdk("files.remove (missing path: success, as os.RemoveAll)")
 def test_files_remove_missing(sandbox):
     sandbox.files.remove(f"{HOME}/{unique('never-there')}")
