@@ -100,6 +100,14 @@ pub struct SandboxNetwork {
         skip_serializing_if = "Option::is_none"
     )]
     pub mask_request_host: Option<String>,
+    /// Ports whose servers speak HTTPS: the port proxy reaches them over TLS (their
+    /// certificates are not verified, so self-signed ones work).
+    #[serde(
+        rename = "httpsPorts",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub https_ports: Option<Vec<u16>>,
     /// Egress allowed despite `denyOut`.
     #[serde(rename = "allowOut", default, skip_serializing_if = "Option::is_none")]
     pub allow_out: Option<Vec<String>>,
@@ -109,6 +117,24 @@ pub struct SandboxNetwork {
     /// Any other option, by name (refused unless empty: a rule is never silently dropped).
     #[serde(flatten)]
     pub other: BTreeMap<String, serde_json::Value>,
+}
+
+/// `network` of a sandbox's detail: how its ports are reached, as created.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetworkDetail {
+    /// Whether the sandbox's ports are reached without its traffic access token.
+    #[serde(rename = "allowPublicTraffic")]
+    pub allow_public_traffic: bool,
+    /// The `Host` header the sandbox's servers see.
+    #[serde(
+        rename = "maskRequestHost",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub mask_request_host: Option<String>,
+    /// Ports reached over TLS.
+    #[serde(rename = "httpsPorts", default, skip_serializing_if = "Vec::is_empty")]
+    pub https_ports: Vec<u16>,
 }
 
 /// Body of `PUT /sandboxes/{id}/network`: a running sandbox's egress rules, replaced
@@ -259,6 +285,9 @@ pub struct SandboxDetail {
     /// Lifecycle.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle: Option<SandboxLifecycle>,
+    /// How its ports are reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetworkDetail>,
 }
 
 /// One sample of `GET /sandboxes/{id}/metrics` (`SandboxMetric`): every field required.

@@ -130,7 +130,7 @@ impl PauseKind {
 }
 
 /// How the E2B front's port proxy admits requests for a sandbox's ports (E2B's
-/// `network.allowPublicTraffic` and `network.maskRequestHost`).
+/// `network.allowPublicTraffic`, `network.maskRequestHost` and `network.httpsPorts`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PortAccess {
@@ -141,6 +141,9 @@ pub struct PortAccess {
     /// the host the client asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_host: Option<String>,
+    /// Ports whose servers speak HTTPS, reached over TLS (E2B's `httpsPorts`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub https_ports: std::collections::BTreeSet<u16>,
 }
 
 impl Default for PortAccess {
@@ -148,6 +151,7 @@ impl Default for PortAccess {
         Self {
             public: true,
             mask_host: None,
+            https_ports: std::collections::BTreeSet::new(),
         }
     }
 }

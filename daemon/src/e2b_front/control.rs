@@ -19,9 +19,10 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    ConnectSandboxRequest, ENVD_VERSION, ListedSandbox, NewSandboxRequest, PauseSandboxRequest,
-    RefreshRequest, SandboxDetail, SandboxLifecycle, SandboxMetric, SandboxNetwork,
-    SandboxNetworkUpdate, SandboxResponse, SandboxState, SandboxesMetrics, TimeoutRequest,
+    ConnectSandboxRequest, ENVD_PORT, ENVD_VERSION, ListedSandbox, NewSandboxRequest,
+    PauseSandboxRequest, RefreshRequest, SandboxDetail, SandboxLifecycle, SandboxMetric,
+    SandboxNetwork, SandboxNetworkDetail, SandboxNetworkUpdate, SandboxResponse, SandboxState,
+    SandboxesMetrics, TimeoutRequest,
 };
 use tether_provider::CallCtx;
 use tokio::sync::watch;
@@ -231,9 +232,17 @@ fn network_of(n: SandboxNetwork) -> Result<(PortAccess, Egress), RestError> {
             "network.maskRequestHost is not a valid host",
         ));
     }
+    let https_ports: std::collections::BTreeSet<u16> =
+        n.https_ports.unwrap_or_default().into_iter().collect();
+    if https_ports.contains(&ENVD_PORT) || https_ports.contains(&0) {
+        return Err(RestError::bad_request(format!(
+            "network.httpsPorts: port 0 and envd's port {ENVD_PORT} cannot be listed"
+        )));
+    }
     let ports = PortAccess {
         public: n.allow_public_traffic.unwrap_or(true),
         mask_host,
+        https_ports,
     };
     Ok((ports, egress))
 }
@@ -749,6 +758,11 @@ async fn get_one(
                     "kill"
                 }
                 .into(),
+            }),
+            network: Some(SandboxNetworkDetail {
+                allow_public_traffic: s.params.ports.public,
+                mask_request_host: s.params.ports.mask_host.clone(),
+                https_ports: s.params.ports.https_ports.iter().copied().collect(),
             }),
         };
         Ok::<_, RestError>(axum::Json(detail).into_response())

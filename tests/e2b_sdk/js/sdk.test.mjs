@@ -1289,6 +1289,74 @@ snapshotTest('Sandbox.fork (one, two, by id; another tenant; a killed sandbox)',
   await rejectsWith(sbx.fork(), SandboxNotFoundError, 'fork of a killed sandbox');
 });
 
+// === ports (providers that reach a sandbox's ports: TETHER_SUITE_PORTS) ===
+
+const PORTS = Boolean(process.env.TETHER_SUITE_PORTS);
+
+/** GET `path` from the front with `host` as the Host header: what a browser sends. */
+async function frontGet(host, path) {
+  const front = new URL(ENV.apiUrl);
+  const http = await import('node:http');
+  return new Promise((resolve, reject) => {
+    const req = http.request(
+      { host: front.hostname, port: front.port, path, headers: { Host: host }, timeout: REQUEST_TIMEOUT_MS },
+      (res) => {
+        const chunks = [];
+        res.on('data', (c) => chunks.push(c));
+        res.on('end', () => resolve([res.statusCode, Buffer.concat(chunks).toString()]));
+      },
+    );
+    req.on('error', reject);
+    req.end();
+  });
+}
+
+sdkTest('Sandbox.create({ network: { httpsPorts } }) (the proxy speaks TLS to those ports)', async (ctx, t) => {
+  if (!PORTS) {
+    t.skip('the provider of this run does not reach sandbox ports');
+    return;
+  }
+  const sbx = await ctx.create({ network: { httpsPorts: [8443] } });
+  const info = await sbx.getInfo();
+  assert.deepEqual(info.network?.httpsPorts, [8443]);
+  await sbx.files.write(
+    '/tmp/tls/serve.py',
+    [
+      'import http.server, ssl, sys, os',
+      "os.chdir('/tmp/tls')",
+      'ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)',
+      "ctx.load_cert_chain('/tmp/tls/c.pem', '/tmp/tls/k.pem')",
+      "srv = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)",
+      'srv.socket = ctx.wrap_socket(srv.socket, server_side=True)',
+      'srv.serve_forever()',
+      '',
+    ].join('\n'),
+  );
+  await sbx.files.write('/tmp/tls/hello.txt', 'hello over tls');
+  await sbx.commands.run(
+    'cd /tmp/tls && openssl req -x509 -newkey rsa:2048 -nodes -subj /CN=localhost' +
+      ' -keyout k.pem -out c.pem -days 1 2>/dev/null',
+  );
+  await sbx.commands.run('exec python3 /tmp/tls/serve.py 8443', { background: true });
+  await sbx.commands.run('exec python3 /tmp/tls/serve.py 9443', { background: true });
+  const deadline = Date.now() + 20_000;
+  let status, body;
+  for (;;) {
+    [status, body] = await frontGet(sbx.getHost(8443), '/hello.txt');
+    if (status === 200) break;
+    assert.equal(status, 502, body);
+    assert.ok(Date.now() < deadline, 'the TLS server never came up');
+    await sleep(200);
+  }
+  assert.equal(body, 'hello over tls');
+  // A port not listed is spoken to in plain HTTP: the TLS server does not answer it.
+  [status, body] = await frontGet(sbx.getHost(9443), '/hello.txt');
+  assert.notEqual(status, 200);
+  assert.ok(!body.includes('hello over tls'), body);
+  // envd's port cannot be listed.
+  await rejectsWith(ctx.create({ network: { httpsPorts: [49983] } }), SandboxError, "envd's port");
+});
+
 // === network updates (providers that enforce egress rules: TETHER_SUITE_EGRESS) ===
 
 const EGRESS = Boolean(process.env.TETHER_SUITE_EGRESS);

@@ -1051,6 +1051,49 @@ def _front_request(host: str, path: str = "/", headers: Optional[dict] = None) -
         conn.close()
 
 
+@sdk("Sandbox.create(network={'https_ports': [...]}) (the proxy speaks TLS to those ports)")
+def test_https_ports_are_reached_over_tls(env, make_sandbox):
+    if not os.environ.get("TETHER_SUITE_PORTS"):
+        pytest.skip("the provider of this run does not reach sandbox ports")
+    sbx = make_sandbox(network={"https_ports": [8443]})
+    info = sbx.get_info()
+    assert info.network is not None and info.network.get("https_ports") == [8443], info.network
+    assert info.network.get("allow_public_traffic") is True, info.network
+    # A server with a self-signed certificate, on the listed port and on one that is not.
+    sbx.files.write("/tmp/tls/hello.txt", "hello over tls")
+    sbx.files.write(
+        "/tmp/tls/serve.py",
+        "import http.server, ssl, sys, os\n"
+        "os.chdir('/tmp/tls')\n"
+        "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)\n"
+        "ctx.load_cert_chain('/tmp/tls/c.pem', '/tmp/tls/k.pem')\n"
+        "srv = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)\n"
+        "srv.socket = ctx.wrap_socket(srv.socket, server_side=True)\n"
+        "srv.serve_forever()\n",
+    )
+    sbx.commands.run(
+        "cd /tmp/tls && openssl req -x509 -newkey rsa:2048 -nodes -subj /CN=localhost"
+        " -keyout k.pem -out c.pem -days 1 2>/dev/null"
+    )
+    sbx.commands.run("exec python3 /tmp/tls/serve.py 8443", background=True)
+    sbx.commands.run("exec python3 /tmp/tls/serve.py 9443", background=True)
+    deadline = time.monotonic() + 20
+    while True:
+        status, body = _front_request(sbx.get_host(8443), "/hello.txt")
+        if status == 200:
+            break
+        assert status == 502, (status, body)
+        assert time.monotonic() < deadline, "the TLS server never came up"
+        time.sleep(0.2)
+    assert body == b"hello over tls"
+    # A port not listed is spoken to in plain HTTP: the TLS server does not answer it.
+    status, body = _front_request(sbx.get_host(9443), "/hello.txt")
+    assert status != 200 and b"hello over tls" not in body, (status, body)
+    # envd's port cannot be listed.
+    with pytest.raises(SandboxException):
+        make_sandbox(network={"https_ports": [49983]})
+
+
 @sdk("Sandbox.get_host (the port proxy: HTTP, an upgraded connection, a closed port)")
 def test_get_host_reaches_servers_in_the_sandbox(env, make_sandbox):
     import socket
