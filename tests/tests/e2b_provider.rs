@@ -630,3 +630,89 @@ async fn a_stalled_upload_ends_with_transport_idle_timeout() {
         ErrorCode::FsNotFound
     );
 }
+
+/// E2B's port proxy in front of the E2B provider: a request for `<port>-<id>.<domain>`
+/// at tetherd goes to the backend's edge addressed as E2B's edge routes it (its host, the
+/// `E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers), here a second tetherd's E2B front over
+/// the local provider, and reaches the server in the backend's sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_e2b_front_reaches_a_server_in_a_sandbox_of_an_e2b_backend() {
+    let backend = TestDaemon::start().await;
+    let cfg = client_config(&backend.base);
+    let d = TestDaemon::start_with(move |c| {
+        c.providers.insert(
+            "cloud".into(),
+            tether_daemon::config::ProviderConfig::E2b(cfg),
+        );
+        c.e2b_front.provider = Some("cloud".into());
+    })
+    .await;
+    let key = "e2b_port_via_backend_key";
+    let r = d
+        .http
+        .post(d.url("/v2/sandboxes"))
+        .header("x-api-key", key)
+        .json(&serde_json::json!({"templateID": "base", "timeout": 120}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let sid = r.json::<serde_json::Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (st, body) = d
+        .post(
+            &format!("/v1/sessions/{sid}/processes"),
+            serde_json::json!({"cmd": format!(
+                "mkdir -p /tmp/www && cd /tmp/www && echo served-from-{sid} > page.txt && exec python3 -m http.server 8080 --bind 127.0.0.1"
+            )}),
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let get = |port: u16| {
+        d.http
+            .get(d.url("/page.txt"))
+            .header("host", format!("{port}-{sid}.localhost"))
+            .send()
+    };
+    let mut last = String::new();
+    let mut served = None;
+    for _ in 0..150 {
+        let r = get(8080).await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap_or_default();
+        if status == 200 {
+            served = Some(text);
+            break;
+        }
+        last = format!("{status} {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        served.as_deref(),
+        Some(format!("served-from-{sid}\n").as_str()),
+        "the server in the backend's sandbox was not reached; last answer: {last}"
+    );
+    let r = get(8080).await.unwrap();
+    assert_eq!(
+        r.headers()["server"].to_str().unwrap().split('/').next(),
+        Some("SimpleHTTP")
+    );
+    // Nothing listens on another port: the backend's own answer comes back.
+    let r = get(8081).await.unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let closed: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(closed["port"], 8081, "{closed}");
+    let r = d
+        .http
+        .delete(d.url(&format!("/sandboxes/{sid}")))
+        .header("x-api-key", key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+    assert_ne!(get(8080).await.unwrap().status().as_u16(), 200);
+    d.stop().await;
+    backend.stop().await;
+}

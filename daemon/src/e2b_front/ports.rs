@@ -208,6 +208,28 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
             );
         }
     }
+    // Behind a routing proxy (an E2B backend's edge), the request is addressed to it.
+    if let Some(route) = session.provider().port_route(&sandbox_id, port) {
+        let headers =
+            std::iter::once((header::HOST.as_str().to_owned(), route.host)).chain(route.headers);
+        for (name, value) in headers {
+            match (
+                http::HeaderName::from_bytes(name.as_bytes()),
+                http::HeaderValue::from_str(&value),
+            ) {
+                (Ok(n), Ok(v)) => {
+                    req.headers_mut().insert(n, v);
+                }
+                _ => {
+                    return refuse(
+                        id,
+                        StatusCode::BAD_GATEWAY,
+                        "the provider's route to the port is not a valid header",
+                    );
+                }
+            }
+        }
+    }
     *req.version_mut() = http::Version::HTTP_11;
     let upgrade = req
         .headers()

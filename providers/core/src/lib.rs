@@ -23,9 +23,9 @@ pub use clock::Clock;
 pub use ctx::{CallCtx, TraceContext};
 pub use error::{Origin, ProviderError, Result};
 pub use seam::{
-    ByteStream, Capabilities, Enforcement, EventStream, Fs, FsOp, PauseKind, PortIo, PortStream,
-    Process, ProcessHandle, ProcessSelector, Provider, Sandbox, SandboxInfo, SandboxMetrics,
-    SandboxSpec, Signal, StreamOffsets, TerminateReport,
+    ByteStream, Capabilities, Enforcement, EventStream, Fs, FsOp, PauseKind, PortIo, PortRoute,
+    PortStream, Process, ProcessHandle, ProcessSelector, Provider, Sandbox, SandboxInfo,
+    SandboxMetrics, SandboxSpec, Signal, StreamOffsets, TerminateReport,
 };
 
 /// Helpers shared by provider implementations.

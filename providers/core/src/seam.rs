@@ -334,6 +334,25 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
         let _ = (ctx, id, port);
         Err(ProviderError::Unsupported { op: "connect_port" })
     }
+
+    /// How an HTTP request for `port` of sandbox `id` is addressed over the stream of
+    /// [`Provider::connect_port`] where a proxy in front of the port routes it (E2B's
+    /// edge: the `Host` and the `E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers). `None`
+    /// (the default): the stream reaches the port's server itself.
+    fn port_route(&self, id: &str, port: u16) -> Option<PortRoute> {
+        let _ = (id, port);
+        None
+    }
+}
+
+/// The addressing of a request to a sandbox port behind a routing proxy
+/// ([`Provider::port_route`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRoute {
+    /// The `Host` the request carries.
+    pub host: String,
+    /// Headers the proxy routes by, added to the request.
+    pub headers: Vec<(String, String)>,
 }
 
 /// A byte stream to a port of a sandbox ([`Provider::connect_port`]).

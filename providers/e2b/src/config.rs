@@ -453,6 +453,28 @@ impl Endpoints {
         parse_url("envd URL", &url)
     }
 
+    /// The base URL at which E2B's edge serves `port` of a sandbox whose create/connect
+    /// answer named `domain`: the fixed sandbox URL, the shared `sandbox.<domain>` host,
+    /// or `https://<port>-<id>.<domain>`. Every request there also carries the
+    /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
+    pub fn port_url(
+        &self,
+        sandbox_id: &str,
+        port: u16,
+        domain: Option<&str>,
+    ) -> Result<Url, ProviderError> {
+        if let Some(u) = &self.sandbox_url {
+            return Ok(u.clone());
+        }
+        let domain = domain.filter(|d| !d.is_empty()).unwrap_or(&self.domain);
+        let url = if SHARED_HOST_DOMAINS.contains(&domain) {
+            format!("https://sandbox.{domain}")
+        } else {
+            format!("https://{port}-{sandbox_id}.{domain}")
+        };
+        parse_url("port URL", &url)
+    }
+
     /// `api` joined with `path` (which starts with `/`).
     pub fn api_path(&self, path: &str) -> Url {
         join(&self.api, path)

@@ -15,6 +15,7 @@
 
 mod client;
 pub mod config;
+mod ports;
 mod sandbox;
 
 #[cfg(test)]

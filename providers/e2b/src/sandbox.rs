@@ -25,8 +25,8 @@ use tether_protocol::e2b::{
 };
 use tether_protocol::network::Egress;
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, PauseKind, Process, Provider, ProviderError, Result,
-    Sandbox, SandboxInfo, SandboxSpec,
+    CallCtx, Capabilities, Enforcement, Fs, PauseKind, PortRoute, PortStream, Process, Provider,
+    ProviderError, Result, Sandbox, SandboxInfo, SandboxSpec,
 };
 use tokio_util::task::TaskTracker;
 
@@ -191,6 +191,7 @@ impl ProviderInner {
             fs: client.fs(),
             process: client.process(),
             client,
+            domain: domain.map(str::to_owned),
         });
         if let Ok(mut m) = self.live.write() {
             m.retain(|_, w| w.strong_count() > 0);
@@ -229,6 +230,18 @@ impl ProviderInner {
             self.envd_cfg.clone(),
             self.http.client.clone(),
         )
+    }
+
+    /// Where `port` of sandbox `id` is served (by the domain of its live handle, else
+    /// the configured one).
+    fn port_url(&self, id: &str, port: u16) -> Result<reqwest::Url> {
+        let domain = self
+            .live
+            .read()
+            .ok()
+            .and_then(|m| m.get(id).and_then(Weak::upgrade))
+            .and_then(|s| s.domain.clone());
+        self.api.endpoints.port_url(id, port, domain.as_deref())
     }
 
     fn forget(&self, id: &str) {
@@ -848,6 +861,28 @@ impl Provider for E2bProvider {
         .map(|_| ())
     }
 
+    async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
+        ctx.check()?;
+        let url = self.inner.port_url(id, port)?;
+        crate::ports::connect(ctx, &url).await
+    }
+
+    fn port_route(&self, id: &str, port: u16) -> Option<PortRoute> {
+        let url = self.inner.port_url(id, port).ok()?;
+        let host = url.host_str()?;
+        let host = match url.port() {
+            Some(p) => format!("{host}:{p}"),
+            None => host.to_owned(),
+        };
+        Some(PortRoute {
+            host,
+            headers: vec![
+                ("e2b-sandbox-id".to_owned(), id.to_owned()),
+                ("e2b-sandbox-port".to_owned(), port.to_string()),
+            ],
+        })
+    }
+
     #[tracing::instrument(name = "sandbox.network", skip_all, fields(provider.kind = "e2b", sandbox.id = %id))]
     async fn set_egress(&self, ctx: &CallCtx, id: &str, egress: Egress) -> Result<()> {
         ctx.check()?;
@@ -954,6 +989,8 @@ struct Shared {
     client: EnvdSandboxClient,
     fs: EnvdFs,
     process: EnvdProcess,
+    /// The domain its create/connect answer named.
+    domain: Option<String>,
 }
 
 /// One E2B sandbox.

@@ -106,6 +106,27 @@ fn envd_urls_follow_the_sandbox_domain() {
         self_hosted.envd_url("i1", None).unwrap().as_str(),
         "https://49983-i1.corp.test/"
     );
+    // A sandbox's other ports are served the same ways.
+    assert_eq!(
+        self_hosted.port_url("i1", 8080, None).unwrap().as_str(),
+        "https://8080-i1.corp.test/"
+    );
+    assert_eq!(
+        ep.port_url("iabc", 3000, None).unwrap().as_str(),
+        "https://sandbox.e2b.app/"
+    );
+    let fixed = Endpoints::resolve(&E2bConfig {
+        sandbox_url: Some("http://127.0.0.1:9/".into()),
+        ..E2bConfig::default()
+    })
+    .unwrap();
+    assert_eq!(
+        fixed
+            .port_url("i1", 8080, Some("corp.test"))
+            .unwrap()
+            .as_str(),
+        "http://127.0.0.1:9/"
+    );
     // A base path of the API URL is kept.
     let prefixed = Endpoints::resolve(&E2bConfig {
         api_url: Some("http://127.0.0.1:8/e2b/".into()),
