@@ -53,6 +53,10 @@ pub struct Limits {
     pub fs_op: Duration,
     /// The largest file an upload may write.
     pub max_file_bytes: u64,
+    /// How long a `SendSignal` of SIGKILL waits for the command to end before it
+    /// answers: envd reaps its child at once, so a program that kills a process and then
+    /// looks for it finds it gone.
+    pub kill_wait: Duration,
 }
 
 /// Who envd is served for: finds the sandbox a request is for, and knows its credentials.
@@ -109,6 +113,12 @@ pub trait HostedSandbox: Send + Sync + 'static {
 
     /// The sandbox's environment, as created (`/init` adds to it).
     fn env(&self) -> &BTreeMap<String, String>;
+
+    /// The template the sandbox was created from, as its clients name it
+    /// (`E2B_TEMPLATE_ID` of its processes), where the host knows it.
+    fn template(&self) -> Option<String> {
+        None
+    }
 
     /// Run `task` for the sandbox (a watcher), tracked by the host so that its end waits
     /// for it.

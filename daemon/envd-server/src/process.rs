@@ -136,7 +136,7 @@ async fn rpc<H: Host>(
                     .timeout
                     .map_or_else(|| ctx.clone(), |t| ctx.with_timeout(t, Clock::Total));
                 let r = match connect::read_body(body, connect::MAX_MESSAGE_BYTES).await {
-                    Ok(bytes) => unary(m, &cctx, &target, &bytes).await,
+                    Ok(bytes) => unary(m, &cctx, &target, host.limits(), &bytes).await,
                     Err(e) => Err(e),
                 };
                 match r {
@@ -153,6 +153,7 @@ async fn unary<S: HostedSandbox>(
     m: Method,
     ctx: &CallCtx,
     t: &Target<S>,
+    limits: crate::Limits,
     body: &[u8],
 ) -> Result<Response, RpcError> {
     match m {
@@ -182,6 +183,13 @@ async fn unary<S: HostedSandbox>(
             };
             let cmd = running(t, req.process.as_ref())?;
             ctx.run(cmd.handle().signal(ctx, signal)).await?;
+            if signal == Signal::Kill && !limits.kill_wait.is_zero() {
+                // As envd, which reaps its child at once: the killed process is gone
+                // (not a zombie awaiting its reaper) when the call answers. Bounded; a
+                // group that outlives it is reported by the command's own end.
+                let wctx = ctx.with_timeout(limits.kill_wait, Clock::Total);
+                let _ = wctx.run(cmd.handle().wait(&wctx)).await;
+            }
             Ok(connect::unary_ok(&Empty {}))
         }
         Method::CloseStdin => {
@@ -366,6 +374,18 @@ async fn start_process<S: HostedSandbox>(
     }
     let mut spec = ProcessSpec::argv(std::iter::once(cfg.cmd).chain(cfg.args));
     spec.cwd = cwd;
+    // What E2B gives every process, so a program knows it runs in a sandbox and which;
+    // `/init`'s variables and the request's own come after, and win.
+    let markers = [
+        ("E2B_SANDBOX", Some("true".to_owned())),
+        ("E2B_SANDBOX_ID", Some(t.id.clone())),
+        ("E2B_TEMPLATE_ID", t.sandbox.template()),
+    ];
+    for (k, v) in markers {
+        if let Some(v) = v {
+            spec.env.insert(k.to_owned(), Some(v));
+        }
+    }
     for (k, v) in init.env.into_iter().chain(cfg.envs) {
         spec.env.insert(k, Some(v));
     }

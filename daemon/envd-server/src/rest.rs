@@ -107,6 +107,58 @@ fn unauthorized(message: &str) -> Response {
     (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
 }
 
+impl Reject {
+    /// The answer for a client whose `User-Agent` is a browser's: E2B's edge proxy shows
+    /// a person a page (`<title>Closed Port Error</title>`, `Sandbox Not Found`), and
+    /// programs the JSON of [`Reject::into_response`].
+    pub fn for_client(self, headers: &HeaderMap) -> Response {
+        let browser = headers
+            .get(http::header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ua| ua.starts_with("Mozilla/"));
+        let (title, text) = match (&self, browser) {
+            (Self::PortClosed(id, port), true) => (
+                "Closed Port Error",
+                format!(
+                    "The sandbox {id} is running but there is no service running on port {port}."
+                ),
+            ),
+            (Self::NotFound(id), true) => (
+                "Sandbox Not Found",
+                format!("The sandbox {id} was not found."),
+            ),
+            _ => return self.into_response(),
+        };
+        let page = format!(
+            "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\n\
+             <body><h1>{title}</h1><p>{}</p></body></html>\n",
+            html_escape(&text)
+        );
+        (
+            StatusCode::BAD_GATEWAY,
+            [(http::header::CONTENT_TYPE, "text/html; charset=utf-8")],
+            page,
+        )
+            .into_response()
+    }
+}
+
+/// `text` safe inside HTML.
+fn html_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// An answer of E2B's edge proxy (`{sandboxId, message, code, port}`).
 pub fn proxy_error(
     status: StatusCode,

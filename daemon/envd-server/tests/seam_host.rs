@@ -65,6 +65,7 @@ async fn serve() -> Served {
     let host = Arc::new(SeamHost::new(Limits {
         fs_op: Duration::from_secs(20),
         max_file_bytes: 1 << 20,
+        kill_wait: Duration::from_secs(5),
     }));
     host.add(ID, sandbox, Some(TOKEN.into()), env);
     let app = tether_envd_server::router::<SeamHost>()

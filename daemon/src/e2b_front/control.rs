@@ -504,6 +504,7 @@ async fn make(
     let extra = state
         .e2b
         .insert_extra(&session.id, SandboxExtra::new(template, state.e2b.fs_op));
+    write_markers(state, &session).await;
     if let Some(tx) = announce {
         tx.send_replace(Keyed::Made(session.id.clone()));
     }
@@ -889,7 +890,7 @@ async fn connect(
             s.set_expiry(at).await?;
         }
         let resumed = if s.is_paused() {
-            resume_sandbox(&ctx, &s, req.memory == Some(false)).await?;
+            resume_sandbox(&state, &ctx, &s, req.memory == Some(false)).await?;
             true
         } else {
             false
@@ -1107,10 +1108,58 @@ async fn update_network(
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// The files E2B puts in every sandbox's `/run/e2b` (`.E2B_SANDBOX`: `true`,
+/// `.E2B_SANDBOX_ID`, `.E2B_TEMPLATE_ID`; programs read them to learn they run in a
+/// sandbox, and which), written as root by one command at create and after a resume (a
+/// boot starts with an empty `/run`). Bounded by the sandbox-operation deadline; a
+/// failure is logged and fails nothing.
+async fn write_markers(state: &AppState, s: &Session) {
+    const SCRIPT: &str = "mkdir -p /run/e2b && cd /run/e2b && printf true > .E2B_SANDBOX \
+        && printf %s \"$1\" > .E2B_SANDBOX_ID && printf %s \"$2\" > .E2B_TEMPLATE_ID \
+        && chmod 644 .E2B_SANDBOX .E2B_SANDBOX_ID .E2B_TEMPLATE_ID";
+    let Ok(sandbox) = s.sandbox() else { return };
+    let ctx = CallCtx::new(format!("markers-{}", s.id)).with_timeout(
+        state.config.limits.deadlines().sandbox_op,
+        tether_provider::Clock::Total,
+    );
+    let template = s.params.template.clone().unwrap_or_default();
+    let mut spec = tether_protocol::process::ProcessSpec::argv([
+        "sh",
+        "-c",
+        SCRIPT,
+        "tether",
+        s.id.as_str(),
+        template.as_str(),
+    ]);
+    spec.user = Some("root".into());
+    let r = async {
+        let h = sandbox.process().spawn(&ctx, spec).await?;
+        h.wait(&ctx).await
+    }
+    .await;
+    match r {
+        Ok(st) if st.code == Some(0) => {}
+        Ok(st) => {
+            tracing::warn!(session.id = %s.id, status = ?st, "Could not write a sandbox's /run/e2b markers")
+        }
+        Err(e) => {
+            tracing::warn!(session.id = %s.id, error = %e, "Could not write a sandbox's /run/e2b markers")
+        }
+    }
+}
+
 /// Resume `s` (`reboot`: by a boot, its memory dropped); 501 where its provider cannot.
-async fn resume_sandbox(ctx: &CallCtx, s: &Arc<Session>, reboot: bool) -> Result<(), RestError> {
+async fn resume_sandbox(
+    state: &AppState,
+    ctx: &CallCtx,
+    s: &Arc<Session>,
+    reboot: bool,
+) -> Result<(), RestError> {
     match s.resume(ctx, reboot).await {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            write_markers(state, s).await;
+            Ok(())
+        }
         Err(e) if e.code() == ErrorCode::Unsupported => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
             format!(
@@ -1150,7 +1199,7 @@ async fn resume(
             1,
         )?))
         .await?;
-        resume_sandbox(&ctx, &s, req.memory == Some(false)).await?;
+        resume_sandbox(&state, &ctx, &s, req.memory == Some(false)).await?;
         Ok((
             StatusCode::CREATED,
             axum::Json(sandbox_response(&state, &s, &extra)),

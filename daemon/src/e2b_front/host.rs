@@ -61,6 +61,7 @@ impl Host for AppState {
         Limits {
             fs_op: self.e2b.fs_op,
             max_file_bytes: self.config.server.max_file_bytes,
+            kill_wait: Duration::from_millis(self.config.limits.drain_after_terminate_ms),
         }
     }
 
@@ -119,6 +120,10 @@ impl HostedSandbox for Session {
 
     fn env(&self) -> &BTreeMap<String, String> {
         &self.params.env
+    }
+
+    fn template(&self) -> Option<String> {
+        self.params.template.clone()
     }
 
     fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {

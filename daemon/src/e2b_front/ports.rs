@@ -85,12 +85,20 @@ async fn auto_resume(state: &AppState, id: &str) {
 }
 
 async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
+    // Who asks (a browser gets a page where a program gets JSON).
+    let asker = {
+        let mut h = http::HeaderMap::new();
+        if let Some(ua) = req.headers().get(header::USER_AGENT) {
+            h.insert(header::USER_AGENT, ua.clone());
+        }
+        h
+    };
     let Some(target) = super::host::find(state, &id) else {
-        return Reject::NotFound(id).into_response();
+        return Reject::NotFound(id).for_client(&asker);
     };
     let session = target.sandbox;
     let Some(sandbox_id) = session.sandbox_id() else {
-        return Reject::NotFound(id).into_response();
+        return Reject::NotFound(id).for_client(&asker);
     };
     let access = &session.params.ports;
     if !access.public && !auth::traffic_token_matches(req.headers(), &state.e2b.traffic_token(&id))
@@ -135,11 +143,11 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
             return refuse(id, StatusCode::NOT_IMPLEMENTED, &why);
         }
         Err(e) if e.code() == ErrorCode::SandboxNotFound => {
-            return Reject::NotFound(id).into_response();
+            return Reject::NotFound(id).for_client(&asker);
         }
         Err(e) => {
             tracing::debug!(sandbox.id = %id, port, error = %e, "Nothing answers on a sandbox port");
-            return Reject::PortClosed(id, port).into_response();
+            return Reject::PortClosed(id, port).for_client(&asker);
         }
     };
     session.touch();

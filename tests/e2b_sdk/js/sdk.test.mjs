@@ -979,6 +979,31 @@ sdkTest('sandbox isolation (host file out of reach)', async (ctx) => {
 
 // === envd fidelity (what envd itself answers, where a guess would differ) ===
 
+sdkTest('commands.run: E2B_SANDBOX / E2B_SANDBOX_ID / E2B_TEMPLATE_ID and /run/e2b', async (ctx) => {
+  const sbx = await ctx.create();
+  let r = await sbx.commands.run('echo "$E2B_SANDBOX $E2B_SANDBOX_ID $E2B_TEMPLATE_ID"');
+  assert.equal(r.stdout, `true ${sbx.sandboxId} base\n`);
+  r = await sbx.commands.run(
+    'cat /run/e2b/.E2B_SANDBOX; echo; cat /run/e2b/.E2B_SANDBOX_ID; echo; cat /run/e2b/.E2B_TEMPLATE_ID',
+  );
+  assert.equal(r.stdout, `true\n${sbx.sandboxId}\nbase`);
+  r = await sbx.commands.run('echo "$E2B_SANDBOX"', { envs: { E2B_SANDBOX: 'mine' } });
+  assert.equal(r.stdout, 'mine\n');
+});
+
+sdkTest('commands.kill (the process is gone when kill answers)', async (ctx) => {
+  const sbx = await ctx.create();
+  // Busy processes beside it make a late reaper show.
+  for (let i = 0; i < 2; i++) {
+    await sbx.commands.run("exec timeout 60 sh -c 'while :; do :; done'", { background: true });
+  }
+  for (let i = 0; i < 10; i++) {
+    const cmd = await sbx.commands.run('sleep 10', { background: true });
+    assert.equal(await sbx.commands.kill(cmd.pid), true);
+    await assert.rejects(sbx.commands.run(`kill -0 ${cmd.pid}`), CommandExitError);
+  }
+});
+
 sdkTest("files.* with user 'root', and envd's rights for every user", async (ctx) => {
   const sbx = await ctx.create();
   // As root: /root, private to root; relative paths start there.

@@ -817,6 +817,34 @@ def test_sandbox_isolation_host_file(sandbox):
 # === envd fidelity (what envd itself answers, where a guess would differ) ===
 
 
+@sdk("commands.run: E2B_SANDBOX / E2B_SANDBOX_ID / E2B_TEMPLATE_ID and /run/e2b")
+def test_sandbox_markers(sandbox):
+    # What E2B gives every sandbox: programs read them to learn they run in one, and which.
+    r = sandbox.commands.run('echo "$E2B_SANDBOX $E2B_SANDBOX_ID $E2B_TEMPLATE_ID"')
+    assert r.stdout == f"true {sandbox.sandbox_id} base\n"
+    r = sandbox.commands.run(
+        "cat /run/e2b/.E2B_SANDBOX; echo; cat /run/e2b/.E2B_SANDBOX_ID; echo; cat /run/e2b/.E2B_TEMPLATE_ID"
+    )
+    assert r.stdout == f"true\n{sandbox.sandbox_id}\nbase"
+    # A command's own value wins.
+    assert sandbox.commands.run('echo "$E2B_SANDBOX"', envs={"E2B_SANDBOX": "mine"}).stdout == "mine\n"
+
+
+@sdk("commands.kill (the process is gone when kill answers)")
+def test_commands_kill_then_gone(sandbox):
+    # envd reaps its child at once: a program that kills a process and looks for it at
+    # once finds nothing, not a zombie awaiting its reaper. Busy processes beside it make
+    # a late reaper show.
+    for _ in range(2):
+        sandbox.commands.run("exec timeout 60 sh -c 'while :; do :; done'", background=True)
+    for _ in range(10):
+        handle = sandbox.commands.run("sleep 10", background=True)
+        assert sandbox.commands.kill(handle.pid) is True
+        with pytest.raises(CommandExitException):
+            sandbox.commands.run(f"kill -0 {handle.pid}")
+
+
+
 @sdk("files.* with user='root', and envd's rights for every user")
 def test_files_as_root_and_envds_rights(sandbox):
     # As root: /root, private to root; relative paths start there.
@@ -1134,6 +1162,10 @@ def test_get_host_reaches_servers_in_the_sandbox(env, make_sandbox):
     closed = json.loads(body)
     assert status == 502 and closed["message"] == "The sandbox is running but port is not open", closed
     assert (closed["sandboxId"], closed["port"]) == (sbx.sandbox_id, 9), closed
+    # A browser gets E2B's page instead.
+    browser = {"User-Agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/120.0 Safari/537.36"}
+    status, body = _front_request(sbx.get_host(9), "/", headers=browser)
+    assert status == 502 and b"<title>Closed Port Error</title>" in body, (status, body)
     status, body = _front_request(f"8080-{bogus_sandbox_id()}.{host.split('.', 1)[1]}")
     assert status == 502 and json.loads(body)["message"] == "The sandbox was not found"
     # An upgraded connection carries bytes both ways.
@@ -1445,6 +1477,8 @@ def test_a_pause_without_memory_reboots_at_connect_and_keeps_the_files(env, make
     assert _boot_id(rebooted) not in (before, after)
     assert rebooted.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
     assert rebooted.files.read(f"{HOME}/fs-only.txt") == "kept across the boot"
+    # A boot starts with an empty /run: the sandbox's markers are written again.
+    assert rebooted.commands.run("cat /run/e2b/.E2B_SANDBOX_ID").stdout == rebooted.sandbox_id
 
 
 @sdk("Sandbox.create(lifecycle={'on_timeout': {'action': 'pause', 'mode': 'filesystem'}})")
