@@ -29,8 +29,9 @@ use async_trait::async_trait;
 use backon::{ConstantBuilder, Retryable};
 use serde::{Deserialize, Serialize};
 use tether_envd_client::{EnvdClientConfig, EnvdSandboxClient};
+use tether_protocol::process::ProcessSpec;
 use tether_provider::{
-    CallCtx, Capabilities, Enforcement, Fs, PauseKind, PortStream, Process, Provider,
+    CallCtx, Capabilities, Clock, Enforcement, Fs, PauseKind, PortStream, Process, Provider,
     ProviderError, Result, Sandbox, SandboxInfo, SandboxMetrics, SandboxSpec,
 };
 
@@ -116,6 +117,17 @@ pub struct VmStamp {
     /// restores it (same disk, port and token).
     #[serde(default)]
     pub suspended: bool,
+    /// Paused without its memory: the guest synced its disks and its qemu stopped; no
+    /// state was saved, so resume boots the VM's own disk.
+    #[serde(default)]
+    pub stopped: bool,
+}
+
+impl VmStamp {
+    /// Its qemu is stopped on purpose (saved to disk, or paused without memory).
+    fn parked(&self) -> bool {
+        self.suspended || self.stopped
+    }
 }
 
 /// A saved template VM.
@@ -567,7 +579,7 @@ impl MicrovmProvider {
                     .is_none_or(|age| age < Duration::from_secs(60)),
             };
             // A suspended VM has no qemu on purpose: its lease decides.
-            let suspended = read_json::<VmStamp>(&dir.join("vm.json")).is_some_and(|s| s.suspended);
+            let suspended = read_json::<VmStamp>(&dir.join("vm.json")).is_some_and(|s| s.parked());
             if !alive && !owner_alive && !suspended {
                 let id = e.file_name().to_string_lossy().into_owned();
                 if let Some(cg) = Cgroup::find(Path::new(CGROUP_ROOT), &id) {
@@ -949,6 +961,7 @@ impl MicrovmProvider {
             cgroup: cgroup.is_some(),
             paused: false,
             suspended: false,
+            stopped: false,
         };
         // Start, and start again on a new port if the one picked was taken meanwhile.
         let attempt = || {
@@ -1108,8 +1121,8 @@ impl MicrovmProvider {
         }
         let qemu = match client::read_pidfile(&dir.join("qemu.pid")) {
             Some(pid) if client::pid_is_vm(pid, &dir) => QemuProcess::adopt(pid),
-            // Saved to disk, no qemu until resumed.
-            _ if stamp.suspended => QemuProcess::none(),
+            // Saved to disk or stopped: no qemu until resumed.
+            _ if stamp.parked() => QemuProcess::none(),
             _ => return None,
         };
         let cgroup = Cgroup::find(Path::new(CGROUP_ROOT), id);
@@ -1155,6 +1168,115 @@ impl MicrovmProvider {
             }
         }
         Ok(out)
+    }
+
+    /// Pause `core` without its memory: the guest flushes its disks (`sync` through the
+    /// agent; a VM paused in memory runs again for it, and one saved to disk is restored
+    /// first, since its unwritten pages are in the saved memory), then its qemu quits.
+    /// The stamp says `stopped` only once qemu is gone, so a crash midway leaves a VM
+    /// that is found running (or saved) as before.
+    async fn stop_guest(&self, ctx: &CallCtx, core: &Arc<VmCore>) -> Result<()> {
+        let _op = core.op.lock().await;
+        core.pause_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let s = core.stamp();
+        if s.stopped {
+            return Ok(());
+        }
+        if s.suspended {
+            self.restore_suspended(core).await?;
+            core.update(|s| s.suspended = false)?;
+            let _ = std::fs::remove_file(core.dir.join(SUSPEND_STATE));
+        }
+        if s.paused && !s.suspended {
+            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+        }
+        let sctx = ctx.with_timeout(self.cfg.qmp_timeout(), Clock::Total);
+        let h = core
+            .process
+            .spawn(&sctx, ProcessSpec::argv(["sync"]))
+            .await?;
+        let status = h.wait(&sctx).await?;
+        if status.code != Some(0) {
+            return Err(internal(
+                "the guest could not sync its disks",
+                std::io::Error::other(format!("sync ended with {status:?}")),
+            ));
+        }
+        let grace = self.cfg.stop_grace();
+        let _ = qmp_call::<(), Empty>(&core.qmp(), "quit", None, grace.min(self.cfg.qmp_timeout()))
+            .await;
+        let mut q = core.qemu.lock().await;
+        if !q.wait_exit(grace).await {
+            q.kill_vm(&core.dir, grace).await;
+        }
+        *q = QemuProcess::none();
+        core.update(|s| {
+            s.stopped = true;
+            s.paused = true;
+        })?;
+        tracing::info!(sandbox.id = %s.id, "Stopped a microVM paused without its memory");
+        Ok(())
+    }
+
+    /// Boot a VM paused without its memory from its own disk (same disk, port and token,
+    /// the template's kernel and command line): a new boot, its processes gone, its files
+    /// kept. `/init` sets the clock and entropy. On failure it stays stopped.
+    async fn boot_stopped(&self, core: &VmCore) -> Result<()> {
+        let s = core.stamp();
+        let launch = VmLaunch {
+            dir: core.dir.clone(),
+            disk: core.dir.join("disk.qcow2"),
+            port: s.port,
+            net: s.net(),
+            memory_mib: s.memory_mib,
+            vcpus: s.vcpus,
+            incoming: None,
+        };
+        let mut q = core.qemu.lock().await;
+        q.kill_vm(&core.dir, self.cfg.stop_grace()).await;
+        *q = QemuProcess::spawn(
+            &self.cfg,
+            &s.image,
+            &launch,
+            &s.cmdline,
+            core.cgroup.as_ref(),
+        )?;
+        let r = async {
+            client::wait_ready(
+                &self.http,
+                self.agent(s.port),
+                &mut q,
+                self.cfg.probe_timeout(),
+                self.cfg.boot_timeout(),
+                &launch.console(),
+            )
+            .await?;
+            let body = tether_protocol::e2b::InitRequest {
+                env_vars: None,
+                access_token: Some(s.token.clone()),
+                default_user: None,
+                default_workdir: None,
+                timestamp: Some(rfc3339_now()),
+                tether_entropy: Some(client::entropy()?),
+            };
+            client::init_agent(
+                &self.http,
+                self.agent(s.port),
+                &body,
+                Some(&s.token),
+                self.cfg.init_timeout(),
+            )
+            .await
+        }
+        .await;
+        if let Err(e) = r {
+            q.kill(self.cfg.stop_grace()).await;
+            *q = QemuProcess::none();
+            return Err(e);
+        }
+        tracing::info!(sandbox.id = %s.id, "Booted a microVM paused without its memory");
+        Ok(())
     }
 
     /// Start the qemu of a VM saved to disk by a long pause, from its saved state, over
@@ -1250,9 +1372,8 @@ impl Provider for MicrovmProvider {
             reattach: true,
             renew: true,
             egress: false,
-            // A cold boot of a VM's own disk is not built: its guests start from the
-            // template's saved state.
-            pause_filesystem: false,
+            // The guest syncs, its qemu stops; resume boots the VM's own disk.
+            pause_filesystem: true,
         }
     }
 
@@ -1294,6 +1415,9 @@ impl Provider for MicrovmProvider {
 
     async fn connect(&self, _ctx: &CallCtx, id: &str) -> Result<Arc<dyn Sandbox>> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        if core.stamp().stopped {
+            return Err(ProviderError::Stopped { id: id.to_owned() });
+        }
         self.sandbox(core)
     }
 
@@ -1347,15 +1471,13 @@ impl Provider for MicrovmProvider {
         core.update(|s| s.expires_ms = Some(now_ms() + ttl.as_millis() as i64))
     }
 
-    async fn pause(&self, _ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
+    async fn pause(&self, ctx: &CallCtx, id: &str, kind: PauseKind) -> Result<()> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
         if kind == PauseKind::Filesystem {
-            return Err(ProviderError::Unsupported {
-                op: "pause without memory",
-            });
+            return self.stop_guest(ctx, &core).await;
         }
         let _op = core.op.lock().await;
-        if core.stamp().suspended {
+        if core.stamp().parked() {
             return Ok(());
         }
         qmp_call::<(), Empty>(&core.qmp(), "stop", None, self.cfg.qmp_timeout()).await?;
@@ -1390,7 +1512,9 @@ impl Provider for MicrovmProvider {
             let _op = core.op.lock().await;
             core.pause_epoch
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if core.stamp().suspended {
+            if core.stamp().stopped {
+                self.boot_stopped(&core).await?;
+            } else if core.stamp().suspended {
                 self.restore_suspended(&core).await?;
             } else {
                 qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
@@ -1398,6 +1522,7 @@ impl Provider for MicrovmProvider {
             core.update(|s| {
                 s.paused = false;
                 s.suspended = false;
+                s.stopped = false;
             })?;
         }
         self.sandbox(core)
@@ -1405,6 +1530,9 @@ impl Provider for MicrovmProvider {
 
     async fn snapshot(&self, _ctx: &CallCtx, id: &str) -> Result<String> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
+        if core.stamp().stopped {
+            return Err(ProviderError::Stopped { id: id.to_owned() });
+        }
         let sid = format!("snap-{}", uuid::Uuid::new_v4().simple());
         let final_dir = self.cfg.root.join("snapshots").join(&sid);
         let tmp = final_dir.with_extension("tmp");
@@ -1504,6 +1632,9 @@ impl Provider for MicrovmProvider {
     async fn connect_port(&self, ctx: &CallCtx, id: &str, port: u16) -> Result<PortStream> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
         let s = core.stamp();
+        if s.stopped {
+            return Err(ProviderError::Stopped { id: id.to_owned() });
+        }
         if s.suspended {
             return Err(Self::not_found(id));
         }
@@ -1548,6 +1679,9 @@ impl Provider for MicrovmProvider {
     async fn metrics(&self, _ctx: &CallCtx, id: &str) -> Result<SandboxMetrics> {
         let core = self.core(id).ok_or_else(|| Self::not_found(id))?;
         let s = core.stamp();
+        if s.stopped {
+            return Err(ProviderError::Stopped { id: id.to_owned() });
+        }
         let (cpu_us, rss) = if s.suspended {
             // Saved to disk: no process, no memory.
             (0, 0)

@@ -500,6 +500,79 @@ async fn a_long_pause_saves_the_vm_to_disk_and_resume_restores_its_processes_and
     assert!(qemus_of(&dir).is_empty() && !dir.exists());
 }
 
+/// E2B's pause without memory: the guest syncs, its qemu stops (no state saved, nothing
+/// in memory), a restarted provider finds it stopped, and resume boots the VM's own
+/// disk: its files kept, its processes gone, a new boot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_without_memory_stops_the_vm_and_resume_boots_its_disk() {
+    let Some(cfg) = config() else { return };
+    let p = provider(&cfg);
+    assert!(p.capabilities().pause_filesystem);
+    let sb = p.create(&ctx(), SandboxSpec::default()).await.unwrap();
+    let id = sb.info().id.clone();
+    let dir = cfg.root.join("vms").join(&id);
+    // Written just before the pause: still only in the guest's page cache.
+    write_file(sb.as_ref(), "/home/user/kept.txt", b"kept").await;
+    let (code, out) = run(
+        sb.as_ref(),
+        "echo tmp > /tmp/kept2.txt; cat /proc/sys/kernel/random/boot_id; \
+         nohup sleep 1000 >/dev/null 2>&1 & echo $!",
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    let mut lines = out.lines();
+    let boot = lines.next().unwrap().to_owned();
+    let pid = lines.next().unwrap().to_owned();
+
+    p.pause(&ctx(), &id, PauseKind::Filesystem).await.unwrap();
+    assert!(qemus_of(&dir).is_empty(), "qemu still runs");
+    assert!(!dir.join("suspend.state").exists(), "no memory is kept");
+    let code = |r: Result<_, tether_provider::ProviderError>| r.err().map(|e| e.code());
+    assert_eq!(
+        code(p.connect(&ctx(), &id).await.map(|_| ())),
+        Some(tether_protocol::ErrorCode::Conflict)
+    );
+    assert_eq!(
+        code(p.metrics(&ctx(), &id).await.map(|_| ())),
+        Some(tether_protocol::ErrorCode::Conflict)
+    );
+    // A second pause of either kind changes nothing.
+    p.pause(&ctx(), &id, PauseKind::Filesystem).await.unwrap();
+    // A fresh provider over the same table (a restarted daemon) keeps it, stopped.
+    {
+        let again = MicrovmProvider::new(cfg.clone()).unwrap();
+        assert!(listed(&again).await.contains(&id));
+        assert_eq!(
+            code(again.connect(&ctx(), &id).await.map(|_| ())),
+            Some(tether_protocol::ErrorCode::Conflict)
+        );
+    }
+    assert!(dir.exists());
+
+    let sb = p.resume(&ctx(), &id).await.unwrap();
+    assert_eq!(qemus_of(&dir).len(), 1);
+    assert_eq!(read_file(sb.as_ref(), "/home/user/kept.txt").await, b"kept");
+    assert_eq!(read_file(sb.as_ref(), "/tmp/kept2.txt").await, b"tmp\n");
+    let (_, again) = run(sb.as_ref(), "cat /proc/sys/kernel/random/boot_id").await;
+    assert_ne!(again.trim(), boot, "a new boot");
+    let (code_, _) = run(sb.as_ref(), &format!("kill -0 {pid}")).await;
+    assert_ne!(code_, Some(0), "the old process {pid} is gone");
+    // `/init` after the boot set the guest's clock to the host's.
+    let (_, t) = run(sb.as_ref(), "date +%s").await;
+    let guest: i64 = t.trim().parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest - host).abs() < 10,
+        "guest clock {guest}, host {host}"
+    );
+    assert!(p.connect(&ctx(), &id).await.is_ok());
+    p.destroy(&ctx(), &id).await.unwrap();
+    assert!(qemus_of(&dir).is_empty() && !dir.exists());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_keeps_the_files_of_its_source_and_diverges() {
     let Some(cfg) = config() else { return };
