@@ -339,6 +339,8 @@ async fn the_python_sdk_suite_runs_on_microvm_sandboxes() {
         // snapshots (saved machine state plus a copy of the overlay).
         .env("TETHER_SUITE_PORTS", "1")
         .env("TETHER_SUITE_SNAPSHOTS", "1")
+        // ... and pauses without memory (the guest syncs, qemu stops, resume boots).
+        .env("TETHER_SUITE_PAUSE_FILESYSTEM", "1")
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         // File metadata as `user.e2b.*` extended attributes needs `Fs::xattrs`, which
