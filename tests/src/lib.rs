@@ -141,6 +141,51 @@ impl TestDaemon {
         (status, r.json().await.unwrap_or(serde_json::Value::Null))
     }
 
+    /// Create a sandbox through the E2B front with API key `key`; its id.
+    pub async fn e2b_create(&self, key: &str) -> String {
+        let r = self
+            .http
+            .post(self.url("/v2/sandboxes"))
+            .header("x-api-key", key)
+            .json(&serde_json::json!({"templateID": "base", "timeout": 120}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), 201, "create through the E2B front");
+        let body: serde_json::Value = r.json().await.expect("json");
+        body["sandboxID"].as_str().expect("sandboxID").to_owned()
+    }
+
+    /// GET `path` of `port` of sandbox `sid` through the E2B front's port proxy (the
+    /// `<port>-<id>.localhost` host), every 100 ms until it answers 200 (at most
+    /// `tries` times): its body, or the last answer as the error.
+    pub async fn get_port_until_served(
+        &self,
+        sid: &str,
+        port: u16,
+        path: &str,
+        tries: u32,
+    ) -> Result<String, String> {
+        let mut last = String::new();
+        for _ in 0..tries {
+            let r = self
+                .http
+                .get(self.url(path))
+                .header("host", format!("{port}-{sid}.localhost"))
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap_or_default();
+            if status == 200 {
+                return Ok(text);
+            }
+            last = format!("{status} {text}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last)
+    }
+
     /// Create a session on the local provider, return its id.
     pub async fn new_session(&self) -> String {
         let (st, body) = self.post("/v1/sessions", serde_json::json!({})).await;

@@ -648,19 +648,7 @@ async fn the_e2b_front_reaches_a_server_in_a_sandbox_of_an_e2b_backend() {
     })
     .await;
     let key = "e2b_port_via_backend_key";
-    let r = d
-        .http
-        .post(d.url("/v2/sandboxes"))
-        .header("x-api-key", key)
-        .json(&serde_json::json!({"templateID": "base", "timeout": 120}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let sid = r.json::<serde_json::Value>().await.unwrap()["sandboxID"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let sid = d.e2b_create(key).await;
     let (st, body) = d
         .post(
             &format!("/v1/sessions/{sid}/processes"),
@@ -676,23 +664,10 @@ async fn the_e2b_front_reaches_a_server_in_a_sandbox_of_an_e2b_backend() {
             .header("host", format!("{port}-{sid}.localhost"))
             .send()
     };
-    let mut last = String::new();
-    let mut served = None;
-    for _ in 0..150 {
-        let r = get(8080).await.unwrap();
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap_or_default();
-        if status == 200 {
-            served = Some(text);
-            break;
-        }
-        last = format!("{status} {text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert_eq!(
-        served.as_deref(),
-        Some(format!("served-from-{sid}\n").as_str()),
-        "the server in the backend's sandbox was not reached; last answer: {last}"
+        d.get_port_until_served(&sid, 8080, "/page.txt", 150).await,
+        Ok(format!("served-from-{sid}\n")),
+        "the server in the backend's sandbox was not reached"
     );
     let r = get(8080).await.unwrap();
     assert_eq!(

@@ -668,19 +668,7 @@ async fn the_e2b_front_reaches_a_server_in_an_ssh_sandbox() {
     let host = SshHost::start().await;
     let d = daemon_with_ssh(&host, true).await;
     let key = "e2b_ssh_port_test_key";
-    let r = d
-        .http
-        .post(d.url("/v2/sandboxes"))
-        .header("x-api-key", key)
-        .json(&serde_json::json!({"templateID": "base", "timeout": 120}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let sid = r.json::<serde_json::Value>().await.unwrap()["sandboxID"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let sid = d.e2b_create(key).await;
     // The test host is a network namespace of its own: any port is free on its loopback.
     let port = 20_000 + (std::process::id() % 20_000) as u16;
     let (st, body) = d
@@ -698,23 +686,10 @@ async fn the_e2b_front_reaches_a_server_in_an_ssh_sandbox() {
             .header("host", format!("{port}-{sid}.localhost"))
             .send()
     };
-    let mut last = String::new();
-    let mut served = None;
-    for _ in 0..100 {
-        let r = get(port, "/page.txt").await.unwrap();
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap_or_default();
-        if status == 200 {
-            served = Some(text);
-            break;
-        }
-        last = format!("{status} {text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert_eq!(
-        served.as_deref(),
-        Some(format!("served-from-{sid}\n").as_str()),
-        "the server in the sandbox was not reached; last answer: {last}"
+        d.get_port_until_served(&sid, port, "/page.txt", 100).await,
+        Ok(format!("served-from-{sid}\n")),
+        "the server in the sandbox was not reached"
     );
     // Another connection, another channel: a second request is served as well.
     let r = get(port, "/page.txt").await.unwrap();

@@ -438,19 +438,7 @@ impl Endpoints {
 
     /// The envd base URL of a sandbox whose create/connect answer named `domain` (if any).
     pub fn envd_url(&self, sandbox_id: &str, domain: Option<&str>) -> Result<Url, ProviderError> {
-        if let Some(u) = &self.sandbox_url {
-            return Ok(u.clone());
-        }
-        let domain = domain.filter(|d| !d.is_empty()).unwrap_or(&self.domain);
-        let url = if SHARED_HOST_DOMAINS.contains(&domain) {
-            format!("https://sandbox.{domain}")
-        } else {
-            format!(
-                "https://{}-{sandbox_id}.{domain}",
-                tether_protocol::e2b::ENVD_PORT
-            )
-        };
-        parse_url("envd URL", &url)
+        self.port_url(sandbox_id, tether_protocol::e2b::ENVD_PORT, domain)
     }
 
     /// The base URL at which E2B's edge serves `port` of a sandbox whose create/connect
@@ -472,7 +460,7 @@ impl Endpoints {
         } else {
             format!("https://{port}-{sandbox_id}.{domain}")
         };
-        parse_url("port URL", &url)
+        parse_url("sandbox URL", &url)
     }
 
     /// `api` joined with `path` (which starts with `/`).

@@ -1223,59 +1223,8 @@ impl MicrovmProvider {
     /// the template's kernel and command line): a new boot, its processes gone, its files
     /// kept. `/init` sets the clock and entropy. On failure it stays stopped.
     async fn boot_stopped(&self, core: &VmCore) -> Result<()> {
-        let s = core.stamp();
-        let launch = VmLaunch {
-            dir: core.dir.clone(),
-            disk: core.dir.join("disk.qcow2"),
-            port: s.port,
-            net: s.net(),
-            memory_mib: s.memory_mib,
-            vcpus: s.vcpus,
-            incoming: None,
-        };
-        let mut q = core.qemu.lock().await;
-        q.kill_vm(&core.dir, self.cfg.stop_grace()).await;
-        *q = QemuProcess::spawn(
-            &self.cfg,
-            &s.image,
-            &launch,
-            &s.cmdline,
-            core.cgroup.as_ref(),
-        )?;
-        let r = async {
-            client::wait_ready(
-                &self.http,
-                self.agent(s.port),
-                &mut q,
-                self.cfg.probe_timeout(),
-                self.cfg.boot_timeout(),
-                &launch.console(),
-            )
-            .await?;
-            let body = tether_protocol::e2b::InitRequest {
-                env_vars: None,
-                access_token: Some(s.token.clone()),
-                default_user: None,
-                default_workdir: None,
-                timestamp: Some(rfc3339_now()),
-                tether_entropy: Some(client::entropy()?),
-            };
-            client::init_agent(
-                &self.http,
-                self.agent(s.port),
-                &body,
-                Some(&s.token),
-                self.cfg.init_timeout(),
-            )
-            .await
-        }
-        .await;
-        if let Err(e) = r {
-            q.kill(self.cfg.stop_grace()).await;
-            *q = QemuProcess::none();
-            return Err(e);
-        }
-        tracing::info!(sandbox.id = %s.id, "Booted a microVM paused without its memory");
+        self.relaunch(core, None).await?;
+        tracing::info!(sandbox.id = %core.stamp().id, "Booted a microVM paused without its memory");
         Ok(())
     }
 
@@ -1283,8 +1232,20 @@ impl MicrovmProvider {
     /// its own disk, on its port, in its cgroup; continue it; wait for the agent; `/init`
     /// with its token re-sets the guest's clock. On failure it stays suspended.
     async fn restore_suspended(&self, core: &VmCore) -> Result<()> {
-        let s = core.stamp();
         let state = core.dir.join(SUSPEND_STATE);
+        self.relaunch(core, Some(state.clone())).await?;
+        let _ = std::fs::remove_file(&state);
+        tracing::info!(sandbox.id = %core.stamp().id, "Restored a microVM saved to disk by a long pause");
+        Ok(())
+    }
+
+    /// Start `core`'s qemu again over its own disk, on its port, in its cgroup: from
+    /// `incoming` (a saved state, continued once loaded) or by a boot; wait for the agent
+    /// and `/init` it with the VM's token, the host's time and new entropy. On failure no
+    /// qemu is left.
+    async fn relaunch(&self, core: &VmCore, incoming: Option<PathBuf>) -> Result<()> {
+        let s = core.stamp();
+        let restore = incoming.is_some();
         let launch = VmLaunch {
             dir: core.dir.clone(),
             disk: core.dir.join("disk.qcow2"),
@@ -1292,7 +1253,7 @@ impl MicrovmProvider {
             net: s.net(),
             memory_mib: s.memory_mib,
             vcpus: s.vcpus,
-            incoming: Some(state.clone()),
+            incoming,
         };
         let mut q = core.qemu.lock().await;
         q.kill_vm(&core.dir, self.cfg.stop_grace()).await;
@@ -1304,15 +1265,20 @@ impl MicrovmProvider {
             core.cgroup.as_ref(),
         )?;
         let r = async {
-            // The state was saved stopped, so the restored VM is stopped until `cont`.
-            client::wait_incoming(&core.qmp(), self.cfg.restore_timeout(), SAVE_POLL).await?;
-            qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+            let ready_within = if restore {
+                // The state was saved stopped, so the restored VM is stopped until `cont`.
+                client::wait_incoming(&core.qmp(), self.cfg.restore_timeout(), SAVE_POLL).await?;
+                qmp_call::<(), Empty>(&core.qmp(), "cont", None, self.cfg.qmp_timeout()).await?;
+                self.cfg.restore_timeout()
+            } else {
+                self.cfg.boot_timeout()
+            };
             client::wait_ready(
                 &self.http,
                 self.agent(s.port),
                 &mut q,
                 self.cfg.probe_timeout(),
-                self.cfg.restore_timeout(),
+                ready_within,
                 &launch.console(),
             )
             .await?;
@@ -1339,8 +1305,6 @@ impl MicrovmProvider {
             *q = QemuProcess::none();
             return Err(e);
         }
-        let _ = std::fs::remove_file(&state);
-        tracing::info!(sandbox.id = %s.id, "Restored a microVM saved to disk by a long pause");
         Ok(())
     }
 

@@ -312,6 +312,20 @@ async fn run(sb: &dyn tether_provider::Sandbox, cmd: &str) -> (Option<i32>, Stri
     (code, String::from_utf8_lossy(&out).into_owned())
 }
 
+/// The guest's clock is the host's, within 10 s.
+async fn assert_clock_is_the_hosts(sb: &dyn tether_provider::Sandbox) {
+    let (_, t) = run(sb, "date +%s").await;
+    let guest: i64 = t.trim().parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest - host).abs() < 10,
+        "guest clock {guest}, host {host}"
+    );
+}
+
 async fn write_file(sb: &dyn tether_provider::Sandbox, path: &str, data: &[u8]) {
     sb.fs()
         .write(
@@ -486,16 +500,7 @@ async fn a_long_pause_saves_the_vm_to_disk_and_resume_restores_its_processes_and
     let (code, _) = run(sb.as_ref(), &format!("kill -0 {pid}")).await;
     assert_eq!(code, Some(0), "the background process {pid} is gone");
     // `/init` after the restore set the guest's clock to the host's.
-    let (_, t) = run(sb.as_ref(), "date +%s").await;
-    let guest: i64 = t.trim().parse().unwrap();
-    let host = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    assert!(
-        (guest - host).abs() < 10,
-        "guest clock {guest}, host {host}"
-    );
+    assert_clock_is_the_hosts(sb.as_ref()).await;
     p.destroy(&ctx(), &id).await.unwrap();
     assert!(qemus_of(&dir).is_empty() && !dir.exists());
 }
@@ -559,16 +564,7 @@ async fn a_pause_without_memory_stops_the_vm_and_resume_boots_its_disk() {
     let (_, procs) = run(sb.as_ref(), "pgrep -x sleep || echo none").await;
     assert_eq!(procs, "none\n", "the old process ({pid} before) is gone");
     // `/init` after the boot set the guest's clock to the host's.
-    let (_, t) = run(sb.as_ref(), "date +%s").await;
-    let guest: i64 = t.trim().parse().unwrap();
-    let host = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    assert!(
-        (guest - host).abs() < 10,
-        "guest clock {guest}, host {host}"
-    );
+    assert_clock_is_the_hosts(sb.as_ref()).await;
     assert!(p.connect(&ctx(), &id).await.is_ok());
     p.destroy(&ctx(), &id).await.unwrap();
     assert!(qemus_of(&dir).is_empty() && !dir.exists());
