@@ -1111,13 +1111,17 @@ async fn update_network(
 /// The files E2B puts in every sandbox's `/run/e2b` (`.E2B_SANDBOX`: `true`,
 /// `.E2B_SANDBOX_ID`, `.E2B_TEMPLATE_ID`; programs read them to learn they run in a
 /// sandbox, and which), written as root by one command at create and after a resume (a
-/// boot starts with an empty `/run`). Bounded by the sandbox-operation deadline; a
-/// failure is logged and fails nothing.
+/// boot starts with an empty `/run`). Only in a sandbox that is a machine of its own: on
+/// a host that sandboxes share (SSH, `isolation = "none"`), `/run` is the host's.
+/// Bounded by the sandbox-operation deadline; a failure is logged and fails nothing.
 async fn write_markers(state: &AppState, s: &Session) {
     const SCRIPT: &str = "mkdir -p /run/e2b && cd /run/e2b && printf true > .E2B_SANDBOX \
         && printf %s \"$1\" > .E2B_SANDBOX_ID && printf %s \"$2\" > .E2B_TEMPLATE_ID \
         && chmod 644 .E2B_SANDBOX .E2B_SANDBOX_ID .E2B_TEMPLATE_ID";
     let Ok(sandbox) = s.sandbox() else { return };
+    if sandbox.info().enforcement == tether_provider::Enforcement::None {
+        return;
+    }
     let ctx = CallCtx::new(format!("markers-{}", s.id)).with_timeout(
         state.config.limits.deadlines().sandbox_op,
         tether_provider::Clock::Total,

@@ -209,8 +209,10 @@ struct Helper {
 
 impl ElevatedFs {
     fn budget(&self, ctx: &CallCtx) -> Duration {
+        // Never zero: a zero budget would leave the helper unbounded.
         ctx.remaining()
             .unwrap_or(Duration::from_millis(self.core.cfg.fs_helper_timeout_ms))
+            .max(Duration::from_millis(1))
     }
 
     /// Start a helper on `req`.
