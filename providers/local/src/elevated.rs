@@ -192,12 +192,160 @@ pub(crate) fn view_for(core: &Arc<SandboxCore>, user: &str) -> Result<Arc<dyn Fs
             core.closed.clone(),
         )));
     }
-    Ok(Arc::new(ElevatedFs {
-        core: core.clone(),
-        home,
-        home_comps,
-        owner,
+    // Most operations need no more than the user's own rights (its home, `/tmp`; root's
+    // own files for root): they run in process as that user, as the default view's do,
+    // and what they create is the user's already. Only those the kernel refuses them pay
+    // for the helper, which then acts with root's rights.
+    let uid_base = core.cfg.uid_base;
+    let creds = (uid_base + owner.0, uid_base + owner.1);
+    let ws = if core.ws.creds == Some(creds) {
+        core.ws.clone()
+    } else {
+        let root = core
+            .ws
+            .root_fd()
+            .map_err(|e| internal("cannot open the sandbox's root", e))?;
+        Arc::new(Workspace::view(root, &home, &home_comps, Some(creds), None))
+    };
+    Ok(Arc::new(UserFs {
+        own: LocalFs::new(ws, core.tasks.clone(), core.closed.clone()),
+        root: ElevatedFs {
+            core: core.clone(),
+            home,
+            home_comps,
+            owner,
+        },
     }))
+}
+
+// === impl UserFs ===
+
+/// E2B's view for one user: the user's own rights first, root's (through the helper)
+/// where the kernel refuses those.
+#[derive(Debug)]
+pub(crate) struct UserFs {
+    own: LocalFs,
+    root: ElevatedFs,
+}
+
+/// The kernel refused the user's own rights (or the path is out of reach, which the
+/// helper refuses as well).
+fn refused<T>(r: &Result<T>) -> bool {
+    matches!(r, Err(e) if e.code() == ErrorCode::FsPermissionDenied)
+}
+
+#[async_trait]
+impl Fs for UserFs {
+    async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
+        let r = self.own.stat(ctx, path).await;
+        if refused(&r) {
+            self.root.stat(ctx, path).await
+        } else {
+            r
+        }
+    }
+
+    async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
+        let r = self.own.read(ctx, path, range).await;
+        if refused(&r) {
+            self.root.read(ctx, path, range).await
+        } else {
+            r
+        }
+    }
+
+    async fn write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
+        // Decided before a byte of the data is read.
+        let begun = self.own.begin_write(ctx, path).await;
+        match begun {
+            Ok(pending) => self.own.finish_write(ctx, path, pending, data, guard).await,
+            Err(e) if e.code() == ErrorCode::FsPermissionDenied => {
+                self.root.write(ctx, path, data, guard).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
+        let r = self.own.list(ctx, path, depth).await;
+        if refused(&r) {
+            self.root.list(ctx, path, depth).await
+        } else {
+            r
+        }
+    }
+
+    async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat> {
+        let r = self.own.mkdir(ctx, path, parents).await;
+        if refused(&r) {
+            self.root.mkdir(ctx, path, parents).await
+        } else {
+            r
+        }
+    }
+
+    async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat> {
+        let r = self.own.rename(ctx, from, to).await;
+        if refused(&r) {
+            self.root.rename(ctx, from, to).await
+        } else {
+            r
+        }
+    }
+
+    async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()> {
+        let r = self.own.remove(ctx, path, recursive).await;
+        if refused(&r) {
+            self.root.remove(ctx, path, recursive).await
+        } else {
+            r
+        }
+    }
+
+    async fn watch(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        recursive: bool,
+    ) -> Result<futures_util::stream::BoxStream<'static, Result<tether_protocol::fs::FsEvent>>>
+    {
+        self.own.watch(ctx, path, recursive).await
+    }
+
+    async fn xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+    ) -> Result<BTreeMap<String, Vec<u8>>> {
+        let r = self.own.xattrs(ctx, path, prefix).await;
+        if refused(&r) {
+            self.root.xattrs(ctx, path, prefix).await
+        } else {
+            r
+        }
+    }
+
+    async fn set_xattrs(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        prefix: &str,
+        values: BTreeMap<String, Vec<u8>>,
+    ) -> Result<()> {
+        let r = self.own.set_xattrs(ctx, path, prefix, values.clone()).await;
+        if refused(&r) {
+            self.root.set_xattrs(ctx, path, prefix, values).await
+        } else {
+            r
+        }
+    }
 }
 
 /// A running helper.

@@ -616,32 +616,19 @@ impl LocalFs {
     }
 }
 
-#[async_trait]
-impl Fs for LocalFs {
-    async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
-        let ws = self.ws.clone();
-        let path = path.to_owned();
-        blocking(ctx, self.ws.creds, move || {
-            let comps = ws.resolve(&path, false)?;
-            ws.stat_comps(&path, &comps)
-        })
-        .await
-    }
+/// A write whose temporary file exists and whose data is not read yet.
+pub(crate) struct PendingWrite {
+    comps: Comps,
+    parent: OwnedFd,
+    fd: OwnedFd,
+    tmp_name: OsString,
+}
 
-    async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
-        let ws = self.ws.clone();
-        let p = path.to_owned();
-        let fd = blocking(ctx, self.ws.creds, move || ws.open_regular(&p)).await?;
-        Ok(read_stream(fd, range, path))
-    }
-
-    async fn write(
-        &self,
-        ctx: &CallCtx,
-        path: &str,
-        mut data: ByteStream,
-        guard: WriteGuard,
-    ) -> Result<WriteOutcome> {
+impl LocalFs {
+    /// The first step of a write: resolve, create the parents, create the temporary file
+    /// next to the target. Nothing of the data is read yet, so a caller may still write
+    /// another way when this fails (without the rights: `FS_PERMISSION_DENIED`).
+    pub(crate) async fn begin_write(&self, ctx: &CallCtx, path: &str) -> Result<PendingWrite> {
         let ws = self.ws.clone();
         let p = path.to_owned();
         let tmp_name = OsString::from(format!("{TEMP_PREFIX}{}", uuid::Uuid::new_v4().simple()));
@@ -668,6 +655,30 @@ impl Fs for LocalFs {
             Ok((comps, parent, fd))
         })
         .await?;
+        Ok(PendingWrite {
+            comps,
+            parent,
+            fd,
+            tmp_name,
+        })
+    }
+
+    /// The rest of a write begun by [`LocalFs::begin_write`]: stream the data into the
+    /// temporary file, then publish it under the guard.
+    pub(crate) async fn finish_write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        pending: PendingWrite,
+        mut data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
+        let PendingWrite {
+            comps,
+            parent,
+            fd,
+            tmp_name,
+        } = pending;
         let parent = Arc::new(parent);
         let creds = self.ws.creds;
         let cleanup = |parent: Arc<OwnedFd>, tmp: OsString| async move {
@@ -894,6 +905,37 @@ impl Fs for LocalFs {
                 Err(e)
             }
         }
+    }
+}
+
+#[async_trait]
+impl Fs for LocalFs {
+    async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
+        let ws = self.ws.clone();
+        let path = path.to_owned();
+        blocking(ctx, self.ws.creds, move || {
+            let comps = ws.resolve(&path, false)?;
+            ws.stat_comps(&path, &comps)
+        })
+        .await
+    }
+
+    async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
+        let ws = self.ws.clone();
+        let p = path.to_owned();
+        let fd = blocking(ctx, self.ws.creds, move || ws.open_regular(&p)).await?;
+        Ok(read_stream(fd, range, path))
+    }
+
+    async fn write(
+        &self,
+        ctx: &CallCtx,
+        path: &str,
+        data: ByteStream,
+        guard: WriteGuard,
+    ) -> Result<WriteOutcome> {
+        let pending = self.begin_write(ctx, path).await?;
+        self.finish_write(ctx, path, pending, data, guard).await
     }
 
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
