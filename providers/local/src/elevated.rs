@@ -10,8 +10,9 @@
 //! sandbox root's: the host template's root shows host files, whose owners are not
 //! mapped, and host root would read them.
 //!
-//! So each such operation runs in a short-lived helper (`tether-confine __confine
-//! fsop`): tetherd hands it, over a socket on its stdin, the operation, a descriptor
+//! So an operation first runs in process with the asked user's own rights ([`UserFs`]:
+//! most need no more, and they cost what the default view's cost), and one the kernel
+//! refuses runs again in a short-lived helper (`tether-confine __confine fsop`): tetherd hands it, over a socket on its stdin, the operation, a descriptor
 //! of the sandbox's user namespace and one of the sandbox's root (and for a write, the
 //! read end of a pipe carrying the data). The helper joins the user namespace as its
 //! root, and runs the same [`LocalFs`] code as every other file operation on a view of
