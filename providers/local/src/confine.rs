@@ -4,7 +4,7 @@
 //! - `holder`: the process that creates a sandbox's namespaces ([`crate::init`]);
 //! - `pid1`: the sandbox's init, first process of its pid namespace;
 //! - `ptyexec <argv...>`: run a command as the session leader of its pty;
-//! - `fsop`: one file operation with the sandbox root's rights ([`crate::elevated`]).
+//! - `fsop`: one file operation with the sandbox root's rights (the `elevated` module).
 //!
 //! A process that calls [`main`] must be single-threaded (creating a user namespace
 //! demands it): `tetherd` dispatches `__confine` before it starts its runtime.
