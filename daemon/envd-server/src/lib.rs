@@ -41,7 +41,7 @@ use tether_provider::clock::{CancelReason, CancelToken};
 use tether_provider::{CallCtx, Fs, FsOp, ProcessHandle, ProviderError, Sandbox, StreamOffsets};
 
 pub use error::{Failure, RestError, connect_code};
-pub use rest::{Reject, addressed, init_token_check, proxy_error};
+pub use rest::{Reject, addressed, init_token_check, is_browser, proxy_error};
 pub use seam_host::{SeamCommand, SeamHost, SeamSandbox};
 pub use state::EnvdState;
 

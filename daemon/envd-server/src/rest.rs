@@ -107,15 +107,19 @@ fn unauthorized(message: &str) -> Response {
     (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
 }
 
+/// Whether a request's `User-Agent` is a browser's.
+pub fn is_browser(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("Mozilla/"))
+}
+
 impl Reject {
-    /// The answer for a client whose `User-Agent` is a browser's: E2B's edge proxy shows
-    /// a person a page (`<title>Closed Port Error</title>`, `Sandbox Not Found`), and
-    /// programs the JSON of [`Reject::into_response`].
-    pub fn for_client(self, headers: &HeaderMap) -> Response {
-        let browser = headers
-            .get(http::header::USER_AGENT)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|ua| ua.starts_with("Mozilla/"));
+    /// The answer for a client that is a `browser` ([`is_browser`]): E2B's edge proxy
+    /// shows a person a page (`<title>Closed Port Error</title>`, `Sandbox Not Found`),
+    /// and programs the JSON of [`Reject::into_response`].
+    pub fn for_client(self, browser: bool) -> Response {
         let (title, text) = match (&self, browser) {
             (Self::PortClosed(id, port), true) => (
                 "Closed Port Error",

@@ -85,20 +85,14 @@ async fn auto_resume(state: &AppState, id: &str) {
 }
 
 async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -> Response {
-    // Who asks (a browser gets a page where a program gets JSON).
-    let asker = {
-        let mut h = http::HeaderMap::new();
-        if let Some(ua) = req.headers().get(header::USER_AGENT) {
-            h.insert(header::USER_AGENT, ua.clone());
-        }
-        h
-    };
+    // A browser gets a page where a program gets JSON.
+    let browser = tether_envd_server::is_browser(req.headers());
     let Some(target) = super::host::find(state, &id) else {
-        return Reject::NotFound(id).for_client(&asker);
+        return Reject::NotFound(id).for_client(browser);
     };
     let session = target.sandbox;
     let Some(sandbox_id) = session.sandbox_id() else {
-        return Reject::NotFound(id).for_client(&asker);
+        return Reject::NotFound(id).for_client(browser);
     };
     let access = &session.params.ports;
     if !access.public && !auth::traffic_token_matches(req.headers(), &state.e2b.traffic_token(&id))
@@ -143,11 +137,11 @@ async fn proxy(state: &Arc<AppState>, id: String, port: u16, mut req: Request) -
             return refuse(id, StatusCode::NOT_IMPLEMENTED, &why);
         }
         Err(e) if e.code() == ErrorCode::SandboxNotFound => {
-            return Reject::NotFound(id).for_client(&asker);
+            return Reject::NotFound(id).for_client(browser);
         }
         Err(e) => {
             tracing::debug!(sandbox.id = %id, port, error = %e, "Nothing answers on a sandbox port");
-            return Reject::PortClosed(id, port).for_client(&asker);
+            return Reject::PortClosed(id, port).for_client(browser);
         }
     };
     session.touch();

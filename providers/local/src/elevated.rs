@@ -29,6 +29,7 @@
 //! made in process.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::os::fd::{AsFd, OwnedFd};
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -229,30 +230,29 @@ pub(crate) struct UserFs {
     root: ElevatedFs,
 }
 
-/// The kernel refused the user's own rights (or the path is out of reach, which the
-/// helper refuses as well).
-fn refused<T>(r: &Result<T>) -> bool {
-    matches!(r, Err(e) if e.code() == ErrorCode::FsPermissionDenied)
+/// `own`, else (the kernel refused the user's own rights, or the path is out of reach,
+/// which the helper refuses as well) `root`.
+async fn own_then_root<T, R: Future<Output = Result<T>>>(
+    own: impl Future<Output = Result<T>>,
+    root: impl FnOnce() -> R,
+) -> Result<T> {
+    match own.await {
+        Err(e) if e.code() == ErrorCode::FsPermissionDenied => root().await,
+        r => r,
+    }
 }
 
 #[async_trait]
 impl Fs for UserFs {
     async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
-        let r = self.own.stat(ctx, path).await;
-        if refused(&r) {
-            self.root.stat(ctx, path).await
-        } else {
-            r
-        }
+        own_then_root(self.own.stat(ctx, path), || self.root.stat(ctx, path)).await
     }
 
     async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
-        let r = self.own.read(ctx, path, range).await;
-        if refused(&r) {
-            self.root.read(ctx, path, range).await
-        } else {
-            r
-        }
+        own_then_root(self.own.read(ctx, path, range), || {
+            self.root.read(ctx, path, range)
+        })
+        .await
     }
 
     async fn write(
@@ -274,39 +274,31 @@ impl Fs for UserFs {
     }
 
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
-        let r = self.own.list(ctx, path, depth).await;
-        if refused(&r) {
-            self.root.list(ctx, path, depth).await
-        } else {
-            r
-        }
+        own_then_root(self.own.list(ctx, path, depth), || {
+            self.root.list(ctx, path, depth)
+        })
+        .await
     }
 
     async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat> {
-        let r = self.own.mkdir(ctx, path, parents).await;
-        if refused(&r) {
-            self.root.mkdir(ctx, path, parents).await
-        } else {
-            r
-        }
+        own_then_root(self.own.mkdir(ctx, path, parents), || {
+            self.root.mkdir(ctx, path, parents)
+        })
+        .await
     }
 
     async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat> {
-        let r = self.own.rename(ctx, from, to).await;
-        if refused(&r) {
-            self.root.rename(ctx, from, to).await
-        } else {
-            r
-        }
+        own_then_root(self.own.rename(ctx, from, to), || {
+            self.root.rename(ctx, from, to)
+        })
+        .await
     }
 
     async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()> {
-        let r = self.own.remove(ctx, path, recursive).await;
-        if refused(&r) {
-            self.root.remove(ctx, path, recursive).await
-        } else {
-            r
-        }
+        own_then_root(self.own.remove(ctx, path, recursive), || {
+            self.root.remove(ctx, path, recursive)
+        })
+        .await
     }
 
     async fn watch(
@@ -325,12 +317,10 @@ impl Fs for UserFs {
         path: &str,
         prefix: &str,
     ) -> Result<BTreeMap<String, Vec<u8>>> {
-        let r = self.own.xattrs(ctx, path, prefix).await;
-        if refused(&r) {
-            self.root.xattrs(ctx, path, prefix).await
-        } else {
-            r
-        }
+        own_then_root(self.own.xattrs(ctx, path, prefix), || {
+            self.root.xattrs(ctx, path, prefix)
+        })
+        .await
     }
 
     async fn set_xattrs(
@@ -340,12 +330,11 @@ impl Fs for UserFs {
         prefix: &str,
         values: BTreeMap<String, Vec<u8>>,
     ) -> Result<()> {
-        let r = self.own.set_xattrs(ctx, path, prefix, values.clone()).await;
-        if refused(&r) {
-            self.root.set_xattrs(ctx, path, prefix, values).await
-        } else {
-            r
-        }
+        own_then_root(
+            self.own.set_xattrs(ctx, path, prefix, values.clone()),
+            || self.root.set_xattrs(ctx, path, prefix, values),
+        )
+        .await
     }
 }
 
@@ -462,10 +451,17 @@ impl ElevatedFs {
         }
     }
 
-    async fn call(&self, ctx: &CallCtx, req: FsRequest) -> Result<FsReply> {
+    /// Run `req` in a helper; its reply as `pick` takes it (a reply `pick` gives back
+    /// answered out of turn).
+    async fn ask<T>(
+        &self,
+        ctx: &CallCtx,
+        req: FsRequest,
+        pick: impl FnOnce(FsReply) -> std::result::Result<T, FsReply>,
+    ) -> Result<T> {
         ctx.check()?;
         let mut helper = self.start(ctx, req)?;
-        Self::reply(ctx, &mut helper).await
+        pick(Self::reply(ctx, &mut helper).await?).map_err(|other| unexpected(&other))
     }
 }
 
@@ -479,13 +475,11 @@ fn unexpected(reply: &FsReply) -> ProviderError {
 #[async_trait]
 impl Fs for ElevatedFs {
     async fn stat(&self, ctx: &CallCtx, path: &str) -> Result<FileStat> {
-        match self
-            .call(ctx, FsRequest::Stat { path: path.into() })
-            .await?
-        {
-            FsReply::Stat(s) => Ok(s),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(ctx, FsRequest::Stat { path: path.into() }, |r| match r {
+            FsReply::Stat(v) => Ok(v),
+            other => Err(other),
+        })
+        .await
     }
 
     async fn read(&self, ctx: &CallCtx, path: &str, range: ByteRange) -> Result<ByteStream> {
@@ -557,67 +551,63 @@ impl Fs for ElevatedFs {
     }
 
     async fn list(&self, ctx: &CallCtx, path: &str, depth: u32) -> Result<Vec<DirEntry>> {
-        match self
-            .call(
-                ctx,
-                FsRequest::List {
-                    path: path.into(),
-                    depth,
-                },
-            )
-            .await?
-        {
-            FsReply::Listed(l) => Ok(l),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::List {
+                path: path.into(),
+                depth,
+            },
+            |r| match r {
+                FsReply::Listed(v) => Ok(v),
+                other => Err(other),
+            },
+        )
+        .await
     }
 
     async fn mkdir(&self, ctx: &CallCtx, path: &str, parents: bool) -> Result<FileStat> {
-        match self
-            .call(
-                ctx,
-                FsRequest::Mkdir {
-                    path: path.into(),
-                    parents,
-                },
-            )
-            .await?
-        {
-            FsReply::Stat(s) => Ok(s),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::Mkdir {
+                path: path.into(),
+                parents,
+            },
+            |r| match r {
+                FsReply::Stat(v) => Ok(v),
+                other => Err(other),
+            },
+        )
+        .await
     }
 
     async fn rename(&self, ctx: &CallCtx, from: &str, to: &str) -> Result<FileStat> {
-        match self
-            .call(
-                ctx,
-                FsRequest::Rename {
-                    from: from.into(),
-                    to: to.into(),
-                },
-            )
-            .await?
-        {
-            FsReply::Stat(s) => Ok(s),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::Rename {
+                from: from.into(),
+                to: to.into(),
+            },
+            |r| match r {
+                FsReply::Stat(v) => Ok(v),
+                other => Err(other),
+            },
+        )
+        .await
     }
 
     async fn remove(&self, ctx: &CallCtx, path: &str, recursive: bool) -> Result<()> {
-        match self
-            .call(
-                ctx,
-                FsRequest::Remove {
-                    path: path.into(),
-                    recursive,
-                },
-            )
-            .await?
-        {
-            FsReply::Done => Ok(()),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::Remove {
+                path: path.into(),
+                recursive,
+            },
+            |r| match r {
+                FsReply::Done => Ok(()),
+                other => Err(other),
+            },
+        )
+        .await
     }
 
     async fn xattrs(
@@ -626,19 +616,18 @@ impl Fs for ElevatedFs {
         path: &str,
         prefix: &str,
     ) -> Result<BTreeMap<String, Vec<u8>>> {
-        match self
-            .call(
-                ctx,
-                FsRequest::Xattrs {
-                    path: path.into(),
-                    prefix: prefix.into(),
-                },
-            )
-            .await?
-        {
-            FsReply::Xattrs(x) => Ok(x),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::Xattrs {
+                path: path.into(),
+                prefix: prefix.into(),
+            },
+            |r| match r {
+                FsReply::Xattrs(v) => Ok(v),
+                other => Err(other),
+            },
+        )
+        .await
     }
 
     async fn set_xattrs(
@@ -648,20 +637,19 @@ impl Fs for ElevatedFs {
         prefix: &str,
         values: BTreeMap<String, Vec<u8>>,
     ) -> Result<()> {
-        match self
-            .call(
-                ctx,
-                FsRequest::SetXattrs {
-                    path: path.into(),
-                    prefix: prefix.into(),
-                    values,
-                },
-            )
-            .await?
-        {
-            FsReply::Done => Ok(()),
-            other => Err(unexpected(&other)),
-        }
+        self.ask(
+            ctx,
+            FsRequest::SetXattrs {
+                path: path.into(),
+                prefix: prefix.into(),
+                values,
+            },
+            |r| match r {
+                FsReply::Done => Ok(()),
+                other => Err(other),
+            },
+        )
+        .await
     }
 }
 
