@@ -974,6 +974,18 @@ async fn fs_streaming_write_is_byte_exact(cx: Cx) -> Outcome {
     .await
     .unwrap();
     assert!(mid == data[3_000_001..3_070_001], "range read differs");
+    // A range over several read requests of any provider (64 KiB to 255 KiB each).
+    let wide = read(
+        sb,
+        &path,
+        ByteRange {
+            offset: 1_000_003,
+            length: Some(700_001),
+        },
+    )
+    .await
+    .unwrap();
+    assert!(wide == data[1_000_003..1_700_004], "a wide range read differs");
     Outcome::Passed
 }
 

@@ -36,8 +36,6 @@ use crate::sandbox::SandboxCore;
 /// Name prefix of the temporary files of atomic writes (hidden from listings).
 pub const TEMP_PREFIX: &str = ".tether-w-";
 
-/// Bytes per SFTP read or write request.
-const SFTP_CHUNK: usize = 64 * 1024;
 /// SFTP requests in flight per transfer.
 const SFTP_IN_FLIGHT: usize = 32;
 
@@ -239,13 +237,15 @@ impl SshFs {
 
     async fn remove_temp(&self, ctx: &CallCtx, tmp: &str) {
         if let Ok((sftp, _lease)) = self.core.host.sftp(ctx).await {
-            let _ = sftp.remove(tmp).await;
+            let _ = sftp.session.remove(tmp).await;
         }
     }
 
     /// Stream `data` into a new file `tmp` over SFTP; returns the bytes written.
     async fn upload(&self, ctx: &CallCtx, tmp: &str, mut data: ByteStream) -> Result<u64> {
         let (sftp, _lease) = self.core.host.sftp(ctx).await?;
+        let chunk_len = sftp.write_chunk;
+        let sftp = sftp.session;
         let flags = OpenFlags::WRITE | OpenFlags::CREATE | OpenFlags::EXCLUDE | OpenFlags::TRUNCATE;
         let attrs = FileAttributes {
             permissions: Some(0o644),
@@ -263,12 +263,12 @@ impl SshFs {
             .run(async {
                 let mut inflight = FuturesUnordered::new();
                 let mut offset = 0u64;
-                let mut pending = Vec::with_capacity(SFTP_CHUNK);
+                let mut pending = Vec::with_capacity(chunk_len);
                 let mut input_done = false;
                 loop {
                     while !input_done && inflight.len() < SFTP_IN_FLIGHT {
                         // Fill one request's worth of bytes.
-                        while pending.len() < SFTP_CHUNK {
+                        while pending.len() < chunk_len {
                             match data.next().await {
                                 Some(Ok(b)) => pending.extend_from_slice(&b),
                                 Some(Err(e)) => return Err(e),
@@ -278,8 +278,8 @@ impl SshFs {
                                 }
                             }
                         }
-                        while pending.len() >= SFTP_CHUNK || (input_done && !pending.is_empty()) {
-                            let n = pending.len().min(SFTP_CHUNK);
+                        while pending.len() >= chunk_len || (input_done && !pending.is_empty()) {
+                            let n = pending.len().min(chunk_len);
                             let chunk: Vec<u8> = pending.drain(..n).collect();
                             let at = offset;
                             offset += n as u64;
@@ -336,6 +336,8 @@ impl Fs for SshFs {
             return Ok(futures_util::stream::empty().boxed());
         }
         let (sftp, lease) = self.core.host.sftp(ctx).await?;
+        let chunk_len = sftp.read_chunk;
+        let sftp = sftp.session;
         let handle = ctx
             .run(async {
                 sftp.open(&real, OpenFlags::READ, FileAttributes::empty())
@@ -348,9 +350,9 @@ impl Fs for SshFs {
         // A read that loses its connection reports why it was lost (the transport idle
         // clock, or a broken link), not an SFTP failure.
         let conn = lease.conn.clone();
-        let offsets: Vec<(u64, u32)> = (start..end)
-            .step_by(SFTP_CHUNK)
-            .map(|o| (o, (end - o).min(SFTP_CHUNK as u64) as u32))
+        let offsets: Vec<(u64, u64)> = (start..end)
+            .step_by(chunk_len)
+            .map(|o| (o, (end - o).min(chunk_len as u64)))
             .collect();
         let s2 = sftp.clone();
         let h2 = handle.clone();
@@ -362,17 +364,29 @@ impl Fs for SshFs {
                 let p = path.clone();
                 let conn = conn.clone();
                 async move {
-                    // A short read (the file shrank) is fine: the reader sees fewer bytes.
-                    match s.read(h, o, n).await {
-                        Ok(d) => Ok(Bytes::from(d.data)),
-                        Err(russh_sftp::client::error::Error::Status(st))
-                            if st.status_code == russh_sftp::protocol::StatusCode::Eof =>
-                        {
-                            Ok(Bytes::new())
+                    // A server may answer a read with fewer bytes than asked (the SFTP
+                    // draft allows it anywhere): ask again for the rest, so that every
+                    // chunk is whole. End of file (the file shrank) ends it early; the
+                    // reader then sees fewer bytes.
+                    let mut got: Vec<u8> = Vec::new();
+                    while (got.len() as u64) < n {
+                        let want = u32::try_from(n - got.len() as u64).unwrap_or(u32::MAX);
+                        match s.read(h.clone(), o + got.len() as u64, want).await {
+                            Ok(d) if d.data.is_empty() => break,
+                            Ok(d) if got.is_empty() && d.data.len() as u64 == n => {
+                                return Ok(Bytes::from(d.data));
+                            }
+                            Ok(d) => got.extend_from_slice(&d.data),
+                            Err(russh_sftp::client::error::Error::Status(st))
+                                if st.status_code == russh_sftp::protocol::StatusCode::Eof =>
+                            {
+                                break;
+                            }
+                            Err(_) if conn.closed_now() => return Err(conn.lost("a read")),
+                            Err(e) => return Err(sftp_error(&p, e)),
                         }
-                        Err(_) if conn.closed_now() => Err(conn.lost("a read")),
-                        Err(e) => Err(sftp_error(&p, e)),
                     }
+                    Ok(Bytes::from(got))
                 }
             })
             .buffered(SFTP_IN_FLIGHT)
