@@ -102,8 +102,14 @@ pub enum Cmd {
     Cp {
         /// Source: a local path or SESSION:PATH.
         src: String,
-        /// Destination: a local path or SESSION:PATH.
+        /// Destination: a local path or SESSION:PATH. A local directory receives the
+        /// file under its own name; a device or FIFO (`/dev/null`) is written in place.
         dst: String,
+        /// Make a downloaded file durable (`fsync`) before exiting, as `rsync --fsync`.
+        /// Without it the file is in place (renamed over the old one, never half written)
+        /// when the copy ends, and the system writes it to disk in its own time, as `cp`.
+        #[arg(long)]
+        sync: bool,
     },
     /// Build a template of the local provider: `tether template build base`.
     Template {
@@ -576,7 +582,7 @@ async fn dispatch(cli: Cli) -> Result<i32, CliError> {
             println!("{}", s.id);
             Ok(0)
         }
-        Cmd::Cp { src, dst } => copy(&client, &src, &dst).await,
+        Cmd::Cp { src, dst, sync } => copy(&client, &src, &dst, sync).await,
     }
 }
 
@@ -595,7 +601,45 @@ fn progress(len: u64, label: &str) -> indicatif::ProgressBar {
     pb
 }
 
-async fn copy(client: &Client, src: &str, dst: &str) -> Result<i32, CliError> {
+/// Pieces of a download's body received and not yet written to the local file.
+const DOWNLOAD_AHEAD: usize = 32;
+
+/// Where a download of `remote` to the local `dst` lands.
+#[derive(Debug, PartialEq)]
+enum Landing {
+    /// A regular file (new or replaced): written beside it, then renamed over it. A
+    /// symlink's target is replaced, not the link.
+    Replace(PathBuf),
+    /// Something that is not a regular file (a device, a FIFO): written to as it is.
+    InPlace(PathBuf),
+}
+
+fn landing(dst: &str, remote: &str) -> std::io::Result<Landing> {
+    let mut path = PathBuf::from(dst);
+    let mut meta = std::fs::metadata(&path);
+    if matches!(&meta, Ok(m) if m.is_dir()) {
+        let name = std::path::Path::new(remote).file_name().ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{remote} has no file name to give it in {dst}"),
+            )
+        })?;
+        path.push(name);
+        meta = std::fs::metadata(&path);
+    }
+    match meta {
+        Ok(m) if m.is_dir() => Err(std::io::Error::new(
+            std::io::ErrorKind::IsADirectory,
+            format!("{} is a directory", path.display()),
+        )),
+        Ok(m) if m.is_file() => Ok(Landing::Replace(std::fs::canonicalize(&path)?)),
+        Ok(_) => Ok(Landing::InPlace(path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Landing::Replace(path)),
+        Err(e) => Err(e),
+    }
+}
+
+async fn copy(client: &Client, src: &str, dst: &str, sync: bool) -> Result<i32, CliError> {
     match (split_remote(src), split_remote(dst)) {
         (None, Some((sess, path))) => {
             let file = tokio::fs::File::open(src).await?;
@@ -626,18 +670,74 @@ async fn copy(client: &Client, src: &str, dst: &str) -> Result<i32, CliError> {
             let resp = Client::check(client.req(reqwest::Method::GET, &url).send().await?).await?;
             let len = resp.content_length().unwrap_or(0);
             let pb = progress(len, "download");
-            let tmp = PathBuf::from(format!("{dst}.tether-part"));
-            let mut f = tokio::fs::File::create(&tmp).await?;
-            let mut body = resp.bytes_stream();
-            let mut n: u64 = 0;
-            while let Some(chunk) = body.next().await {
-                let chunk = chunk?;
-                n += chunk.len() as u64;
-                pb.inc(chunk.len() as u64);
-                f.write_all(&chunk).await?;
+            let (tmp, publish) = match landing(dst, path)? {
+                Landing::Replace(to) => {
+                    let mut tmp = to.clone().into_os_string();
+                    tmp.push(".tether-part");
+                    (PathBuf::from(tmp), Some(to))
+                }
+                Landing::InPlace(to) => (to, None),
+            };
+            // The file is written by a thread of its own while the body keeps coming, at
+            // most `DOWNLOAD_AHEAD` pieces behind it: receiving and writing overlap.
+            let file = if publish.is_some() {
+                std::fs::File::create(&tmp)?
+            } else {
+                std::fs::OpenOptions::new().write(true).open(&tmp)?
+            };
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(DOWNLOAD_AHEAD);
+            let writer = tokio::task::spawn_blocking(move || {
+                use std::io::Write;
+                let mut file = file;
+                while let Some(chunk) = rx.blocking_recv() {
+                    file.write_all(&chunk)?;
+                }
+                if sync {
+                    file.sync_all()?;
+                }
+                Ok::<_, std::io::Error>(())
+            });
+            let received = async {
+                let mut body = resp.bytes_stream();
+                let mut n: u64 = 0;
+                while let Some(chunk) = body.next().await {
+                    let chunk = chunk?;
+                    n += chunk.len() as u64;
+                    pb.inc(chunk.len() as u64);
+                    if tx.send(chunk).await.is_err() {
+                        // The writer stopped: its error is reported below.
+                        break;
+                    }
+                }
+                drop(tx);
+                writer.await.map_err(std::io::Error::other)??;
+                Ok::<_, CliError>(n)
             }
-            f.sync_all().await?;
-            tokio::fs::rename(&tmp, dst).await?;
+            .await;
+            let Some(to) = publish else {
+                let n = received?;
+                pb.finish_and_clear();
+                eprintln!("downloaded {n} bytes from {sess}:{path}");
+                return Ok(0);
+            };
+            // A broken download leaves no partial file behind.
+            let n = match received {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = tokio::fs::remove_file(&tmp).await;
+                    return Err(e);
+                }
+            };
+            tokio::fs::rename(&tmp, &to).await?;
+            if sync && let Some(dir) = to.parent() {
+                // The rename itself is durable once its directory is.
+                let dir = if dir.as_os_str().is_empty() {
+                    std::path::Path::new(".")
+                } else {
+                    dir
+                };
+                tokio::fs::File::open(dir).await?.sync_all().await?;
+            }
             pb.finish_and_clear();
             eprintln!("downloaded {n} bytes from {sess}:{path}");
             Ok(0)

@@ -75,6 +75,78 @@ async fn the_cli_drives_a_session_end_to_end() {
         std::fs::read(&back).unwrap() == data,
         "the round trip must be byte-exact"
     );
+    // Into a directory: under the file's own name, with --sync.
+    let into = dir.path().join("into");
+    std::fs::create_dir(&into).unwrap();
+    let o = tether(&d, &["cp", "--sync", &remote, into.to_str().unwrap()]).await;
+    assert!(o.status.success(), "{o:?}");
+    assert!(std::fs::read(into.join("big.bin")).unwrap() == data);
+    // Through a symlink: its target is replaced, the link stays a link.
+    let target = dir.path().join("target.bin");
+    std::fs::write(&target, b"old").unwrap();
+    let link = dir.path().join("link.bin");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let o = tether(&d, &["cp", &remote, link.to_str().unwrap()]).await;
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(std::fs::read(&target).unwrap() == data);
+    // Into something that is not a regular file (a FIFO here, `/dev/null` for a user):
+    // written in place, never replaced by a file.
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+    };
+    let o = tether(&d, &["cp", &remote, fifo.to_str().unwrap()]).await;
+    assert!(o.status.success(), "{o:?}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+    assert!(
+        reader.join().unwrap() == data,
+        "the FIFO's reader gets every byte"
+    );
+    // A failed download leaves nothing behind.
+    let missing = dir.path().join("missing.bin");
+    let o = tether(
+        &d,
+        &[
+            "cp",
+            &format!("{sid}:/home/user/nope"),
+            missing.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("FS_NOT_FOUND"),
+        "{o:?}"
+    );
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains("missing") || n.ends_with(".tether-part")),
+        "{names:?}"
+    );
+
     let o = tether(&d, &["cp", "a", "b"]).await;
     assert_eq!(
         o.status.code(),
