@@ -985,7 +985,10 @@ async fn fs_streaming_write_is_byte_exact(cx: Cx) -> Outcome {
     )
     .await
     .unwrap();
-    assert!(wide == data[1_000_003..1_700_004], "a wide range read differs");
+    assert!(
+        wide == data[1_000_003..1_700_004],
+        "a wide range read differs"
+    );
     Outcome::Passed
 }
 
