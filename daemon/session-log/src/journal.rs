@@ -193,6 +193,10 @@ impl OutputJournal {
             .filter_map(|&s| files[slot(s)].clone().map(|f| (f, self.path(s))))
             .collect();
         drop(files);
+        if open.is_empty() {
+            // Nothing was written (a command without output): no trip to the blocking pool.
+            return Ok(());
+        }
         tokio::task::spawn_blocking(move || {
             for (file, path) in open {
                 file.sync_data().map_err(io("fdatasync", &path))?;
