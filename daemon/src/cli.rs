@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -303,15 +304,21 @@ impl Client {
         if resp.status().is_success() {
             return Ok(resp);
         }
+        Err(Self::failure(resp).await.1)
+    }
+
+    /// An error answer: its stable code (when its body is tether's) and the CLI's error.
+    async fn failure(resp: reqwest::Response) -> (Option<tether_protocol::ErrorCode>, CliError) {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
-        let msg = serde_json::from_str::<tether_protocol::ErrorBody>(&text)
-            .map(|b| format!("{}: {}", b.error.code, b.error.message))
-            .unwrap_or_else(|_| format!("HTTP {status}: {text}"));
-        Err(CliError {
-            message: msg,
-            code: 1,
-        })
+        let (code, message) = match serde_json::from_str::<tether_protocol::ErrorBody>(&text) {
+            Ok(b) => (
+                Some(b.error.code),
+                format!("{}: {}", b.error.code, b.error.message),
+            ),
+            Err(_) => (None, format!("HTTP {status}: {text}")),
+        };
+        (code, CliError { message, code: 1 })
     }
 
     async fn json<T: serde::de::DeserializeOwned>(
@@ -639,31 +646,73 @@ fn landing(dst: &str, remote: &str) -> std::io::Result<Landing> {
     }
 }
 
+/// PUT the local file `src` to `sess:path`; the bytes sent and the answer.
+async fn upload(
+    client: &Client,
+    src: &str,
+    sess: &str,
+    path: &str,
+) -> Result<(u64, reqwest::Response), CliError> {
+    let file = tokio::fs::File::open(src).await?;
+    let len = file.metadata().await?.len();
+    let pb = progress(len, "upload");
+    let pb2 = pb.clone();
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sent2 = sent.clone();
+    let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024).inspect(move |c| {
+        if let Ok(c) = c {
+            pb2.inc(c.len() as u64);
+            sent2.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));
+    let resp = client
+        .req(reqwest::Method::PUT, &url)
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await?;
+    pb.finish_and_clear();
+    Ok((sent.load(std::sync::atomic::Ordering::Relaxed), resp))
+}
+
 async fn copy(client: &Client, src: &str, dst: &str, sync: bool) -> Result<i32, CliError> {
     match (split_remote(src), split_remote(dst)) {
         (None, Some((sess, path))) => {
-            let file = tokio::fs::File::open(src).await?;
-            let len = file.metadata().await?.len();
-            let pb = progress(len, "upload");
-            let pb2 = pb.clone();
-            let stream =
-                tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024).inspect(move |c| {
-                    if let Ok(c) = c {
-                        pb2.inc(c.len() as u64);
-                    }
+            let meta = tokio::fs::metadata(src).await?;
+            if meta.is_dir() {
+                return Err(CliError {
+                    message: format!("{src} is a directory; tether cp copies one file"),
+                    code: 2,
                 });
-            let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));
-            Client::check(
-                client
-                    .req(reqwest::Method::PUT, &url)
-                    .body(reqwest::Body::wrap_stream(stream))
-                    .send()
-                    .await?,
-            )
-            .await?;
-            pb.finish_and_clear();
-            eprintln!("uploaded {len} bytes to {sess}:{path}");
-            Ok(0)
+            }
+            let name = std::path::Path::new(src)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            // `SESSION:DIR/` names a directory: the file goes in it under its own name.
+            let mut path = match (&name, path.ends_with('/')) {
+                (Some(n), true) => format!("{path}{n}"),
+                _ => path.to_owned(),
+            };
+            let mut retried = false;
+            loop {
+                let (sent, resp) = upload(client, src, sess, &path).await?;
+                if resp.status().is_success() {
+                    eprintln!("uploaded {sent} bytes to {sess}:{path}");
+                    return Ok(0);
+                }
+                let (code, err) = Client::failure(resp).await;
+                // `SESSION:DIR` (an existing directory) too, as `cp` does; a regular file
+                // can be read again, a stream (`/dev/stdin`) cannot.
+                match (&name, code) {
+                    (Some(n), Some(tether_protocol::ErrorCode::FsIsDirectory))
+                        if !retried && meta.is_file() =>
+                    {
+                        path = format!("{}/{n}", path.trim_end_matches('/'));
+                        retried = true;
+                    }
+                    _ => return Err(err),
+                }
+            }
         }
         (Some((sess, path)), None) => {
             let url = format!("/v1/sessions/{sess}/files?path={}", urlencode(path));

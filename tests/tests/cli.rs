@@ -1,5 +1,6 @@
 //! The binaries as a user runs them: `tether` against an in-process tetherd (sessions,
-//! exec with the command's exit code, call, logs, fork, cp both ways byte-exact), `tether
+//! exec with the command's exit code, call, logs, fork, cp both ways byte-exact and landing
+//! where `cp` lands: in directories, through symlinks, into FIFOs), `tether
 //! run` on its embedded daemon, and `tetherd validate-config` / `serve` refusing bad config
 //! with exit code 64.
 
@@ -145,6 +146,44 @@ async fn the_cli_drives_a_session_end_to_end() {
             .iter()
             .any(|n| n.contains("missing") || n.ends_with(".tether-part")),
         "{names:?}"
+    );
+
+    // Uploads land as `cp` lands them: in `SESSION:DIR/`, and in `SESSION:DIR` when DIR is
+    // a directory; a local directory is refused as a usage error.
+    let small = dir.path().join("small.txt");
+    std::fs::write(&small, b"small\n").unwrap();
+    let o = tether(&d, &["exec", &sid, "--", "mkdir", "/home/user/sub"]).await;
+    assert!(o.status.success(), "{o:?}");
+    for to in ["/home/user/sub/", "/home/user/sub"] {
+        let o = tether(
+            &d,
+            &["exec", &sid, "--", "rm", "-f", "/home/user/sub/small.txt"],
+        )
+        .await;
+        assert!(o.status.success(), "{o:?}");
+        let o = tether(&d, &["cp", small.to_str().unwrap(), &format!("{sid}:{to}")]).await;
+        assert!(o.status.success(), "{to}: {o:?}");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("uploaded 6 bytes to ")
+                && String::from_utf8_lossy(&o.stderr).contains(":/home/user/sub/small.txt"),
+            "{o:?}"
+        );
+        let o = tether(&d, &["exec", &sid, "--", "cat", "/home/user/sub/small.txt"]).await;
+        assert_eq!(text(&o), "small\n", "{to}");
+    }
+    let o = tether(
+        &d,
+        &[
+            "cp",
+            dir.path().to_str().unwrap(),
+            &format!("{sid}:/home/user/x"),
+        ],
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("is a directory"),
+        "{o:?}"
     );
 
     let o = tether(&d, &["cp", "a", "b"]).await;
