@@ -646,15 +646,16 @@ fn landing(dst: &str, remote: &str) -> std::io::Result<Landing> {
     }
 }
 
-/// PUT the local file `src` to `sess:path`; the bytes sent and the answer.
+/// PUT the local file `src` (`len` bytes by its metadata, for the progress bar) to
+/// `sess:path`; the bytes sent and the answer.
 async fn upload(
     client: &Client,
     src: &str,
+    len: u64,
     sess: &str,
     path: &str,
 ) -> Result<(u64, reqwest::Response), CliError> {
     let file = tokio::fs::File::open(src).await?;
-    let len = file.metadata().await?.len();
     let pb = progress(len, "upload");
     let pb2 = pb.clone();
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -695,7 +696,7 @@ async fn copy(client: &Client, src: &str, dst: &str, sync: bool) -> Result<i32, 
             };
             let mut retried = false;
             loop {
-                let (sent, resp) = upload(client, src, sess, &path).await?;
+                let (sent, resp) = upload(client, src, meta.len(), sess, &path).await?;
                 if resp.status().is_success() {
                     eprintln!("uploaded {sent} bytes to {sess}:{path}");
                     return Ok(0);
