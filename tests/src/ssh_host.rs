@@ -303,22 +303,33 @@ impl SshHost {
 
     /// Kill sshd's per-connection processes: every established connection ends (the
     /// listener and the user's own processes stay). Returns how many were killed.
+    ///
+    /// Each connection is served by two sshd processes, the privileged monitor (a child of
+    /// the listener) and the user's unprivileged child, and both hold its socket. Both are
+    /// killed: a child whose monitor alone was killed can go on serving the connection
+    /// for a while, so the connection would not end and a later cut would find no monitor.
     pub fn kill_connections(&self) -> usize {
         let Some(listener) = self.sshd_pid() else {
             return 0;
         };
         let mut n = 0;
         for pid in self.netns_pids() {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if pid == listener || comm.trim_end() != "sshd" {
+                continue;
+            }
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
             let ppid = stat
                 .rsplit_once(") ")
                 .and_then(|(_, r)| r.split_whitespace().nth(1))
                 .and_then(|p| p.parse::<i32>().ok());
-            if ppid == Some(listener) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            // A connection is counted once, by its monitor, or by its child when the
+            // monitor is already gone.
+            if ppid == Some(listener) || !is_sshd(ppid) {
                 n += 1;
             }
         }
@@ -525,4 +536,10 @@ impl Drop for DelayRelay {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// Whether `pid` is a live sshd process.
+fn is_sshd(pid: Option<i32>) -> bool {
+    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+        .is_some_and(|c| c.trim_end() == "sshd")
 }
