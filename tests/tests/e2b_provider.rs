@@ -691,3 +691,89 @@ async fn the_e2b_front_reaches_a_server_in_a_sandbox_of_an_e2b_backend() {
     d.stop().await;
     backend.stop().await;
 }
+
+/// After a sandbox's first command the provider makes command directories ahead, so the
+/// wrapper starts no `mkdir`: a later command's copies are in such a directory, named by
+/// the file the wrapper put there, and a provider that never saw the command (as after a
+/// restart) finds them by the command's id and reads its whole output and status back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_in_a_directory_made_ahead_is_found_again_by_its_id() {
+    let d = TestDaemon::start().await;
+    let p = E2bProvider::new(client_config(&d.base)).expect("provider");
+    let sb = new_sandbox(&p).await;
+    let first = sb
+        .process()
+        .spawn(&ctx(), ProcessSpec::shell("true"))
+        .await
+        .expect("spawn");
+    first.wait(&ctx()).await.expect("first command");
+    let state = "/home/user/.cache/tether";
+    let spares = || async {
+        sb.fs()
+            .list(&ctx(), state, 1)
+            .await
+            .expect("list the state directory")
+            .into_iter()
+            .filter(|e| {
+                e.stat
+                    .path
+                    .rsplit('/')
+                    .next()
+                    .unwrap()
+                    .starts_with(".spare.")
+            })
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while spares().await == 0 {
+        assert!(Instant::now() < deadline, "no directory was made ahead");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let id = format!("ahead-{}", uuid::Uuid::new_v4().simple());
+    let mut spec = ProcessSpec::shell("seq 1 100000; echo oops >&2; exit 3");
+    spec.command_id = Some(id.clone());
+    let h = sb.process().spawn(&ctx(), spec).await.expect("spawn");
+    let seen = drain(h.events(StreamOffsets::default()), StreamOffsets::default()).await;
+    let expected = seq(1, 100_000);
+    assert!(seen.stdout == expected.as_bytes());
+    assert_eq!(seen.exited, Some((Some(3), expected.len() as u64)));
+    // Its copies are in a directory made ahead, next to the file naming it.
+    let listing = sb.fs().list(&ctx(), state, 2).await.expect("list");
+    let mark = listing
+        .iter()
+        .find(|e| e.stat.path.ends_with(&format!("/id.{id}")))
+        .expect("the file naming the command");
+    let dir = mark.stat.path.rsplit_once('/').unwrap().0.to_owned();
+    assert!(
+        dir.rsplit('/').next().unwrap().starts_with(".spare."),
+        "{dir} was not made ahead"
+    );
+    let mut body = sb
+        .fs()
+        .read(&ctx(), &format!("{dir}/out"), ByteRange::default())
+        .await
+        .expect("the stdout copy");
+    let mut copy = Vec::new();
+    while let Some(c) = body.next().await {
+        copy.extend_from_slice(&c.expect("chunk"));
+    }
+    assert!(copy == expected.as_bytes(), "the copy holds stdout");
+    // Another provider, as after a restart, finds the finished command by its id alone.
+    let other = E2bProvider::new(client_config(&d.base)).expect("provider");
+    let sb2 = other.connect(&ctx(), &sb.info().id).await.expect("connect");
+    let again = sb2
+        .process()
+        .attach(&ctx(), ProcessSelector::CommandId(id.clone()))
+        .await
+        .expect("attach by id");
+    let seen = drain(
+        again.events(StreamOffsets::default()),
+        StreamOffsets::default(),
+    )
+    .await;
+    assert!(seen.error.is_none(), "{:?}", seen.error);
+    assert!(seen.stdout == expected.as_bytes(), "the output read back");
+    assert_eq!(seen.stderr, b"oops\n");
+    assert_eq!(seen.exited.map(|e| e.0), Some(Some(3)));
+    p.destroy(&ctx(), &sb.info().id).await.expect("destroy");
+}

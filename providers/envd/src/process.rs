@@ -6,7 +6,9 @@
 //! - puts it in a process group of its own whose id is envd's pid (`setsid`, unless envd
 //!   already made it a group or session leader), so a signal reaches every descendant;
 //! - copies its stdout and stderr, as they pass to envd, into files of a per-command
-//!   directory inside the sandbox (`tee`), and marks each copy complete when it ends.
+//!   directory inside the sandbox (`tee`), and marks each copy complete when it ends. The
+//!   provider makes these directories ahead, off the commands' path, so that the wrapper
+//!   need not start `mkdir`; a file in each names its command.
 //!   envd's streams cannot replay output from an offset; these copies can, so after a
 //!   broken stream the output is read back from exactly the offset that was reached,
 //!   without loss or duplication, and the stream's tail that envd may drop when the
@@ -36,9 +38,9 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
-    DataEvent, Empty, EndEvent, ListDirRequest, ListDirResponse, ListResponse, PathRequest,
-    ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg, ProcessInput,
-    ProcessOutcome, ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest,
+    DataEvent, Empty, EndEvent, FileType, ListDirRequest, ListDirResponse, ListResponse,
+    PathRequest, ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg,
+    ProcessInput, ProcessOutcome, ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest,
     SendInputRequest, SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
 };
 use tether_protocol::process::{
@@ -57,19 +59,24 @@ use crate::fs::{READ_BACK_CHUNK, open_read, resolve};
 use crate::sandbox::SandboxCore;
 use tether_provider::Clock;
 
-/// The wrapper every command runs under (`bash -c WRAPPER tether RELAY DIR TEE OUT_CAP
-/// ERR_CAP N [names to unset...] argv...`; `RELAY` empty: no relay). The copies hold at most the capture caps,
-/// so a chatty long-running command cannot fill the sandbox's disk; envd still gets
-/// everything.
+/// The wrapper every command runs under (`bash -c WRAPPER tether RELAY DIR MARK TEE
+/// OUT_CAP ERR_CAP N [names to unset...] argv...`; `RELAY` empty: no relay). The copies
+/// hold at most the capture caps, so a chatty long-running command cannot fill the
+/// sandbox's disk; envd still gets everything.
 ///
-/// It is on the path of every command, so it starts as few programs as it can: one
-/// `mkdir`, one `tee` per stream, and everything else as bash builtins. A cap that is a
+/// `DIR` is the command's directory: one the provider made ahead (then the wrapper only
+/// creates the file `MARK` in it, which names the command: see [`EnvdProcess::adopt`]),
+/// or one named after the command that the wrapper makes.
+///
+/// It is on the path of every command, so it starts as few programs as it can: one `tee`
+/// per stream, `mkdir` only when `DIR` was not made ahead, and everything else as bash
+/// builtins. A cap that is a
 /// whole number of KiB is enforced by the copy's file size limit (`ulimit -f`; `tee`
 /// ignores `SIGXFSZ`, drops the copy at the limit and goes on feeding envd); any other
 /// cap is cut by `head -c`. The relay is a forked subshell in a process group of its own
 /// (`set -m`), which makes its FIFO itself, off the command's path.
-pub const WRAPPER: &str = r#"r=$1 d=$2 t=$3 co=$4 ce=$5 n=$6
-shift 6
+pub const WRAPPER: &str = r#"r=$1 d=$2 k=${3:-id} t=$4 co=$5 ce=$6 n=$7
+shift 7
 x=()
 while [ "$n" -gt 0 ]; do x+=(-u "$1"); shift; n=$((n-1)); done
 g=$$
@@ -80,7 +87,7 @@ tc() {
   fi
   { tee -p /dev/fd/4 | head -c "$1" >"$2"; } 4>&1
 }
-if [ -n "$d" ] && mkdir -p -- "$d" 2>/dev/null; then
+if [ -n "$d" ] && { : >"$d/$k" || { mkdir -p -- "$d" && : >"$d/$k"; }; } 2>/dev/null; then
   if [ -n "$r" ] && : 2>/dev/null >"$d/ctl.wait"; then
     set -m
     ( set -- "$g" "$d/ctl"; eval "$r" ) </dev/null >/dev/null 2>&1 &
@@ -280,14 +287,14 @@ struct Wrapped {
 /// Recognise a command started by this wrapper from envd's `ProcessConfig`.
 fn unwrap_config(c: &ProcessConfig) -> Option<Wrapped> {
     let a = &c.args;
-    if c.cmd != BASH || a.len() < 9 || a[0] != "-c" || a[1] != WRAPPER || a[2] != "tether" {
+    if c.cmd != BASH || a.len() < 10 || a[0] != "-c" || a[1] != WRAPPER || a[2] != "tether" {
         return None;
     }
-    let n: usize = a[8].parse().ok()?;
-    let argv = a.get(9 + n..)?.to_vec();
+    let n: usize = a[9].parse().ok()?;
+    let argv = a.get(10 + n..)?.to_vec();
     Some(Wrapped {
         dir: a[4].clone(),
-        tee: a[5] == "1",
+        tee: a[6] == "1",
         argv,
     })
 }
@@ -1341,6 +1348,28 @@ impl Reader {
 pub struct EnvdProcess {
     core: Arc<SandboxCore>,
     table: tokio::sync::Mutex<HashMap<String, Arc<EnvdCommand>>>,
+    spares: Arc<tokio::sync::Mutex<Spares>>,
+}
+
+/// How many command directories are made ahead, for the sandbox's default user.
+const SPARE_DIRS: usize = 2;
+
+/// Command directories made ahead (`filesystem.Filesystem/MakeDir`, off the commands'
+/// path), so that the wrapper need not start `mkdir` for each command: it is one
+/// program start of the few on every command's path. Made for the sandbox's default
+/// user, and used only by that user's commands (the copies are written as the
+/// command's user).
+#[derive(Debug, Default)]
+struct Spares {
+    ready: Vec<String>,
+    making: bool,
+    /// Making one failed: the backend cannot, so the wrapper makes each directory.
+    off: bool,
+}
+
+/// The name of the file that names a command in its directory (the wrapper's `MARK`).
+fn marker(id: &str) -> String {
+    format!("id.{}", dir_name(id))
 }
 
 impl EnvdProcess {
@@ -1348,7 +1377,64 @@ impl EnvdProcess {
         Self {
             core,
             table: tokio::sync::Mutex::new(HashMap::new()),
+            spares: Arc::default(),
         }
+    }
+
+    /// A directory made ahead for a command of `user`, if one is ready.
+    async fn take_spare(&self, user: Option<&str>) -> Option<String> {
+        if user != self.core.user() {
+            return None;
+        }
+        self.spares.lock().await.ready.pop()
+    }
+
+    /// Make directories ahead up to [`SPARE_DIRS`], one at a time, in the background.
+    async fn make_spares(&self) {
+        {
+            let mut s = self.spares.lock().await;
+            if s.off || s.making || s.ready.len() >= SPARE_DIRS {
+                return;
+            }
+            s.making = true;
+        }
+        let core = self.core.clone();
+        let spares = self.spares.clone();
+        self.core.tasks.spawn(async move {
+            loop {
+                let nonce = uuid::Uuid::new_v4().simple().to_string();
+                // A leading dot: no command's directory is named so (see `dir_name`).
+                let dir = format!("{}/.spare.{}", core.cfg.state_dir(), &nonce[..12]);
+                let ctx = CallCtx::with_cancel("spare", core.closed.clone())
+                    .with_timeout(core.cfg.request_timeout(), Clock::Total);
+                let req = PathRequest { path: dir.clone() };
+                let made: Result<serde_json::Value> = core
+                    .envd
+                    .unary(
+                        &ctx,
+                        "filesystem.Filesystem/MakeDir",
+                        &req,
+                        core.user(),
+                        Op::Fs {
+                            op: "mkdir",
+                            path: &dir,
+                        },
+                    )
+                    .await;
+                let mut s = spares.lock().await;
+                match made {
+                    Ok(_) => s.ready.push(dir),
+                    Err(e) => {
+                        tracing::debug!(path = %dir, error = %e, "Could not make a command directory ahead");
+                        s.off = true;
+                    }
+                }
+                if s.off || s.ready.len() >= SPARE_DIRS {
+                    s.making = false;
+                    return;
+                }
+            }
+        });
     }
 
     /// Remember a command; forget the oldest finished ones beyond the limit (and remove
@@ -1533,10 +1619,12 @@ impl EnvdProcess {
         let ProcessSelector::CommandId(id) = which else {
             return Ok(None);
         };
+        // Its directory: named after it (made by the wrapper), or made ahead and holding
+        // the file that names it, one level down.
         let state = cfg.state_dir();
         let req = ListDirRequest {
             path: state.clone(),
-            depth: 1,
+            depth: 2,
         };
         let listing: Result<ListDirResponse> = self
             .core
@@ -1553,15 +1641,27 @@ impl EnvdProcess {
             )
             .await;
         let prefix = format!("{}.", dir_name(id));
+        let mark = marker(id);
         let dir = listing
             .ok()
             .and_then(|l| {
                 l.entries
                     .into_iter()
-                    .filter(|e| e.name.starts_with(&prefix))
-                    .max_by(|a, b| a.modified_time.cmp(&b.modified_time))
+                    .filter_map(|e| {
+                        // The directories hold files only: a directory is one level
+                        // down, a marker two.
+                        let dir = if e.name == mark && e.kind == FileType::File {
+                            e.path.rsplit_once('/')?.0.to_owned()
+                        } else if e.name.starts_with(&prefix) && e.kind == FileType::Directory {
+                            e.path.clone()
+                        } else {
+                            return None;
+                        };
+                        Some((e.modified_time, dir))
+                    })
+                    .max_by(|a, b| a.0.cmp(&b.0))
             })
-            .map(|e| e.path);
+            .map(|(_, dir)| dir);
         let sreq = SelectRequest {
             process: Some(Selector::Tag(id.clone())),
         };
@@ -1712,14 +1812,25 @@ impl Process for EnvdProcess {
             spec.stdout_max_bytes.unwrap_or(cfg.max_output_bytes),
             spec.stderr_max_bytes.unwrap_or(cfg.max_output_bytes),
         ];
-        let nonce = &uuid::Uuid::new_v4().simple().to_string()[..8];
-        let dir = format!("{}/{}.{nonce}", cfg.state_dir(), dir_name(&id));
+        let user = spec
+            .user
+            .clone()
+            .filter(|u| !u.is_empty())
+            .or_else(|| cfg.user.clone());
+        let dir = match self.take_spare(user.as_deref()).await {
+            Some(d) => d,
+            None => {
+                let nonce = &uuid::Uuid::new_v4().simple().to_string()[..8];
+                format!("{}/{}.{nonce}", cfg.state_dir(), dir_name(&id))
+            }
+        };
         let mut args = vec![
             "-c".to_owned(),
             WRAPPER.to_owned(),
             "tether".to_owned(),
             if cfg.signal_relay { RELAY } else { "" }.to_owned(),
             dir.clone(),
+            marker(&id),
             if tee { "1" } else { "0" }.to_owned(),
             caps[OUT].to_string(),
             caps[ERR].to_string(),
@@ -1756,11 +1867,6 @@ impl Process for EnvdProcess {
             tag: Some(id.clone()),
             stdin: Some(stdin != STDIN_NONE),
         };
-        let user = spec
-            .user
-            .clone()
-            .filter(|u| !u.is_empty())
-            .or_else(|| cfg.user.clone());
         let new = NewCommand {
             id: id.clone(),
             pid: 0,
@@ -1823,6 +1929,7 @@ impl Process for EnvdProcess {
         });
         self.remember(cmd.clone()).await;
         core.tasks.spawn(cmd.clone().pump(Some(stream)));
+        self.make_spares().await;
         if let StdinMode::Data { data } = spec.stdin {
             let c = cmd.clone();
             core.tasks.spawn(async move {

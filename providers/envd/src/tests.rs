@@ -371,7 +371,8 @@ async fn run_wrapper(
         .arg(crate::process::WRAPPER)
         .arg("tether")
         .arg(crate::process::RELAY)
-        .arg(&dir);
+        .arg(&dir)
+        .arg("id.test");
     cmd.arg("1")
         .args(caps)
         .arg(unset.len().to_string())
@@ -407,6 +408,7 @@ async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
     assert_eq!(status.code(), Some(7), "the exec'd command's own status");
     wait_for(&dir.join("out.done")).await;
     wait_for(&dir.join("err.done")).await;
+    assert!(dir.join("id.test").is_file(), "the file naming the command");
     // The copies hold exactly what went to envd.
     assert_eq!(std::fs::read(dir.join("out")).unwrap(), out);
     assert_eq!(std::fs::read(dir.join("err")).unwrap(), err);
@@ -429,6 +431,70 @@ async fn the_wrapper_copies_both_streams_and_keeps_the_commands_status() {
     assert_eq!(std::fs::read(dir.join("out")).unwrap(), out[..1000]);
     assert_eq!(std::fs::read(dir.join("err")).unwrap(), err[..3]);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With its directory made ahead, the wrapper starts no `mkdir`: on a `PATH` without
+/// one, the copies are still made there, next to the file naming the command; without the
+/// directory, on that `PATH`, the command still runs and envd still gets its output.
+#[tokio::test]
+async fn a_directory_made_ahead_needs_no_mkdir() {
+    let (Ok(tee), Ok(setsid)) = (which("tee"), which("setsid")) else {
+        panic!("tee and setsid are needed");
+    };
+    let base = std::env::temp_dir().join(format!(
+        "tether-e2b-ahead-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let bin = base.join("bin");
+    let made = base.join("made");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&made).unwrap();
+    std::os::unix::fs::symlink(tee, bin.join("tee")).unwrap();
+    std::os::unix::fs::symlink(setsid, bin.join("setsid")).unwrap();
+    let run = |dir: std::path::PathBuf| {
+        let mut cmd = tokio::process::Command::new("/bin/bash");
+        cmd.arg("-c")
+            .arg(crate::process::WRAPPER)
+            .arg("tether")
+            .arg("")
+            .arg(dir)
+            .args(["id.cmd-7", "1", "1024", "1024", "0"])
+            .args([
+                "/bin/bash",
+                "-c",
+                "printf 'hello\\n'; printf 'oops' >&2; exit 4",
+            ])
+            .env_clear()
+            .env("PATH", &bin);
+        cmd
+    };
+    let out = run(made.clone()).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(out.stdout, b"hello\n");
+    assert_eq!(out.stderr, b"oops");
+    wait_for(&made.join("out.done")).await;
+    wait_for(&made.join("err.done")).await;
+    assert!(made.join("id.cmd-7").is_file());
+    assert_eq!(std::fs::read(made.join("out")).unwrap(), b"hello\n");
+    assert_eq!(std::fs::read(made.join("err")).unwrap(), b"oops");
+    // No directory and no `mkdir`: no copies, the command and its output unchanged.
+    let missing = base.join("missing");
+    let out = run(missing.clone()).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(out.stdout, b"hello\n");
+    assert_eq!(out.stderr, b"oops");
+    assert!(!missing.exists());
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// The absolute path of a program on `PATH`.
+fn which(name: &str) -> std::io::Result<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, name.to_owned()))
 }
 
 #[tokio::test]
@@ -470,7 +536,7 @@ async fn a_signal_sent_while_the_relay_is_starting_waits_for_it() {
         .arg("tether")
         .arg(crate::process::RELAY)
         .arg(&dir)
-        .args(["1", "64", "64", "0"]);
+        .args(["id.test", "1", "64", "64", "0"]);
     cmd.args(["/bin/sleep", "30"])
         .stdout(std::process::Stdio::null());
     let mut child = cmd.spawn().unwrap();
@@ -521,7 +587,7 @@ async fn the_relay_signals_the_whole_group() {
         .arg("tether")
         .arg(crate::process::RELAY)
         .arg(&dir)
-        .args(["1", "64", "64", "0"]);
+        .args(["id.test", "1", "64", "64", "0"]);
     cmd.args(["/bin/bash", "-c", script])
         .stdout(std::process::Stdio::piped());
     let mut child = cmd.spawn().unwrap();
