@@ -1415,12 +1415,16 @@ def test_lifecycle_pauses_at_timeout_and_resumes(env, make_sandbox):
     def state(s: Sandbox) -> SandboxState:
         return Sandbox.get_info(s.sandbox_id).state
 
-    auto = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
-    manual = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause"})
+    # Long enough to make both and write to them on a slow host (an emulated guest); then
+    # a short timeout, which pauses them.
+    auto = make_sandbox(timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    manual = make_sandbox(timeout=120, lifecycle={"on_timeout": "pause"})
     for s in (auto, manual):
         s.files.write(f"{HOME}/life.txt", "alive")
     assert auto.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
     assert manual.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+    for s in (auto, manual):
+        s.set_timeout(3)
     for s in (auto, manual):
         assert wait_until(lambda: state(s) == SandboxState.PAUSED, 30), state(s)
     # Paused, neither expires: it is still there, paused, after its timeout again.
