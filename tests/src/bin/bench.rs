@@ -16,8 +16,9 @@
 //! - tetherd's RSS idle, with 1,000 idle sessions and during 100 concurrent streams;
 //! - the session log's append rate at 1 writer against an fdatasync loop on the same disk.
 //!
-//! It prints one set of markdown tables (medians, p99, ratio to the floor) and the issue's
-//! targets as ratios from this run, each met or missed. `--json FILE` writes every sample.
+//! It prints one set of markdown tables (medians, p99, ratio to the floor) and the
+//! performance targets as ratios from this run, each met or missed. `--json FILE` writes
+//! every sample.
 //! Groups (`--only`): exec, files, large, concurrent, create, memory, log, microvm.
 //! As root (network namespace, a throwaway user for sshd, sandboxes with namespaces).
 
@@ -1716,7 +1717,7 @@ fn targets(r: &Report) -> Vec<Target> {
             e.zip(py).map(|(a, b)| a / b),
             "<= 1",
             |v| v <= 1.0,
-            "256 MiB stands in for the issue's 64 MiB".into(),
+            "256 MiB stands in for the target's 64 MiB".into(),
         );
     }
     for op in [Op::Write256M, Op::Read256M] {
