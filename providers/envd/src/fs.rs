@@ -279,20 +279,12 @@ impl EnvdFs {
         let path = path.to_owned();
         let user = self.user().map(str::to_owned);
         self.core.tasks.spawn(async move {
-            let ctx = CallCtx::with_cancel("cleanup", core.closed.clone())
-                .with_timeout(core.cfg.request_timeout(), Clock::Total);
-            let req = PathRequest { path: path.clone() };
-            let r: Result<serde_json::Value> = core
-                .envd
-                .unary(
-                    &ctx,
+            let r = core
+                .background_fs_call(
                     "filesystem.Filesystem/Remove",
-                    &req,
+                    "remove",
+                    &path,
                     user.as_deref(),
-                    Op::Fs {
-                        op: "remove",
-                        path: &path,
-                    },
                 )
                 .await;
             if let Err(e) = r {

@@ -39,8 +39,8 @@ use futures_util::StreamExt;
 use tether_protocol::ErrorCode;
 use tether_protocol::e2b::{
     DataEvent, Empty, EndEvent, FileType, ListDirRequest, ListDirResponse, ListResponse,
-    PathRequest, ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg,
-    ProcessInput, ProcessOutcome, ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest,
+    ProcessConfig, ProcessEventMsg, ProcessEventResponse, ProcessInfoMsg, ProcessInput,
+    ProcessOutcome, ProcessSelector as Selector, PtyMsg, PtySizeMsg, SelectRequest,
     SendInputRequest, SendSignalRequest, SignalMsg, StartRequest, UpdateRequest,
 };
 use tether_protocol::process::{
@@ -70,10 +70,9 @@ use tether_provider::Clock;
 ///
 /// It is on the path of every command, so it starts as few programs as it can: one `tee`
 /// per stream, `mkdir` only when `DIR` was not made ahead, and everything else as bash
-/// builtins. A cap that is a
-/// whole number of KiB is enforced by the copy's file size limit (`ulimit -f`; `tee`
-/// ignores `SIGXFSZ`, drops the copy at the limit and goes on feeding envd); any other
-/// cap is cut by `head -c`. The relay is a forked subshell in a process group of its own
+/// builtins. A cap that is a whole number of KiB is enforced by the copy's file size
+/// limit (`ulimit -f`; `tee` ignores `SIGXFSZ`, drops the copy at the limit and goes on
+/// feeding envd); any other cap is cut by `head -c`. The relay is a forked subshell in a process group of its own
 /// (`set -m`), which makes its FIFO itself, off the command's path.
 pub const WRAPPER: &str = r#"r=$1 d=$2 k=${3:-id} t=$4 co=$5 ce=$6 n=$7
 shift 7
@@ -1405,21 +1404,8 @@ impl EnvdProcess {
                 let nonce = uuid::Uuid::new_v4().simple().to_string();
                 // A leading dot: no command's directory is named so (see `dir_name`).
                 let dir = format!("{}/.spare.{}", core.cfg.state_dir(), &nonce[..12]);
-                let ctx = CallCtx::with_cancel("spare", core.closed.clone())
-                    .with_timeout(core.cfg.request_timeout(), Clock::Total);
-                let req = PathRequest { path: dir.clone() };
-                let made: Result<serde_json::Value> = core
-                    .envd
-                    .unary(
-                        &ctx,
-                        "filesystem.Filesystem/MakeDir",
-                        &req,
-                        core.user(),
-                        Op::Fs {
-                            op: "mkdir",
-                            path: &dir,
-                        },
-                    )
+                let made = core
+                    .background_fs_call("filesystem.Filesystem/MakeDir", "mkdir", &dir, core.user())
                     .await;
                 let mut s = spares.lock().await;
                 match made {
@@ -1465,10 +1451,9 @@ impl EnvdProcess {
         let core = self.core.clone();
         let user = cmd.user.clone();
         self.core.tasks.spawn(async move {
-            let ctx = CallCtx::with_cancel("forget", core.closed.clone()).with_timeout(core.cfg.request_timeout(), Clock::Total);
-            let req = PathRequest { path: dir.clone() };
-            let r: Result<serde_json::Value> =
-                core.envd.unary(&ctx, "filesystem.Filesystem/Remove", &req, user.as_deref().or(core.user()), Op::Fs { op: "remove", path: &dir }).await;
+            let r = core
+                .background_fs_call("filesystem.Filesystem/Remove", "remove", &dir, user.as_deref().or(core.user()))
+                .await;
             if let Err(e) = r {
                 tracing::debug!(path = %dir, error = %e, "Could not remove a command's output copies");
             }

@@ -58,6 +58,28 @@ impl SandboxCore {
         self.cfg.user.as_deref()
     }
 
+    /// One filesystem RPC on `path` (`filesystem.Filesystem/{method}`) made off any
+    /// caller's path (cleanups, directories made ahead): bounded by the total limit of a
+    /// call, cancelled when the sandbox closes, not retried.
+    pub(crate) async fn background_fs_call(
+        &self,
+        method: &'static str,
+        op: &'static str,
+        path: &str,
+        user: Option<&str>,
+    ) -> Result<()> {
+        let ctx = CallCtx::with_cancel(op, self.closed.clone())
+            .with_timeout(self.cfg.request_timeout(), Clock::Total);
+        let req = tether_protocol::e2b::PathRequest {
+            path: path.to_owned(),
+        };
+        let _: serde_json::Value = self
+            .envd
+            .unary(&ctx, method, &req, user, Op::Fs { op, path })
+            .await?;
+        Ok(())
+    }
+
     /// Run a short control command (`sh -c script tether args...`) to completion, bounded
     /// by the total limit of a call.
     pub(crate) async fn control(
